@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install sysdeps serve test test-fast proto bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "need Python >= 3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test,torch,ucx]'
+	touch $@
+
+install: $(STAMP)
+
+# System tools the tests use: fio (same-run NVMe reference). Installed only when missing.
+sysdeps:
+	@command -v fio >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null) || \
+	  echo "warning: fio not installed; NVMe benchmarks fall back to a raw O_DIRECT reference"; }
+
+serve: $(STAMP)
+	$(VENV)/bin/kvstore serve $(ARGS)
+
+test: $(STAMP) sysdeps
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+proto: $(STAMP)
+	./scripts/gen_proto.sh
+
+bench: $(STAMP)
+	$(VENV)/bin/kvstore bench store $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

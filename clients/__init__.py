@@ -1,0 +1,5 @@
+"""Clients for inference workers: :class:`KVStoreClient` and engine adapters."""
+
+from kvstore.clients.client import KVStoreClient, KVStoreError, ReadLease, WriteLease
+
+__all__ = ["KVStoreClient", "KVStoreError", "ReadLease", "WriteLease"]

@@ -1,0 +1,295 @@
+"""Python client for inference workers.
+
+``put`` and ``get`` copy exactly once, between the caller's tensor and the daemon's shared
+arena (mapped here from an fd the daemon passes over its unix socket); the daemon never
+touches the bytes. Tensors are layer-major ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
+``[layers, tokens, kv_lora_rank + qk_rope_head_dim]``), numpy arrays or CPU torch tensors.
+
+Not thread-safe: use one client per thread (they can share a daemon and a namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from kvstore.config import Config
+from kvstore.keys import BlockKey, Namespace, chain_keys
+from kvstore.layout import AttnKind, KVLayout
+from kvstore.tiers.arena import Arena, recv_fd
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+RESERVED, PRESENT, BUSY = 0, 1, 2
+
+
+class KVStoreError(RuntimeError):
+    """A request the daemon refused; ``code`` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def default_socket_path() -> str:
+    return os.environ.get("KVSTORE_SERVER_SOCKET_PATH") or Config().resolved_socket_path()
+
+
+def pack(keys: Sequence[bytes]) -> bytes:
+    return b"".join(keys)
+
+
+def as_bytes_view(kv, layout: KVLayout, what: str) -> np.ndarray:
+    """A zero-copy uint8 view of ``kv`` shaped ``[layers, 2, tokens, row]`` (MLA:
+    ``[layers, tokens, row]``), ``row`` being the bytes of one token of one K or V."""
+    if hasattr(kv, "numpy") and hasattr(kv, "is_cuda"):  # torch.Tensor without importing torch
+        if kv.is_cuda:
+            raise ValueError(f"{what}: CUDA tensors go through the GPU path (kvstore.clients.gpu)")
+        if not kv.is_contiguous():
+            raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+        import torch
+
+        arr = kv.detach().view(torch.uint8).numpy() if kv.element_size() > 0 else None
+    else:
+        arr = np.asarray(kv)
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{what}: array must be C-contiguous (np.ascontiguousarray)")
+        arr = arr.view(np.uint8)
+    lead = 2 if layout.kind is AttnKind.MLA else 3
+    if arr.ndim < lead or arr.shape[0] != layout.num_layers:
+        raise ValueError(f"{what}: expected shape {layout.tensor_shape(0)[:lead - 1]} + (tokens, ...) "
+                         f"for this layout, got {tuple(getattr(kv, 'shape', arr.shape))}")
+    if layout.kind is not AttnKind.MLA and arr.shape[1] != 2:
+        raise ValueError(f"{what}: dimension 1 must be 2 (K and V), got {arr.shape[1]}")
+    tokens = arr.shape[lead - 1]
+    row = layout.bytes_per_token_layer // (1 if layout.kind is AttnKind.MLA else 2)
+    if arr.nbytes != layout.num_layers * tokens * layout.bytes_per_token_layer:
+        raise ValueError(f"{what}: {arr.nbytes} bytes for {tokens} tokens, but the layout needs "
+                         f"{layout.bytes_per_token_layer} bytes per token per layer "
+                         f"({layout.num_layers * tokens * layout.bytes_per_token_layer} bytes); check dtype and shape")
+    shape = (layout.num_layers, tokens, row) if layout.kind is AttnKind.MLA else (layout.num_layers, 2, tokens, row)
+    return arr.reshape(shape)
+
+
+@dataclass
+class LookupResult:
+    hit_blocks: int
+    tiers: bytes
+    load_blocks: int
+    est_load_s: float
+    est_recompute_s: float
+    reason: str
+
+
+class WriteLease:
+    """Reserved slots; ``views[i]`` is key i's slot (None when already present or busy).
+    As a context manager it commits on success and aborts on an exception."""
+
+    def __init__(self, client: "KVStoreClient", keys: list[bytes], resp: pb.ReserveResponse) -> None:
+        self.client, self.keys, self.lease_id = client, keys, resp.lease_id
+        self.states = resp.states
+        self.offsets = list(resp.offsets)
+        self.done = self.lease_id == 0
+
+    def view(self, i: int) -> np.ndarray | None:
+        if self.states[i] != RESERVED:
+            return None
+        return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)
+
+    def commit(self) -> int:
+        if self.done:
+            return 0
+        self.done = True
+        return self.client._call("Commit", pb.CommitRequest(session_id=self.client.session_id,
+                                                            lease_id=self.lease_id)).committed
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.client._call("Abort", pb.AbortRequest(session_id=self.client.session_id, lease_id=self.lease_id))
+
+    def __enter__(self) -> "WriteLease":
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class ReadLease:
+    """Pinned blocks; ``view(i)`` reads block i in place. Released on context exit."""
+
+    def __init__(self, client: "KVStoreClient", resp: pb.AcquireResponse) -> None:
+        self.client, self.lease_id = client, resp.lease_id
+        self.offsets = list(resp.offsets)
+        self.count = resp.acquired
+
+    def view(self, i: int) -> np.ndarray:
+        return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)
+
+    def release(self) -> None:
+        if self.lease_id:
+            lid, self.lease_id = self.lease_id, 0
+            self.client._call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
+
+    def __enter__(self) -> "ReadLease":
+        return self
+
+    def __exit__(self, *_):
+        self.release()
+
+
+class KVStoreClient:
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 30.0) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(f"unix:{self.socket_path}",
+                                             options=[("grpc.max_receive_message_length", 64 << 20),
+                                                      ("grpc.max_send_message_length", 64 << 20)])
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.session_id = b""
+        self.arena: Arena | None = None
+        self.layout: KVLayout | None = None
+        self.namespace: Namespace | None = None
+        self.info: pb.RegisterResponse | None = None
+
+    # --- plumbing ---------------------------------------------------------------------------
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise KVStoreError(e.code(), e.details() or "") from None
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+    # --- session ----------------------------------------------------------------------------
+    def register(self, layout: KVLayout, model_id: str, tp_rank: int = 0, tp_world: int = 1,
+                 tenant_salt: str = "", prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> None:
+        """Open a session for one namespace and map the daemon's arena."""
+        self.namespace = Namespace(model_id, layout, tp_rank, tp_world, tenant_salt)
+        self.layout = layout
+        d = layout.to_dict()
+        req = pb.RegisterRequest(model_id=model_id, tp_rank=tp_rank, tp_world=tp_world, tenant_salt=tenant_salt,
+                                 prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params,
+                                 layout=pb.Layout(**d), client_name=f"pid{os.getpid()}")
+        resp = self._call("Register", req)
+        if resp.namespace_id != self.namespace.root:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, "daemon and client disagree on the namespace id; versions differ")
+        self.info = resp
+        self.session_id = resp.session_id
+        if self.arena is not None:
+            self.arena.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(self.timeout_s)
+            s.connect(resp.arena_socket)
+            s.sendall(resp.session_id)
+            fd, size = recv_fd(s)
+        self.arena = Arena(size, fd=fd, prefault=False)
+
+    def keys(self, token_ids) -> list[BlockKey]:
+        self._need_session()
+        return chain_keys(self.namespace.root, token_ids, self.layout.block_tokens)
+
+    def _need_session(self) -> None:
+        if not self.session_id:
+            raise RuntimeError("call register(layout, model_id) first")
+
+    # --- lookup -----------------------------------------------------------------------------
+    def lookup_keys(self, keys: Sequence[bytes]) -> LookupResult:
+        r = self._call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys)))
+        return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason)
+
+    def lookup(self, token_ids) -> int:
+        """Number of leading tokens of ``token_ids`` cached (a multiple of ``block_tokens``)."""
+        return self.lookup_keys(self.keys(token_ids)).hit_blocks * self.layout.block_tokens
+
+    # --- leases -----------------------------------------------------------------------------
+    def reserve(self, keys: Sequence[bytes], parent: bytes = b"") -> WriteLease:
+        self._need_session()
+        resp = self._call("Reserve", pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent))
+        return WriteLease(self, list(keys), resp)
+
+    def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
+        self._need_session()
+        resp = self._call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
+                                                       allow_partial=allow_partial, wait_s=wait_s))
+        return ReadLease(self, resp)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._call("Delete", pb.DeleteRequest(session_id=self.session_id, keys=pack(keys))).deleted
+
+    def _batch(self) -> int:
+        per_tier = max(1, self.info.arena_bytes // (4 * self.layout.block_bytes))
+        return int(min(self.info.max_keys_per_request, per_tier))
+
+    # --- data -------------------------------------------------------------------------------
+    def put(self, token_ids, kv) -> int:
+        """Store the full blocks of ``token_ids`` from ``kv``; returns blocks newly stored
+        (blocks already cached or being written by another client are skipped)."""
+        self._need_session()
+        src = as_bytes_view(kv, self.layout, "kv")
+        keys = self.keys(token_ids)
+        bt = self.layout.block_tokens
+        if src.shape[-2] < len(keys) * bt:
+            raise ValueError(f"kv: holds {src.shape[-2]} tokens, fewer than the {len(keys) * bt} of full blocks")
+        stored = 0
+        step = self._batch()
+        for start in range(0, len(keys), step):
+            chunk = keys[start:start + step]
+            with self.reserve(chunk, parent=keys[start - 1] if start else b"") as w:
+                for i in range(len(chunk)):
+                    dst = w.view(i)
+                    if dst is None:
+                        continue
+                    t0 = (start + i) * bt
+                    np.copyto(dst.reshape(self._block_shape()), src[..., t0:t0 + bt, :])
+                stored += w.commit()
+        return stored
+
+    def get(self, token_ids, out) -> int:
+        """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read."""
+        self._need_session()
+        dst = as_bytes_view(out, self.layout, "out")
+        keys = self.keys(token_ids)
+        bt = self.layout.block_tokens
+        if dst.shape[-2] < len(keys) * bt:
+            keys = keys[: dst.shape[-2] // bt]
+        read = 0
+        step = self._batch()
+        for start in range(0, len(keys), step):
+            chunk = keys[start:start + step]
+            with self.acquire(chunk, allow_partial=True) as r:
+                for i in range(r.count):
+                    t0 = (start + i) * bt
+                    np.copyto(dst[..., t0:t0 + bt, :], r.view(i).reshape(self._block_shape()))
+                read += r.count
+            if r.count < len(chunk):
+                break
+        return read * bt
+
+    def _block_shape(self) -> tuple[int, ...]:
+        L = self.layout
+        if L.kind is AttnKind.MLA:
+            return (L.num_layers, L.block_tokens, L.bytes_per_token_layer)
+        return (L.num_layers, 2, L.block_tokens, L.bytes_per_token_layer // 2)
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call("Stats", pb.StatsRequest())

@@ -1,0 +1,204 @@
+"""``kvstore`` command line: serve, stats, ls, drop, health, plan, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvstore import __version__
+
+
+def _setup_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        class JsonFormatter(logging.Formatter):
+            def format(self, r: logging.LogRecord) -> str:
+                out = {"ts": self.formatTime(r), "level": r.levelname.lower(), "logger": r.name, "msg": r.getMessage()}
+                if r.exc_info:
+                    out["exc"] = self.formatException(r.exc_info)
+                return json.dumps(out)
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def cmd_serve(args) -> int:
+    from kvstore import config as C
+    from kvstore.daemon import StartupError, run
+
+    try:
+        cfg = C.load(args.config, overrides=C.cli_overrides(args))
+    except C.ConfigError as e:
+        print(f"kvstore serve: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(C.to_toml(cfg))
+        return 0
+    _setup_logging(cfg.server.log_level, cfg.server.log_json)
+    try:
+        from kvstore.node import NodeDaemon
+        return run(cfg, NodeDaemon)
+    except (StartupError, C.ConfigError) as e:
+        print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
+        return 1
+
+
+def _client(args):
+    from kvstore.clients.client import KVStoreClient
+
+    return KVStoreClient(args.socket, timeout_s=args.timeout)
+
+
+def _fail(e: Exception) -> int:
+    print(f"kvstore: {e}", file=sys.stderr)
+    return 1
+
+
+def _stats_dict(resp) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    d = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for ns in d.get("namespaces", []):
+        ns["namespace_id"] = resp.namespaces[d["namespaces"].index(ns)].namespace_id.hex()
+    return d
+
+
+def cmd_stats(args) -> int:
+    from kvstore.clients.client import KVStoreError
+
+    try:
+        with _client(args) as c:
+            resp = c.stats()
+    except KVStoreError as e:
+        return _fail(e)
+    if args.json:
+        print(json.dumps(_stats_dict(resp), indent=2))
+        return 0
+    print(f"kvstore {resp.version}  uptime {resp.uptime_s:.0f} s  hbm_emulated={str(resp.hbm_emulated).lower()}")
+    print(f"{'tier':<6} {'capacity GiB':>13} {'used GiB':>10} {'usage':>7} {'blocks':>9}  state")
+    for t in resp.tiers:
+        name = {1: "hbm", 2: "dram", 3: "nvme"}.get(t.tier, str(t.tier))
+        usage = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        state = ("emulated " if t.emulated else "") + ("enabled" if t.enabled else f"DISABLED {t.detail}")
+        print(f"{name:<6} {t.capacity_bytes / 2**30:>13.3f} {t.used_bytes / 2**30:>10.3f} {usage:>7.1%} {t.blocks:>9}  {state}")
+    print("(GiB = 2^30 bytes)")
+    for k in sorted(resp.counters):
+        print(f"  {k} = {resp.counters[k]:g}")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    from kvstore.clients.client import KVStoreError
+
+    try:
+        with _client(args) as c:
+            resp = c.stats()
+    except KVStoreError as e:
+        return _fail(e)
+    rows = [{"namespace": ns.namespace_id.hex(), "model_id": ns.model_id, "block_bytes": ns.block_bytes,
+             "sessions": ns.sessions, "blocks": dict(ns.blocks_by_tier), "bytes": dict(ns.bytes_by_tier)}
+            for ns in resp.namespaces]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'namespace':<18} {'model':<28} {'block B':>10} {'dram blk':>9} {'nvme blk':>9} {'hbm blk':>8} {'MiB':>10}")
+    for r in rows:
+        total = sum(r["bytes"].values()) / 2**20
+        print(f"{r['namespace'][:16]:<18} {r['model_id'][:28]:<28} {r['block_bytes']:>10} "
+              f"{r['blocks'].get('dram', 0):>9} {r['blocks'].get('nvme', 0):>9} {r['blocks'].get('hbm', 0):>8} {total:>10.1f}")
+    return 0
+
+
+def cmd_drop(args) -> int:
+    from kvstore.clients.client import KVStoreError
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    try:
+        with _client(args) as c:
+            r = c._call("DropNamespace", pb.DropNamespaceRequest(namespace_id_hex=args.namespace))
+    except KVStoreError as e:
+        return _fail(e)
+    print(f"dropped {r.dropped} blocks; {r.busy} pinned blocks kept (drop again once released)")
+    return 0
+
+
+def cmd_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.clients.client import default_socket_path
+
+    path = args.socket or default_socket_path()
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"NOT SERVING: {path}: {e.code().name}: {e.details()}")
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(name)
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _delegate(module: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(args.rest)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstore import config as C
+
+    p = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache daemon for LLM serving")
+    p.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon", description=(
+        "Run the kvstore daemon. Settings come from embedded defaults, then --config FILE (TOML), then "
+        "KVSTORE_<SECTION>_<KEY> environment variables, then these flags. Sizes take bytes or units "
+        "(KiB/MiB/GiB = 2^10/2^20/2^30 bytes, KB/MB/GB = 10^3/10^6/10^9 bytes); times are seconds."))
+    s.add_argument("--config", help="TOML config file", default=None)
+    s.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    C.add_cli_flags(s)
+    s.set_defaults(fn=cmd_serve)
+
+    def client_cmd(name: str, fn, help_: str):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--socket", default=None, help="daemon socket (default: as `kvstore serve` would pick)")
+        c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
+        c.set_defaults(fn=fn)
+        return c
+
+    client_cmd("stats", cmd_stats, "daemon figures: tiers, counters").add_argument("--json", action="store_true")
+    client_cmd("ls", cmd_ls, "namespaces with block counts and bytes per tier").add_argument("--json", action="store_true")
+    client_cmd("drop", cmd_drop, "drop every block of a namespace").add_argument("namespace", help="hex id or >= 8-digit prefix")
+    client_cmd("health", cmd_health, "exit 0 when the daemon is SERVING")
+
+    pl = sub.add_parser("plan", help="KV sizing and capacity planning from a model config", add_help=False)
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.set_defaults(fn=_delegate("kvstore.plan"))
+
+    b = sub.add_parser("bench", help="bandwidth benchmarks against same-run raw references")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    for name, module, help_ in (("store", "kvstore.bench.store", "put/get through the daemon vs memcpy; Lookup latency"),
+                                ("tiers", "kvstore.bench.tiers", "NVMe through the daemon vs fio; promotion latency"),
+                                ("transfer", "kvstore.transport.bench", "daemon-to-daemon transfer vs raw socket / ucx")):
+        bb = bsub.add_parser(name, help=help_, add_help=False)
+        bb.add_argument("rest", nargs=argparse.REMAINDER)
+        bb.set_defaults(fn=_delegate(module))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The daemon's one typed config: embedded defaults < TOML file < ``KVSTORE_*`` env < CLI flags.
+
+Every knob is a dataclass field whose name carries its unit (``_bytes``, ``_s``). Sizes accept
+``4GiB`` / ``512MB`` style strings (GiB = 2^30, GB = 10^9). A bad value is a :class:`ConfigError`
+naming the key (``dram.capacity_bytes``) before anything starts.
+
+Environment: ``KVSTORE_<SECTION>_<KEY>``, e.g. ``KVSTORE_DRAM_CAPACITY_BYTES=8GiB``.
+CLI: ``--<section>-<key>`` with dashes, e.g. ``--dram-capacity-bytes 8GiB``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message starts with the dotted key."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+          "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4, "ki": 1024,
+          "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``123``, ``64KiB``, ``4GiB``, ``1.5GB`` (GiB = 2^30 bytes, GB = 10^9 bytes)."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use bytes or a unit: KiB, MiB, GiB, KB, MB, GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _default_runtime_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return os.path.join(xdg, "kvstore")
+    return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}")
+
+
+def total_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class ServerConfig:
+    socket_path: str = field(default="", metadata={"help": "gRPC unix socket; empty = $XDG_RUNTIME_DIR/kvstore/kvstore.sock, else a private dir under /tmp"})
+    socket_mode: int = field(default=0o660, metadata={"help": "permission bits of the unix sockets (octal in TOML as a string, e.g. \"0660\")"})
+    tcp_listen: str = field(default="", metadata={"help": "host:port of a TLS gRPC listener for cross-node control; empty = off"})
+    tls_cert_file: str = field(default="", metadata={"help": "PEM server certificate (required with tcp_listen)"})
+    tls_key_file: str = field(default="", metadata={"help": "PEM server private key (required with tcp_listen)"})
+    tls_client_ca_file: str = field(default="", metadata={"help": "PEM CA bundle; set to require client certificates (mutual TLS)"})
+    auth_token: str = field(default="", metadata={"help": "bearer token TCP clients must send; empty = none"})
+    grpc_workers: int = field(default=8, metadata={"help": "gRPC server threads"})
+    max_keys_per_request: int = field(default=65536, metadata={"help": "most keys one RPC may carry (blocks)"})
+    lease_ttl_s: float = field(default=30.0, metadata={"help": "lifetime of a write reservation or read pin without renewal (seconds)"})
+    reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases are reclaimed (seconds)"})
+    shutdown_grace_s: float = field(default=10.0, metadata={"help": "bound on finishing in-flight work at SIGTERM (seconds)"})
+    log_json: bool = field(default=False, metadata={"help": "log one JSON object per line"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+
+@dataclass
+class DramConfig:
+    capacity_bytes: int = field(default=0, metadata={"help": "shared-memory arena size (bytes; 0 = 1/8 of RAM capped at max_auto_bytes)"})
+    max_auto_bytes: int = field(default=4 * 1024**3, metadata={"help": "cap on the automatic arena size (bytes)"})
+    extent_bytes: int = field(default=64 * 1024**2, metadata={"help": "arena is carved into extents of this size; largest block a namespace may have (bytes)"})
+    prefault: bool = field(default=True, metadata={"help": "touch every arena page at start (first-touch faults are ~50x slower than copies)"})
+
+
+@dataclass
+class MetricsConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address of the Prometheus /metrics endpoint"})
+    port: int = field(default=9464, metadata={"help": "port of /metrics; 0 = off"})
+
+
+@dataclass
+class NvmeConfig:
+    dir: str = field(default="", metadata={"help": "directory for data files and the LMDB index; empty = NVMe tier off"})
+    capacity_bytes: int = field(default=16 * 1024**3, metadata={"help": "total size of the preallocated data files (bytes)"})
+    high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe"})
+    low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
+    admit_after_hits: int = field(default=0, metadata={"help": "admission: demote only blocks looked up at least this many times (0 = all)"})
+
+
+@dataclass
+class HbmConfig:
+    capacity_bytes: int = field(default=0, metadata={"help": "HBM pool size (bytes); 0 = HBM tier off"})
+    device: str = field(default="auto", metadata={"help": "cuda device index, 'auto' (GPU if present, else emulated) or 'emulated'"})
+
+
+@dataclass
+class TransportConfig:
+    backend: str = field(default="tcp", metadata={"help": "daemon-to-daemon transport: tcp or ucx"})
+    listen: str = field(default="", metadata={"help": "host:port of the transfer listener; empty = off"})
+    timeout_s: float = field(default=30.0, metadata={"help": "default transfer deadline (seconds)"})
+
+
+@dataclass
+class PolicyConfig:
+    prefill_tokens_per_s: float = field(default=10000.0, metadata={"help": "default prefill throughput when the worker reports none (tokens/second)"})
+    model_params: float = field(default=0.0, metadata={"help": "default model parameter count for the cost model (0 = derive from layout)"})
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    # -- derived values ---------------------------------------------------------------------
+    def resolved_socket_path(self) -> str:
+        return self.server.socket_path or os.path.join(_default_runtime_dir(), "kvstore.sock")
+
+    def resolved_dram_bytes(self) -> int:
+        if self.dram.capacity_bytes:
+            return self.dram.capacity_bytes
+        auto = min(total_ram_bytes() // 8, self.dram.max_auto_bytes)
+        return max(self.dram.extent_bytes, auto // self.dram.extent_bytes * self.dram.extent_bytes)
+
+    def validate(self) -> "Config":
+        s, d = self.server, self.dram
+        _check(s.grpc_workers >= 1, "server.grpc_workers", "must be >= 1")
+        _check(1 <= s.max_keys_per_request <= 1 << 22, "server.max_keys_per_request", "must be in [1, 4194304]")
+        _check(s.lease_ttl_s > 0, "server.lease_ttl_s", "must be > 0 seconds")
+        _check(s.reaper_interval_s > 0, "server.reaper_interval_s", "must be > 0 seconds")
+        _check(s.log_level in ("debug", "info", "warning", "error"), "server.log_level", "must be debug, info, warning or error")
+        if s.tcp_listen:
+            _check(bool(s.tls_cert_file and s.tls_key_file), "server.tcp_listen",
+                   "a TCP listener requires TLS: set server.tls_cert_file and server.tls_key_file")
+            _host_port("server.tcp_listen", s.tcp_listen)
+        _check(d.capacity_bytes >= 0, "dram.capacity_bytes", "must be >= 0")
+        _check(d.extent_bytes >= 4096 and d.extent_bytes % 4096 == 0, "dram.extent_bytes", "must be a positive multiple of 4096")
+        _check(d.capacity_bytes == 0 or d.capacity_bytes >= d.extent_bytes, "dram.capacity_bytes",
+               f"must be at least one extent ({d.extent_bytes} bytes)")
+        _check(d.capacity_bytes <= total_ram_bytes(), "dram.capacity_bytes",
+               f"exceeds physical RAM ({total_ram_bytes()} bytes)")
+        _check(0 <= self.metrics.port < 65536, "metrics.port", "must be in [0, 65535]")
+        n = self.nvme
+        _check(0 < n.low_watermark < n.high_watermark <= 1, "nvme.low_watermark", "need 0 < low_watermark < high_watermark <= 1")
+        _check(n.capacity_bytes > 0, "nvme.capacity_bytes", "must be > 0")
+        _check(n.admit_after_hits >= 0, "nvme.admit_after_hits", "must be >= 0")
+        _check(self.hbm.capacity_bytes >= 0, "hbm.capacity_bytes", "must be >= 0")
+        _check(self.transport.backend in ("tcp", "ucx"), "transport.backend", "must be tcp or ucx")
+        if self.transport.listen:
+            _host_port("transport.listen", self.transport.listen)
+        _check(self.transport.timeout_s > 0, "transport.timeout_s", "must be > 0 seconds")
+        _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
+        return self
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def _host_port(key: str, text: str) -> None:
+    host, sep, port = text.rpartition(":")
+    _check(bool(sep and host and port.isdigit() and 0 < int(port) < 65536), key, f"must be host:port, got {text!r}")
+
+
+def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
+    want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    try:
+        if want is bool:
+            if isinstance(value, bool):
+                return value
+            low = str(value).strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if want is int:
+            if f.name.endswith("_bytes"):
+                return parse_size(value)
+            if f.name.endswith("_mode") and isinstance(value, str):
+                return int(value, 8)
+            if isinstance(value, float) or isinstance(value, bool):
+                raise ValueError(f"not an integer: {value!r}")
+            return int(value)
+        if want is float:
+            if isinstance(value, bool):
+                raise ValueError(f"not a number: {value!r}")
+            return float(value)
+        if not isinstance(value, (str, int, float)):
+            raise ValueError(f"not a string: {value!r}")
+        return str(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def sections() -> list[tuple[str, type]]:
+    return [(f.name, f.default_factory().__class__) for f in fields(Config)]  # type: ignore[misc]
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    sec = getattr(cfg, section, None)
+    if sec is None or not dataclasses.is_dataclass(sec):
+        raise ConfigError(f"{section}: unknown config section (known: {', '.join(n for n, _ in sections())})")
+    by_name = {f.name: f for f in fields(sec)}
+    if key not in by_name:
+        raise ConfigError(f"{section}.{key}: unknown config key")
+    setattr(sec, key, _coerce(f"{section}.{key}", by_name[key], value))
+
+
+def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+         overrides: dict[str, Any] | None = None) -> Config:
+    """Build the config from defaults, then ``path`` (TOML), then ``env``, then ``overrides``
+    (``{"dram.capacity_bytes": "1GiB"}``); validate it; raise ConfigError naming the key."""
+    cfg = Config()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{section}: expected a [{section}] table")
+            for key, value in table.items():
+                _apply(cfg, section, key, value)
+    names = dict(sections())
+    for var, value in (os.environ if env is None else env).items():
+        if not var.startswith("KVSTORE_") or var in ("KVSTORE_CONFIG",):
+            continue
+        rest = var[len("KVSTORE_"):].lower()
+        section = next((s for s in names if rest.startswith(s + "_")), None)
+        if section is None:
+            continue  # other tools' KVSTORE_* variables are not ours to reject
+        _apply(cfg, section, rest[len(section) + 1:], value)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value)
+    return cfg.validate()
+
+
+def add_cli_flags(parser) -> None:
+    """One ``--section-key`` flag per knob, documented with its unit and default."""
+    for section, cls in sections():
+        group = parser.add_argument_group(f"[{section}]")
+        for f in fields(cls):
+            default = f.default
+            shown = oct(default) if f.name.endswith("_mode") else default
+            group.add_argument(f"--{section}-{f.name}".replace("_", "-"), dest=f"cfg__{section}__{f.name}",
+                               default=None, metavar=f.name.rsplit("_", 1)[-1].upper() if "_" in f.name else "VALUE",
+                               help=f"{f.metadata.get('help', '')} [default: {shown!r}]")
+
+
+def cli_overrides(args) -> dict[str, Any]:
+    out = {}
+    for name, value in vars(args).items():
+        if name.startswith("cfg__") and value is not None:
+            _, section, key = name.split("__", 2)
+            out[f"{section}.{key}"] = value
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as TOML (for `kvstore config show` and the deploy examples)."""
+    lines = []
+    for section, _ in sections():
+        lines.append(f"[{section}]")
+        for f in fields(getattr(cfg, section)):
+            v = getattr(getattr(cfg, section), f.name)
+            if isinstance(v, bool):
+                lines.append(f"{f.name} = {'true' if v else 'false'}")
+            elif f.name.endswith("_mode"):
+                lines.append(f'{f.name} = "{v:04o}"')
+            elif isinstance(v, (int, float)):
+                lines.append(f"{f.name} = {v}")
+            else:
+                lines.append(f'{f.name} = "{v}"')
+        lines.append("")
+    return "\n".join(lines)

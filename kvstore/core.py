@@ -1,0 +1,437 @@
+"""The daemon's state: namespaces, sessions, the block index, leases and eviction.
+
+Single-threaded and plain: every method is called with ``Core.lock`` held (the gRPC servicer
+takes it; background workers take it for their short metadata steps). Data never moves under
+the lock except DRAM memcpy-speed copies the caller chose to make there.
+
+Eviction is leaves-first LRU: the least recently used unpinned block that has no cached
+children in its tier goes first. A miss is a normal answer; failures are :class:`KVError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvstore.errors import Code, KVError, invalid, not_found
+from kvstore.index import Block, BlockState, LruList
+from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.dram import DramTier
+
+MAX_SESSIONS = 65536
+
+
+class LeaseKind:
+    WRITE = "write"
+    READ = "read"
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    kind: str
+    session: "Session"
+    blocks: list[Block]
+    expires: float
+
+
+@dataclass(slots=True, eq=False)
+class NsState:
+    ns: Namespace
+    id: bytes
+    block_bytes: int
+    blocks: dict[bytes, Block] = field(default_factory=dict)
+    sessions: int = 0
+    prefill_tokens_per_s: float = 0.0
+    model_params: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: bytes
+    ns: NsState
+    leases: dict[int, Lease] = field(default_factory=dict)
+
+
+def split_keys(packed: bytes, limit: int) -> list[bytes]:
+    """Packed 32-byte keys -> list; INVALID_ARGUMENT on a bad length or over ``limit``."""
+    if len(packed) % KEY_BYTES:
+        raise invalid(f"keys: {len(packed)} bytes is not a whole number of {KEY_BYTES}-byte keys")
+    n = len(packed) // KEY_BYTES
+    if n > limit:
+        raise invalid(f"keys: {n} keys exceed the limit of {limit} per request (server.max_keys_per_request)")
+    return [packed[i:i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
+class Core:
+    def __init__(self, dram: DramTier, *, lease_ttl_s: float, max_keys: int, metrics=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lock = threading.RLock()
+        self.dram = dram
+        self.lease_ttl_s = lease_ttl_s
+        self.max_keys = max_keys
+        self.metrics = metrics
+        self.clock = clock
+        self.namespaces: dict[bytes, NsState] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.leases: dict[int, Lease] = {}
+        self.lru: dict[TierKind, LruList] = {TierKind.DRAM: LruList()}
+        self._lease_ids = itertools.count(1)
+        self.evicted: list[bytes] = []  # recent DRAM evictions, oldest first (for tests and ls)
+        # Hooks the tier movement layer sets: called with a DRAM block about to be dropped; it
+        # returns True when the block's data was kept in a lower tier instead.
+        self.on_evict: Callable[[Block], bool] | None = None
+
+    # --- sessions --------------------------------------------------------------------------
+    def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
+        block_bytes = ns.layout.block_bytes
+        if not self.dram.fits(block_bytes):
+            raise KVError(Code.RESOURCE_EXHAUSTED,
+                          f"layout: one block is {block_bytes} bytes, larger than a DRAM extent "
+                          f"({self.dram.alloc.extent_bytes} bytes); lower block_tokens or raise dram.extent_bytes")
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise KVError(Code.RESOURCE_EXHAUSTED, f"too many sessions ({MAX_SESSIONS}); close idle clients")
+        st = self.namespaces.get(ns.root)
+        if st is None:
+            st = self.namespaces[ns.root] = NsState(ns, ns.root, block_bytes)
+        if prefill_tokens_per_s > 0:
+            st.prefill_tokens_per_s = prefill_tokens_per_s
+        if model_params > 0:
+            st.model_params = model_params
+        st.sessions += 1
+        s = Session(os.urandom(16), st)
+        self.sessions[s.id] = s
+        return s
+
+    def session(self, sid: bytes) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise not_found("session: unknown session id; call Register first (the daemon may have restarted)")
+        return s
+
+    def _keys(self, packed: bytes) -> list[bytes]:
+        return split_keys(packed, self.max_keys)
+
+    # --- lookup ----------------------------------------------------------------------------
+    def lookup(self, s: Session, packed: bytes) -> list[Block]:
+        """The leading committed blocks of ``packed`` in this namespace; stops at the first miss."""
+        blocks = s.ns.blocks
+        hits = []
+        for k in self._keys(packed):
+            b = blocks.get(k)
+            if b is None or b.state is not BlockState.COMMITTED:
+                break
+            hits.append(b)
+        now = self.clock()
+        for b in reversed(hits):  # leaf first: ancestors end up more recent than descendants
+            b.hits += 1
+            b.last_access = now
+            lru = self.lru.get(b.tier)
+            if lru is not None:
+                lru.touch(b)
+        return hits
+
+    # --- write path ------------------------------------------------------------------------
+    def reserve(self, s: Session, packed: bytes, parent: bytes) -> tuple[Lease | None, list[int], bytes]:
+        keys = self._keys(packed)
+        if parent and len(parent) != KEY_BYTES:
+            raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
+        ns = s.ns
+        states = bytearray(len(keys))
+        todo = []
+        seen = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                raise invalid(f"keys: key {i} ({k.hex()[:16]}...) appears twice in one request")
+            seen.add(k)
+            b = ns.blocks.get(k)
+            if b is None:
+                todo.append(i)
+            else:
+                states[i] = 1 if b.state is BlockState.COMMITTED else 2
+        most = self.dram.max_slots(ns.block_bytes)
+        if len(todo) > most:
+            raise KVError(Code.RESOURCE_EXHAUSTED,
+                          f"reservation of {len(todo)} blocks of {ns.block_bytes} bytes exceeds the DRAM tier, "
+                          f"which holds at most {most} such blocks ({self.dram.capacity_bytes} bytes); "
+                          "reserve in smaller batches")
+        offsets = [0] * len(keys)
+        if not todo:
+            return None, offsets, bytes(states)
+        lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.lease_ttl_s)
+        try:
+            for i in todo:
+                off = self._allocate(ns)
+                if off is None:
+                    raise KVError(Code.RESOURCE_EXHAUSTED,
+                                  f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "
+                                  "every other block is pinned or being written; retry after releasing leases")
+                b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
+                          parent_key=keys[i - 1] if i else (parent or None))
+                ns.blocks[keys[i]] = b
+                lease.blocks.append(b)
+                offsets[i] = off
+        except KVError:
+            self._free_reserved(lease)
+            raise
+        self.leases[lease.id] = lease
+        s.leases[lease.id] = lease
+        self._lease_gauge()
+        return lease, offsets, bytes(states)
+
+    def _allocate(self, ns: NsState) -> int | None:
+        off = self.dram.allocate(ns.id, ns.block_bytes)
+        while off is None:
+            if not self._evict_one(ns):
+                return None
+            off = self.dram.allocate(ns.id, ns.block_bytes)
+        return off
+
+    def _evict_one(self, ns: NsState) -> bool:
+        """Evict one DRAM block, preferring this namespace's (whose slots fit exactly); another
+        namespace's blocks are evicted until one of its extents frees up."""
+        lru = self.lru[TierKind.DRAM]
+        victim = None
+        for b in lru:
+            if b.ns_id == ns.id and not b.busy and not b.has_kids_in(TierKind.DRAM):
+                victim = b
+                break
+        if victim is None:
+            victim = lru.victim(TierKind.DRAM)
+        if victim is None:
+            return False
+        self._drop_from_dram(victim, "capacity")
+        return True
+
+    def _drop_from_dram(self, b: Block, reason: str) -> None:
+        kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
+        self.lru[TierKind.DRAM].remove(b)
+        self.dram.free(b.ns_id, b.offset)
+        if not kept:
+            self._forget(b)
+        if reason == "capacity":
+            self.evicted.append(b.key)
+            del self.evicted[:-4096]
+        if self.metrics:
+            self.metrics.evictions.labels(tier="dram", reason=reason).inc()
+
+    def _forget(self, b: Block) -> None:
+        ns = self.namespaces.get(b.ns_id)
+        if ns is not None and ns.blocks.get(b.key) is b:
+            del ns.blocks[b.key]
+        if b.parent is not None:
+            b.parent.kids.discard(b)
+        for k in b.kids:
+            k.parent = None
+        b.kids = set()
+        b.state = BlockState.RESERVED
+
+    def _lease(self, s: Session, lease_id: int, kind: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise not_found(f"lease {lease_id}: unknown or expired (TTL {self.lease_ttl_s} s); "
+                            "reserve or acquire again")
+        if lease.session is not s:
+            raise KVError(Code.PERMISSION_DENIED, f"lease {lease_id}: belongs to another session")
+        if lease.kind != kind:
+            raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: is a {lease.kind} lease, not a {kind} lease")
+        return lease
+
+    def commit(self, s: Session, lease_id: int, packed: bytes) -> int:
+        lease = self._lease(s, lease_id, LeaseKind.WRITE)
+        if packed:
+            wanted = self._keys(packed)
+            by_key = {b.key: b for b in lease.blocks}
+            missing = [k for k in wanted if k not in by_key]
+            if missing:
+                raise KVError(Code.FAILED_PRECONDITION,
+                              f"commit: key {missing[0].hex()[:16]}... is not reserved under lease {lease_id}")
+            chosen = [by_key[k] for k in wanted]
+        else:
+            chosen = list(lease.blocks)
+        ns = s.ns
+        now = self.clock()
+        lru = self.lru[TierKind.DRAM]
+        for b in chosen:
+            b.state = BlockState.COMMITTED
+            b.lease_id = 0
+            p = ns.blocks.get(b.parent_key) if b.parent_key else None
+            if p is not None and p.state is BlockState.COMMITTED:
+                b.parent = p
+                p.kids.add(b)
+            b.last_access = now
+        for b in reversed(chosen):
+            lru.push(b)
+            if b.parent is not None:
+                lru.touch(b.parent)  # keep the parent more recent than its new leaf
+        done = set(map(id, chosen))
+        lease.blocks = [b for b in lease.blocks if id(b) not in done]
+        if not lease.blocks:
+            self._end_lease(lease)
+        if self.metrics:
+            self.metrics.blocks_committed.inc(len(chosen))
+            self.metrics.bytes_written.inc(len(chosen) * ns.block_bytes)
+        return len(chosen)
+
+    def abort(self, s: Session, lease_id: int) -> int:
+        lease = self._lease(s, lease_id, LeaseKind.WRITE)
+        n = self._free_reserved(lease)
+        self._end_lease(lease)
+        return n
+
+    def _free_reserved(self, lease: Lease) -> int:
+        n = 0
+        for b in lease.blocks:
+            if b.state is BlockState.RESERVED:
+                self.dram.free(b.ns_id, b.offset)
+                self._forget(b)
+                n += 1
+        lease.blocks = []
+        return n
+
+    def _end_lease(self, lease: Lease) -> None:
+        self.leases.pop(lease.id, None)
+        lease.session.leases.pop(lease.id, None)
+        self._lease_gauge()
+
+    # --- read path -------------------------------------------------------------------------
+    def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
+        keys = self._keys(packed)
+        blocks = []
+        for i, k in enumerate(keys):
+            b = s.ns.blocks.get(k)
+            if b is None or b.tier is not TierKind.DRAM or b.state is not BlockState.COMMITTED or b.busy:
+                if allow_partial:
+                    break
+                if b is None:
+                    raise not_found(f"key {i} ({k.hex()[:16]}...): no such block in this session's namespace")
+                if b.state is not BlockState.COMMITTED:
+                    raise KVError(Code.FAILED_PRECONDITION,
+                                  f"key {i} ({k.hex()[:16]}...): reserved but not committed; it cannot be read yet")
+                raise KVError(Code.FAILED_PRECONDITION,
+                              f"key {i} ({k.hex()[:16]}...): not resident in DRAM ({b.tier.name}); prefetch it first")
+            blocks.append(b)
+        if not blocks:
+            return None, []
+        lease = Lease(next(self._lease_ids), LeaseKind.READ, s, blocks, self.clock() + self.lease_ttl_s)
+        lru = self.lru[TierKind.DRAM]
+        now = self.clock()
+        for b in reversed(blocks):
+            if b.ref_cnt == 0:
+                lru.remove(b)
+            b.ref_cnt += 1
+            b.last_access = now
+        self.leases[lease.id] = lease
+        s.leases[lease.id] = lease
+        self._lease_gauge()
+        return lease, blocks
+
+    def release(self, s: Session, lease_id: int) -> None:
+        self._unpin(self._lease(s, lease_id, LeaseKind.READ))
+
+    def _unpin(self, lease: Lease) -> None:
+        for b in reversed(lease.blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.state is BlockState.COMMITTED and self.namespaces[b.ns_id].blocks.get(b.key) is b:
+                    self.lru[b.tier].push(b) if b.tier in self.lru else None
+                else:
+                    self._free_dropped(b)
+        self._end_lease(lease)
+
+    def _free_dropped(self, b: Block) -> None:
+        """A block deleted while pinned: its slot is freed when the last reader lets go."""
+        if b.tier is TierKind.DRAM and b.offset >= 0:
+            self.dram.free(b.ns_id, b.offset)
+            b.offset = -1
+
+    def keepalive(self, s: Session, lease_ids: list[int]) -> list[int]:
+        expired = []
+        until = self.clock() + self.lease_ttl_s
+        for lid in lease_ids:
+            lease = self.leases.get(lid)
+            if lease is None or lease.session is not s:
+                expired.append(lid)
+            else:
+                lease.expires = until
+        return expired
+
+    def expire(self) -> int:
+        """Reclaim every lease past its TTL (a client that died mid-write or mid-read)."""
+        now = self.clock()
+        dead = [lease for lease in self.leases.values() if lease.expires <= now]
+        for lease in dead:
+            if lease.kind == LeaseKind.WRITE:
+                self._free_reserved(lease)
+                self._end_lease(lease)
+            else:
+                self._unpin(lease)
+            if self.metrics:
+                self.metrics.lease_expiries.labels(kind=lease.kind).inc()
+        return len(dead)
+
+    # --- delete ----------------------------------------------------------------------------
+    def delete(self, s: Session, packed: bytes) -> tuple[int, int]:
+        deleted = busy = 0
+        for k in self._keys(packed):
+            b = s.ns.blocks.get(k)
+            if b is None or b.state is not BlockState.COMMITTED:
+                continue
+            if b.ref_cnt or b.busy:
+                busy += 1
+                continue
+            self._delete_block(b)
+            deleted += 1
+        return deleted, busy
+
+    def _delete_block(self, b: Block) -> None:
+        if b.tier is TierKind.DRAM:
+            self._drop_from_dram(b, "delete")
+        else:
+            self._forget(b)
+            if self.on_delete is not None:
+                self.on_delete(b)
+
+    on_delete: Callable[[Block], None] | None = None
+
+    def drop_namespace(self, ns_id_hex: str) -> tuple[int, int]:
+        text = ns_id_hex.lower()
+        if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
+            raise invalid("namespace: give the hex namespace id or a unique prefix of at least 8 hex digits")
+        matches = [st for nid, st in self.namespaces.items() if nid.hex().startswith(text)]
+        if not matches:
+            raise not_found(f"namespace {ns_id_hex}: no such namespace")
+        if len(matches) > 1:
+            raise invalid(f"namespace {ns_id_hex}: prefix matches {len(matches)} namespaces; give more digits")
+        dropped = busy = 0
+        for b in list(matches[0].blocks.values()):
+            if b.state is not BlockState.COMMITTED:
+                continue
+            if b.ref_cnt or b.busy:
+                busy += 1
+                continue
+            self._delete_block(b)
+            dropped += 1
+        return dropped, busy
+
+    # --- stats -----------------------------------------------------------------------------
+    def _lease_gauge(self) -> None:
+        if self.metrics:
+            r = sum(1 for lease in self.leases.values() if lease.kind == LeaseKind.READ)
+            self.metrics.leases_active.labels(kind="read").set(r)
+            self.metrics.leases_active.labels(kind="write").set(len(self.leases) - r)
+
+    def ns_usage(self, st: NsState) -> dict[str, tuple[int, int]]:
+        out: dict[str, list[int]] = {}
+        for b in st.blocks.values():
+            if b.state is BlockState.COMMITTED:
+                c = out.setdefault(b.tier.name.lower(), [0, 0])
+                c[0] += 1
+                c[1] += st.block_bytes
+        return {k: (v[0], v[1]) for k, v in out.items()}
+

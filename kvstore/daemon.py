@@ -1,0 +1,280 @@
+"""``kvstore serve``: builds the tiers and the core from a Config, serves gRPC on the unix socket,
+hands the arena out over ``<socket>.arena``, runs the lease reaper and exports /metrics.
+
+Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
+thread, the lease reaper, and the tier-movement workers once those tiers are enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore import __version__
+from kvstore.config import Config
+from kvstore.core import Core
+from kvstore.errors import Code, KVError
+from kvstore.metrics import Metrics
+from kvstore.service import KVStoreService
+from kvstore.tiers.arena import Arena, send_fd
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.dram import DramTier
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvstore.daemon")
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to change."""
+
+
+def _prepare_socket_path(path: str) -> None:
+    d = os.path.dirname(path) or "."
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid():
+        raise StartupError(f"server.socket_path: directory {d} belongs to uid {st.st_uid}, not us; choose another path")
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise StartupError(f"server.socket_path: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale socket of a dead daemon
+        else:
+            raise StartupError(f"server.socket_path: another daemon is serving on {path}")
+        finally:
+            probe.close()
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.started = time.monotonic()
+        self.metrics = Metrics()
+        self.socket_path = cfg.resolved_socket_path()
+        self.arena_socket = self.socket_path + ".arena"
+        self.stopping = threading.Event()
+        self.hbm_emulated = False
+        _prepare_socket_path(self.socket_path)
+        dram_bytes = cfg.resolved_dram_bytes()
+        log.info("creating %.2f GiB DRAM arena (prefault=%s)", dram_bytes / 2**30, cfg.dram.prefault)
+        try:
+            self.arena = Arena(dram_bytes, prefault=cfg.dram.prefault)
+        except OSError as e:
+            raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
+        self.dram = DramTier(self.arena, cfg.dram.extent_bytes)
+        self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s,
+                         max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
+        self.server: grpc.Server | None = None
+        self._threads: list[threading.Thread] = []
+
+    # --- hooks the servicer calls; later tiers and the transport extend them --------------
+    def on_register(self, session) -> None:
+        pass
+
+    def advise(self, session, hits) -> dict:
+        """Load-or-recompute advice for the matched prefix (policy lands with issue 5)."""
+        return {"load_blocks": len(hits), "reason": "all hits resident in DRAM" if hits else "no hit"}
+
+    def after_commit(self) -> None:
+        pass
+
+    def make_resident(self, session, packed_keys: bytes, wait_s: float) -> None:
+        pass
+
+    def prefetch(self, session, packed_keys: bytes, target: TierKind, deadline_s: float) -> int:
+        raise KVError(Code.UNAVAILABLE, "prefetch: no lower tier is enabled (set nvme.dir); DRAM blocks are already resident")
+
+    def prefetch_status(self, session, handle: int, wait_s: float):
+        raise KVError(Code.NOT_FOUND, f"prefetch {handle}: unknown handle")
+
+    def transfer(self, session, keys, peer: str, deadline_s: float, pipelined: bool):
+        raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
+
+    # --- stats ------------------------------------------------------------------------------
+    def tier_stats(self):
+        return [self.dram.stats()]
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        for st in self.tier_stats():
+            name = st.kind.name.lower()
+            m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
+            m.tier_used.labels(tier=name).set(st.used_bytes)
+            m.tier_usage.labels(tier=name).set(st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0)
+            m.tier_blocks.labels(tier=name).set(st.blocks)
+            m.tier_enabled.labels(tier=name).set(1 if st.enabled else 0)
+        m.hbm_emulated.set(1 if self.hbm_emulated else 0)
+
+    def stats_pb(self) -> pb.StatsResponse:
+        with self.core.lock:
+            tiers = self.tier_stats()
+            nss = []
+            for st in self.core.namespaces.values():
+                usage = self.core.ns_usage(st)
+                nss.append(pb.NamespaceStats(
+                    namespace_id=st.id, model_id=st.ns.model_id, block_bytes=st.block_bytes,
+                    blocks_by_tier={k: v[0] for k, v in usage.items()},
+                    bytes_by_tier={k: v[1] for k, v in usage.items()}, sessions=st.sessions))
+            counters = {"sessions": float(len(self.core.sessions)), "leases": float(len(self.core.leases))}
+        self.refresh_gauges()
+        for metric in self.metrics.registry.collect():
+            if metric.type == "counter":
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+        return pb.StatsResponse(
+            version=__version__, uptime_s=time.monotonic() - self.started, hbm_emulated=self.hbm_emulated,
+            tiers=[pb.TierStats(tier=int(t.kind), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
+                                blocks=t.blocks, emulated=t.emulated, enabled=t.enabled,
+                                detail=json.dumps(t.extra) if t.extra else "") for t in tiers],
+            namespaces=nss, counters=counters)
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.cfg
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.grpc_workers,
+                                                             thread_name_prefix="grpc"),
+                                  options=[("grpc.max_receive_message_length", 64 << 20),
+                                           ("grpc.max_send_message_length", 64 << 20)])
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreService(self), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
+        try:
+            if not self.server.add_insecure_port(f"unix:{self.socket_path}"):
+                raise StartupError(f"server.socket_path: cannot bind {self.socket_path}")
+            self._start_arena_handout()
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, cfg.server.socket_mode)
+        self.start_extras()
+        self.server.start()
+        if cfg.metrics.port:
+            try:
+                self.metrics_server = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            except OSError as e:
+                self.server.stop(0)
+                raise StartupError(f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port}: {e}") from None
+        self.metrics.info.labels(version=__version__, hbm_emulated=str(self.hbm_emulated).lower()).set(1)
+        self.refresh_gauges()
+        self._spawn("reaper", self._reaper)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving on unix:%s (arena %s, %.2f GiB DRAM, metrics %s:%s)", self.socket_path,
+                 self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
+        _sd_notify("READY=1")
+
+    def start_extras(self) -> None:
+        """Extra listeners and tiers (TLS TCP, NVMe, transport); extended as they land."""
+
+    def _spawn(self, name: str, fn) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _reaper(self) -> None:
+        interval = self.cfg.server.reaper_interval_s
+        while not self.stopping.wait(interval):
+            with self.core.lock:
+                self.core.expire()
+            self.refresh_gauges()
+
+    def _start_arena_handout(self) -> None:
+        path = self.arena_socket
+        if os.path.exists(path):
+            os.unlink(path)
+        self._arena_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._arena_listener.bind(path)
+        os.chmod(path, self.cfg.server.socket_mode)
+        self._arena_listener.listen(64)
+        self._spawn("arena-handout", self._handout_loop)
+
+    def _handout_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self._arena_listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    sid = conn.recv(16)
+                    with self.core.lock:
+                        known = sid in self.core.sessions
+                    if known:
+                        send_fd(conn, self.arena.fd, self.arena.size_bytes)
+                except OSError as e:
+                    log.warning("arena handout failed: %s", e)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        grace = self.cfg.server.shutdown_grace_s if grace_s is None else grace_s
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        log.info("shutting down (grace %.1f s)", grace)
+        _sd_notify("STOPPING=1")
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        done = self.server.stop(grace)
+        done.wait(grace + 1)
+        self.stop_extras(grace)
+        try:
+            self._arena_listener.close()
+        except OSError:
+            pass
+        for p in (self.socket_path, self.arena_socket):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+    def stop_extras(self, grace_s: float) -> None:
+        """Flush and stop what start_extras started."""
+
+
+def _sd_notify(state: str) -> None:
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.warning("sd_notify failed: %s", e)
+
+
+def run(cfg: Config, daemon_cls=Daemon) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    d = daemon_cls(cfg)
+    d.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if hasattr(d, "reload"):
+        signal.signal(signal.SIGHUP, lambda *_: d.reload())
+    while not stop.wait(1.0):
+        pass
+    d.stop()
+    return 0

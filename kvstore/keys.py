@@ -1,0 +1,75 @@
+"""Block keys: SHA-256 chains over token ids, rooted in the namespace.
+
+``key_0 = H(namespace_root, tokens_0)``, ``key_i = H(key_{i-1}, tokens_i)`` with the token ids
+of block ``i`` encoded as int32 little-endian. Only full blocks get keys. Client and daemon both
+call :func:`chain_keys`; no Python ``hash()`` and no seed, so a key means the same thing in
+every process on every node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import NewType, Sequence
+
+import numpy as np
+
+from kvstore.layout import KVLayout, LayoutError
+
+BlockKey = NewType("BlockKey", bytes)
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must keep two caches apart: model, layout, TP shard and tenant."""
+
+    model_id: str
+    layout: KVLayout
+    tp_rank: int = 0
+    tp_world: int = 1
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_id or len(self.model_id) > 256:
+            raise LayoutError("model_id: must be 1 to 256 characters")
+        if self.tp_world < 1 or not 0 <= self.tp_rank < self.tp_world:
+            raise LayoutError(f"tp_rank: must be in [0, tp_world={self.tp_world}), got {self.tp_rank}")
+
+    def canonical(self) -> bytes:
+        return json.dumps({"v": 1, "model_id": self.model_id, "layout": self.layout.to_dict(),
+                           "tp_rank": self.tp_rank, "tp_world": self.tp_world,
+                           "tenant_salt": self.tenant_salt}, sort_keys=True).encode()
+
+    @property
+    def root(self) -> bytes:
+        """32-byte chain root; doubles as the namespace id."""
+        return hashlib.sha256(b"kvstore-ns-v1\0" + self.canonical()).digest()
+
+
+def chain_keys(root: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens: int,
+               parent: bytes | None = None) -> list[BlockKey]:
+    """Keys of every full block of ``token_ids``; a trailing partial block gets none.
+
+    ``parent`` continues an existing chain (the key of the block before ``token_ids[0]``).
+    """
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError("token_ids: must be one-dimensional")
+    if tokens.size and (tokens.min() < -(2**31) or tokens.max() >= 2**31):
+        raise ValueError("token_ids: every id must fit in int32")
+    raw = tokens.astype("<i4", copy=False).tobytes()
+    step = 4 * block_tokens
+    prev = parent if parent is not None else root
+    keys: list[BlockKey] = []
+    for off in range(0, (len(tokens) // block_tokens) * step, step):
+        prev = hashlib.sha256(prev + raw[off:off + step]).digest()
+        keys.append(BlockKey(prev))
+    return keys
+
+
+def check_key(key: bytes) -> BlockKey:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise ValueError(f"key: must be {KEY_BYTES} bytes, got {len(key) if hasattr(key, '__len__') else key!r}")
+    return BlockKey(bytes(key))

@@ -1,0 +1,205 @@
+"""The gRPC servicer: validates at the boundary, takes the core lock, maps errors to statuses.
+
+Every handler turns a :class:`KVError` into the gRPC status of the same name with its message;
+any other exception becomes INTERNAL with the exception text, and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+
+from kvstore import __version__
+from kvstore.core import Core
+from kvstore.errors import KVError, invalid
+from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.layout import KVLayout, LayoutError
+from kvstore.tiers.base import TierKind
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvstore.service")
+
+
+def layout_from_pb(m: pb.Layout) -> KVLayout:
+    try:
+        if not m.dtype:
+            raise LayoutError("dtype: missing")
+        return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        dtype=m.dtype, kind=m.kind or "gqa", block_tokens=m.block_tokens or 16,
+                        kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim)
+    except LayoutError as e:
+        raise invalid(f"layout.{e}") from None
+
+
+def rpc(method):
+    """Wrap a handler: latency histogram, KVError -> status, crash -> INTERNAL."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def handler(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except KVError as e:
+            self._reject(name, e.code.value)
+            context.abort(getattr(grpc.StatusCode, e.code.value), e.message)
+        except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
+            log.exception("%s failed", name)
+            self._reject(name, "INTERNAL")
+            context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(e).__name__}: {e}")
+        finally:
+            if self.metrics:
+                self.metrics.rpc_latency.labels(method=name).observe(time.perf_counter() - t0)
+
+    return handler
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(self, daemon) -> None:
+        self.d = daemon
+        self.core: Core = daemon.core
+        self.metrics = daemon.metrics
+
+    def _reject(self, method: str, code: str) -> None:
+        if self.metrics:
+            self.metrics.rejections.labels(method=method, code=code).inc()
+
+    def _session(self, sid: bytes):
+        if len(sid) != 16:
+            raise invalid(f"session_id: must be 16 bytes, got {len(sid)}")
+        return self.core.session(sid)
+
+    @rpc
+    def Register(self, req, context):
+        layout = layout_from_pb(req.layout)
+        if req.prefill_tokens_per_s < 0 or req.model_params < 0:
+            raise invalid("prefill_tokens_per_s and model_params: must be >= 0")
+        try:
+            ns = Namespace(req.model_id, layout, req.tp_rank, req.tp_world or 1, req.tenant_salt)
+        except LayoutError as e:
+            raise invalid(str(e)) from None
+        with self.core.lock:
+            s = self.core.register(ns, req.prefill_tokens_per_s, req.model_params)
+            if self.metrics:
+                self.metrics.sessions.set(len(self.core.sessions))
+                self.metrics.namespaces.set(len(self.core.namespaces))
+        self.d.on_register(s)
+        return pb.RegisterResponse(
+            session_id=s.id, namespace_id=ns.root, arena_socket=self.d.arena_socket,
+            arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
+            layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.lease_ttl_s,
+            max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated)
+
+    @rpc
+    def Lookup(self, req, context):
+        with self.core.lock:
+            s = self._session(req.session_id)
+            hits = self.core.lookup(s, req.keys)
+            tiers = bytes(b.tier for b in hits)
+            advice = self.d.advise(s, hits)
+        m = self.metrics
+        if m:
+            bt = s.ns.ns.layout.block_tokens
+            m.lookups.inc()
+            m.lookup_query_tokens.inc(len(req.keys) // KEY_BYTES * bt)
+            for t in set(tiers):
+                m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
+        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
+
+    @rpc
+    def Reserve(self, req, context):
+        with self.core.lock:
+            s = self._session(req.session_id)
+            lease, offsets, states = self.core.reserve(s, req.keys, req.parent)
+        return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
+                                  expires_in_s=self.core.lease_ttl_s if lease else 0.0)
+
+    @rpc
+    def Commit(self, req, context):
+        with self.core.lock:
+            s = self._session(req.session_id)
+            n = self.core.commit(s, req.lease_id, req.keys)
+        self.d.after_commit()
+        return pb.CommitResponse(committed=n)
+
+    @rpc
+    def Abort(self, req, context):
+        with self.core.lock:
+            return pb.AbortResponse(freed=self.core.abort(self._session(req.session_id), req.lease_id))
+
+    @rpc
+    def Acquire(self, req, context):
+        if req.wait_s < 0:
+            raise invalid("wait_s: must be >= 0")
+        with self.core.lock:
+            s = self._session(req.session_id)
+        self.d.make_resident(s, req.keys, min(req.wait_s, 60.0))
+        with self.core.lock:
+            lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
+        return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
+                                  acquired=len(blocks), expires_in_s=self.core.lease_ttl_s if lease else 0.0)
+
+    @rpc
+    def Release(self, req, context):
+        with self.core.lock:
+            self.core.release(self._session(req.session_id), req.lease_id)
+        return pb.ReleaseResponse()
+
+    @rpc
+    def KeepAlive(self, req, context):
+        with self.core.lock:
+            expired = self.core.keepalive(self._session(req.session_id), list(req.lease_ids))
+        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.lease_ttl_s)
+
+    @rpc
+    def Delete(self, req, context):
+        with self.core.lock:
+            deleted, busy = self.core.delete(self._session(req.session_id), req.keys)
+        return pb.DeleteResponse(deleted=deleted, busy=busy)
+
+    @rpc
+    def DropNamespace(self, req, context):
+        with self.core.lock:
+            dropped, busy = self.core.drop_namespace(req.namespace_id_hex)
+        return pb.DropNamespaceResponse(dropped=dropped, busy=busy)
+
+    @rpc
+    def Prefetch(self, req, context):
+        if req.deadline_s < 0:
+            raise invalid("deadline_s: must be >= 0")
+        with self.core.lock:
+            s = self._session(req.session_id)
+            self.core._keys(req.keys)
+        target = TierKind(req.target) if req.target else TierKind.DRAM
+        handle = self.d.prefetch(s, req.keys, target, req.deadline_s)
+        return pb.PrefetchResponse(handle=handle)
+
+    @rpc
+    def PrefetchStatus(self, req, context):
+        if req.wait_s < 0:
+            raise invalid("wait_s: must be >= 0")
+        with self.core.lock:
+            s = self._session(req.session_id)
+        state, ready, total, detail = self.d.prefetch_status(s, req.handle, min(req.wait_s, 300.0))
+        return pb.PrefetchStatusResponse(state=state, ready_blocks=ready, total_blocks=total, detail=detail)
+
+    @rpc
+    def Transfer(self, req, context):
+        with self.core.lock:
+            s = self._session(req.session_id)
+            keys = self.core._keys(req.keys)
+        if not req.peer:
+            raise invalid("peer: host:port of the peer's transfer listener is required")
+        if req.deadline_s < 0:
+            raise invalid("deadline_s: must be >= 0")
+        blocks, nbytes, secs = self.d.transfer(s, keys, req.peer, req.deadline_s, req.pipelined)
+        return pb.TransferResponse(blocks=blocks, bytes=nbytes, seconds=secs)
+
+    @rpc
+    def Stats(self, req, context):
+        return self.d.stats_pb()
+

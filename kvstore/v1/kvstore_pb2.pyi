@@ -1,0 +1,400 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_NVME: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+
+class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLOT_RESERVED: _ClassVar[SlotState]
+    SLOT_PRESENT: _ClassVar[SlotState]
+    SLOT_BUSY: _ClassVar[SlotState]
+
+class PrefetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_RUNNING: _ClassVar[PrefetchState]
+    PREFETCH_DONE: _ClassVar[PrefetchState]
+    PREFETCH_PARTIAL: _ClassVar[PrefetchState]
+    PREFETCH_FAILED: _ClassVar[PrefetchState]
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_NVME: Tier
+TIER_REMOTE: Tier
+SLOT_RESERVED: SlotState
+SLOT_PRESENT: SlotState
+SLOT_BUSY: SlotState
+PREFETCH_RUNNING: PrefetchState
+PREFETCH_DONE: PrefetchState
+PREFETCH_PARTIAL: PrefetchState
+PREFETCH_FAILED: PrefetchState
+
+class Layout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "block_tokens", "kv_lora_rank", "qk_rope_head_dim")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kind: str
+    block_tokens: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., block_tokens: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("model_id", "layout", "tp_rank", "tp_world", "tenant_salt", "prefill_tokens_per_s", "model_params", "client_name")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_WORLD_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    layout: Layout
+    tp_rank: int
+    tp_world: int
+    tenant_salt: str
+    prefill_tokens_per_s: float
+    model_params: float
+    client_name: str
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_world: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., model_params: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    namespace_id: bytes
+    arena_socket: str
+    arena_bytes: int
+    block_bytes: int
+    layer_chunk_bytes: int
+    lease_ttl_s: float
+    max_keys_per_request: int
+    hbm_emulated: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EST_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    EST_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    tiers: bytes
+    load_blocks: int
+    est_load_s: float
+    est_recompute_s: float
+    reason: str
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "parent")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    parent: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets", "states", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    states: bytes
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., states: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    lease_id: int
+    keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    lease_id: int
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    def __init__(self, freed: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "allow_partial", "wait_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    allow_partial: bool
+    wait_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    acquired: int
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., acquired: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    lease_id: int
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id", "lease_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("expired", "expires_in_s")
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    expired: _containers.RepeatedScalarFieldContainer[int]
+    expires_in_s: float
+    def __init__(self, expired: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "busy")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    busy: int
+    def __init__(self, deleted: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "target", "deadline_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    target: Tier
+    deadline_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., target: _Optional[_Union[Tier, str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    def __init__(self, handle: _Optional[int] = ...) -> None: ...
+
+class PrefetchStatusRequest(_message.Message):
+    __slots__ = ("session_id", "handle", "wait_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    handle: int
+    wait_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., handle: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class PrefetchStatusResponse(_message.Message):
+    __slots__ = ("state", "ready_blocks", "total_blocks", "detail")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    state: PrefetchState
+    ready_blocks: int
+    total_blocks: int
+    detail: str
+    def __init__(self, state: _Optional[_Union[PrefetchState, str]] = ..., ready_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "emulated", "enabled", "detail")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    emulated: bool
+    enabled: bool
+    detail: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., emulated: _Optional[bool] = ..., enabled: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_id", "model_id", "block_bytes", "blocks_by_tier", "bytes_by_tier", "sessions")
+    class BlocksByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BytesByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    model_id: str
+    block_bytes: int
+    blocks_by_tier: _containers.ScalarMap[str, int]
+    bytes_by_tier: _containers.ScalarMap[str, int]
+    sessions: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., blocks_by_tier: _Optional[_Mapping[str, int]] = ..., bytes_by_tier: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("version", "uptime_s", "tiers", "namespaces", "counters", "hbm_emulated")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    counters: _containers.ScalarMap[str, float]
+    hbm_emulated: bool
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., hbm_emulated: _Optional[bool] = ...) -> None: ...
+
+class DropNamespaceRequest(_message.Message):
+    __slots__ = ("namespace_id_hex",)
+    NAMESPACE_ID_HEX_FIELD_NUMBER: _ClassVar[int]
+    namespace_id_hex: str
+    def __init__(self, namespace_id_hex: _Optional[str] = ...) -> None: ...
+
+class DropNamespaceResponse(_message.Message):
+    __slots__ = ("dropped", "busy")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    busy: int
+    def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "peer", "deadline_s", "pipelined")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    peer: str
+    deadline_s: float
+    pipelined: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., peer: _Optional[str] = ..., deadline_s: _Optional[float] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+
+class TransferResponse(_message.Message):
+    __slots__ = ("blocks", "bytes", "seconds")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    seconds: float
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,93 @@
+"""Start the real daemon as a process for tests; wait until it serves; stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen
+    socket_path: str
+    metrics_port: int
+    log_path: Path
+    args: list
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon ignored {sig!r} for {timeout_s} s:\n{self.log()}")
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
+        if os.path.exists(socket_path):
+            try:
+                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"daemon not serving after {timeout_s} s:\n{log_path.read_text()}")
+
+
+def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | None = None,
+                 socket_path: str | None = None, metrics_port: int | None = None,
+                 name: str = "kvstore") -> DaemonProc:
+    """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics port."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    sock = socket_path or str(workdir / f"{name}.sock")
+    port = metrics_port or free_port()
+    args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
+            "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", "--metrics-port", str(port),
+            "--metrics-host", "127.0.0.1", *extra]
+    log_path = workdir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    wait_serving(sock, proc, log_path)
+    return DaemonProc(proc, sock, port, log_path, args)

@@ -1,0 +1,81 @@
+"""The shared-memory arena: one anonymous memfd the daemon creates, pre-faults and hands to
+clients by fd passing (SCM_RIGHTS) over its unix socket. There is no path in /dev/shm that
+another user could open.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+class Arena:
+    """A memfd of ``size_bytes`` mapped read-write. ``prefault`` touches every page up front:
+    first-touch faults run at ~0.3 GB/s here against 14-20 GB/s into faulted pages."""
+
+    def __init__(self, size_bytes: int, name: str = "kvstore-arena", prefault: bool = True,
+                 fd: int | None = None) -> None:
+        self.size_bytes = size_bytes
+        self.fd = fd if fd is not None else os.memfd_create(name, os.MFD_CLOEXEC)
+        if fd is None:
+            os.ftruncate(self.fd, size_bytes)
+        self.mmap = mmap.mmap(self.fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.prefault_s = 0.0
+        if prefault:
+            self.prefault()
+
+    def prefault(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.mmap.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            step = mmap.PAGESIZE
+            self.buf[::step] = 0  # one write per page faults it in
+        self.prefault_s = time.perf_counter() - t0
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A zero-copy uint8 view of ``[offset, offset + nbytes)``."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size_bytes:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) outside arena of {self.size_bytes} bytes")
+        return self.buf[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self.buf = None  # type: ignore[assignment]
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # views still alive; the mapping goes with them
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+# --- fd passing -------------------------------------------------------------------------------
+
+_HDR = struct.Struct("<Q")
+
+
+def send_fd(sock: socket.socket, fd: int, size_bytes: int) -> None:
+    sock.sendmsg([_HDR.pack(size_bytes)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+def recv_fd(sock: socket.socket) -> tuple[int, int]:
+    """Receive ``(fd, size_bytes)`` sent by :func:`send_fd`; raises ConnectionError if refused."""
+    fds = array.array("i")
+    msg, ancdata, _flags, _addr = sock.recvmsg(_HDR.size, socket.CMSG_LEN(fds.itemsize))
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    if len(msg) != _HDR.size or not fds:
+        raise ConnectionError("daemon refused the arena handout (unknown or expired session)")
+    return fds[0], _HDR.unpack(msg)[0]
