@@ -1,0 +1,332 @@
+"""Load-or-recompute policy: for a matched cached prefix, how many blocks to load and why.
+
+Two models meet here:
+
+* :class:`BandwidthEstimator` learns, per path (a tier such as ``"dram"`` or a link such as
+  ``"peer:node-3"``), ``seconds = latency + bytes / bandwidth`` from real transfers: an
+  exponentially weighted least-squares fit, so both terms are measured once transfers of more
+  than one size have been seen. The newest transfer weighs ``alpha``; older ones also lose half
+  their weight every ``half_life_s`` seconds of the injected clock, so after a quiet spell the
+  next transfers decide quickly.
+* :class:`PrefillCostModel` prices recomputing tokens ``[start, end)``: a linear term
+  (about 2 x active params FLOPs per token) and a quadratic attention term (one unit per causal
+  query-key pair), converted to seconds by an effective FLOP rate calibrated from the prefill
+  throughput a worker reports (tokens/s at a reference prompt length) or a configured default.
+
+:meth:`LoadPolicy.decide` scans every split of the prefix (load the first ``j`` blocks,
+recompute the rest; only a prefix can be loaded, since recompute needs the KV before it) and
+picks the fastest. Transfers of different tiers are assumed serial (they share the host link).
+Nothing here is thread-safe: the daemon calls it under its one lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from kvstore.modelcfg import ModelConfig
+
+# Priors used until a path has been measured: (bytes/s, seconds per transfer). Deliberately
+# round numbers; the estimator replaces them with the first real transfer.
+DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
+    "hbm": (1.0e12, 10e-6),     # device-to-device copy
+    "dram": (20e9, 20e-6),      # pinned host -> GPU over PCIe
+    "nvme": (3e9, 150e-6),      # O_DIRECT read then host -> GPU
+    "remote": (5e9, 100e-6),    # another daemon, any "peer:<name>" path
+}
+
+
+class Outcome(enum.Enum):
+    """What the decision is; values match the ``decision`` label of kvstore_policy_decisions."""
+
+    LOAD = "load"            # load every matched block
+    PARTIAL = "partial"      # load a leading part, recompute the rest
+    RECOMPUTE = "recompute"  # load nothing
+    NONE = "none"            # nothing matched: nothing to decide
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Estimator and policy settings (bytes, seconds, FLOP/s)."""
+
+    alpha: float = 0.2                    # weight of the newest transfer in the moving average
+    half_life_s: float = 60.0             # age at which a measurement's weight halves
+    priors: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+    max_blocks_per_transfer: int = 0      # a run of blocks on one path moves in transfers of at
+                                          # most this many blocks; 0 = one transfer per run
+    default_prefill_flops_per_s: float = 4.0e14  # ~40% of an H100's dense bf16 peak
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha: must be in (0, 1], got {self.alpha}")
+        if not self.half_life_s > 0:
+            raise ValueError(f"half_life_s: must be > 0, got {self.half_life_s}")
+        if self.max_blocks_per_transfer < 0:
+            raise ValueError(f"max_blocks_per_transfer: must be >= 0, got {self.max_blocks_per_transfer}")
+        if not self.default_prefill_flops_per_s > 0:
+            raise ValueError(f"default_prefill_flops_per_s: must be > 0, got {self.default_prefill_flops_per_s}")
+        for path, (bw, lat) in self.priors.items():
+            if not bw > 0 or lat < 0:
+                raise ValueError(f"priors[{path!r}]: need bandwidth > 0 and latency >= 0, got {(bw, lat)}")
+
+
+def normalize_path(path: object) -> str:
+    """Canonical path name: ``hbm``, ``dram``, ``nvme``, ``remote`` or ``peer:<name>``.
+    Accepts enum members (``TierKind.DRAM``) by name; raises ValueError naming ``path``."""
+    name = path.name if isinstance(path, enum.Enum) else path
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"path: must be a non-empty string, got {path!r}")
+    low = name.lower()
+    if low in DEFAULT_PRIORS or (low.startswith("peer:") and len(low) > 5):
+        return low
+    raise ValueError(f"path: unknown transfer path {path!r}; use hbm, dram, nvme, remote or peer:<name>")
+
+
+@dataclass(frozen=True, slots=True)
+class PathEstimate:
+    """Current transfer-time model of one path: ``seconds = latency_s + bytes / bytes_per_s``."""
+
+    path: str
+    bytes_per_s: float
+    latency_s: float
+    measured: bool    # False: still the prior
+    weight: float     # effective number of transfers behind the estimate (decayed)
+
+    def seconds(self, nbytes: float, transfers: int = 1) -> float:
+        return transfers * self.latency_s + nbytes / self.bytes_per_s
+
+
+class _Fit:
+    """Exponentially weighted sums for the least-squares line t = a + b * bytes."""
+
+    __slots__ = ("w", "x", "y", "xx", "xy", "t_last")
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.t_last = 0.0
+
+
+class BandwidthEstimator:
+    """Online per-path bandwidth and per-transfer latency. Not thread-safe."""
+
+    def __init__(self, config: PolicyConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or PolicyConfig()
+        self.clock = clock
+        self._fits: dict[str, _Fit] = {}
+
+    def observe(self, path: object, nbytes: int, seconds: float) -> None:
+        """Record one finished transfer of ``nbytes`` bytes that took ``seconds``."""
+        key = normalize_path(path)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes: must be a positive integer, got {nbytes!r}")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"seconds: must be a finite number > 0, got {seconds!r}")
+        now = self.clock()
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = _Fit()
+            keep = 0.0
+        else:
+            age = max(0.0, now - fit.t_last)
+            keep = (1.0 - self.config.alpha) * 0.5 ** (age / self.config.half_life_s)
+        x, y = float(nbytes), float(seconds)
+        fit.w = fit.w * keep + 1.0
+        fit.x = fit.x * keep + x
+        fit.y = fit.y * keep + y
+        fit.xx = fit.xx * keep + x * x
+        fit.xy = fit.xy * keep + x * y
+        fit.t_last = now
+
+    @contextmanager
+    def timed(self, path: object, nbytes: int) -> Iterator[None]:
+        """Time the enclosed transfer with the injected clock and record it. A transfer that
+        raises is not recorded (its time says nothing about the path's bandwidth)."""
+        key = normalize_path(path)
+        start = self.clock()
+        yield
+        elapsed = self.clock() - start
+        if elapsed > 0:  # a coarse clock can read 0 for a tiny copy; skip rather than divide by it
+            self.observe(key, nbytes, elapsed)
+
+    def estimate(self, path: object) -> PathEstimate:
+        """The path's current model; the configured prior until its first transfer."""
+        key = normalize_path(path)
+        prior_bw, prior_lat = self._prior(key)
+        fit = self._fits.get(key)
+        if fit is None:
+            return PathEstimate(key, prior_bw, prior_lat, False, 0.0)
+        mx, my = fit.x / fit.w, fit.y / fit.w
+        var = fit.xx / fit.w - mx * mx
+        if var > (0.05 * mx) ** 2:  # sizes vary enough to separate latency from bandwidth
+            slope = (fit.xy / fit.w - mx * my) / var
+            lat = my - slope * mx
+            if slope > 0 and lat >= 0:
+                return PathEstimate(key, 1.0 / slope, lat, True, fit.w)
+            if fit.xy > 0 and lat < 0:  # noise put the line below the origin: fit through it
+                return PathEstimate(key, fit.xx / fit.xy, 0.0, True, fit.w)
+        # One transfer size: the split is unknowable, so keep the prior latency (at most half
+        # of a transfer) and give the rest to bandwidth; the prediction at this size is exact.
+        lat = min(prior_lat, 0.5 * my)
+        return PathEstimate(key, mx / (my - lat), lat, True, fit.w)
+
+    def snapshot(self) -> dict[str, PathEstimate]:
+        """Estimates of every measured path (for the bandwidth gauge)."""
+        return {key: self.estimate(key) for key in sorted(self._fits)}
+
+    def _prior(self, key: str) -> tuple[float, float]:
+        priors = self.config.priors
+        if key in priors:
+            return priors[key]
+        if key.startswith("peer:") and "remote" in priors:
+            return priors["remote"]
+        return DEFAULT_PRIORS["remote" if key.startswith("peer:") else key]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCostModel:
+    """Seconds to prefill tokens ``[start, end)`` when the KV of ``[0, start)`` is present.
+
+    FLOPs = ``linear_flops_per_token * (end - start) + attn_flops_per_pair * pairs``, with
+    ``pairs = (end(end+1) - start(start+1)) / 2`` causal query-key pairs; seconds = FLOPs /
+    ``flops_per_s`` (an effective rate for the whole tensor-parallel group).
+    """
+
+    linear_flops_per_token: float
+    attn_flops_per_pair: float
+    flops_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("linear_flops_per_token", "flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.attn_flops_per_pair < 0:
+            raise ValueError(f"attn_flops_per_pair: must be >= 0, got {self.attn_flops_per_pair!r}")
+
+    def flops(self, start: int, end: int) -> float:
+        if not 0 <= start <= end:
+            raise ValueError(f"start, end: need 0 <= start <= end, got {start}, {end}")
+        pairs = (end * (end + 1) - start * (start + 1)) / 2
+        return self.linear_flops_per_token * (end - start) + self.attn_flops_per_pair * pairs
+
+    def seconds(self, start: int, end: int) -> float:
+        """Seconds to prefill tokens ``[start, end)`` given the KV before ``start``."""
+        return self.flops(start, end) / self.flops_per_s
+
+    def tokens_per_s(self, prompt_tokens: int) -> float:
+        """Prefill throughput this model predicts for a prompt of ``prompt_tokens`` tokens."""
+        return prompt_tokens / self.seconds(0, prompt_tokens)
+
+    @classmethod
+    def calibrated(cls, linear_flops_per_token: float, attn_flops_per_pair: float, *,
+                   tokens_per_s: float, ref_tokens: int) -> "PrefillCostModel":
+        """Model whose prediction for a ``ref_tokens`` prompt is exactly ``tokens_per_s``: the
+        throughput a worker measured and reported at Register."""
+        if not tokens_per_s > 0:
+            raise ValueError(f"tokens_per_s: must be > 0, got {tokens_per_s!r}")
+        if isinstance(ref_tokens, bool) or not isinstance(ref_tokens, int) or ref_tokens <= 0:
+            raise ValueError(f"ref_tokens: must be a positive integer, got {ref_tokens!r}")
+        unit = cls(linear_flops_per_token, attn_flops_per_pair, 1.0)
+        return cls(linear_flops_per_token, attn_flops_per_pair,
+                   unit.flops(0, ref_tokens) * tokens_per_s / ref_tokens)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, *, tokens_per_s: float | None = None,
+                  ref_tokens: int = 2048, flops_per_s: float | None = None,
+                  params: int | None = None) -> "PrefillCostModel":
+        """Cost model of ``model``: calibrated from a reported throughput when given, else from
+        an effective FLOP rate (default :attr:`PolicyConfig.default_prefill_flops_per_s`).
+        ``params`` overrides the active parameter count (2 x params FLOPs per token)."""
+        linear = 2 * params if params else model.linear_flops_per_token()
+        attn = model.attn_flops_per_pair()
+        if tokens_per_s is not None:
+            return cls.calibrated(linear, attn, tokens_per_s=tokens_per_s, ref_tokens=ref_tokens)
+        return cls(linear, attn, flops_per_s or PolicyConfig().default_prefill_flops_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Answer for one matched prefix. Times are estimates in seconds."""
+
+    outcome: Outcome
+    load_blocks: int
+    load_tokens: int
+    matched_tokens: int
+    load_s: float            # loading the chosen blocks
+    recompute_s: float       # recomputing the matched tokens not loaded
+    all_load_s: float        # loading every matched block
+    all_recompute_s: float   # recomputing the whole matched prefix
+    reason: str
+
+
+Runs = Mapping[object, int] | Sequence[tuple[object, int]]
+
+
+class LoadPolicy:
+    """Decides load-or-recompute per block from measured paths and a prefill cost model.
+    ``counts`` tallies outcomes for the metrics exporter. Not thread-safe."""
+
+    def __init__(self, config: PolicyConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or PolicyConfig()
+        self.bandwidth = BandwidthEstimator(self.config, clock=clock)
+        self.counts: dict[Outcome, int] = {o: 0 for o in Outcome}
+
+    def observe(self, path: object, nbytes: int, seconds: float) -> None:
+        """Record a finished transfer on ``path`` (see :meth:`BandwidthEstimator.observe`)."""
+        self.bandwidth.observe(path, nbytes, seconds)
+
+    def decide(self, runs: Runs, *, block_tokens: int, block_bytes: int,
+               cost: PrefillCostModel) -> Decision:
+        """Choose how many leading blocks of the matched prefix to load.
+
+        ``runs``: where the matched blocks live, in chain order, as ``(path, blocks)`` pairs or
+        an ordered mapping, e.g. ``[("dram", 40), ("nvme", 24)]``. ``block_bytes`` is what one
+        block moves on the path (the shard of this worker's namespace). Ties go to loading,
+        which spends copy engines instead of GPU compute that other requests could use.
+        """
+        for name, value in (("block_tokens", block_tokens), ("block_bytes", block_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        pairs = list(runs.items()) if isinstance(runs, Mapping) else list(runs)
+        # Per block: its load seconds, and whether it opens a new transfer (pays latency).
+        step = np.zeros(0)
+        slowest: PathEstimate | None = None
+        per_transfer = self.config.max_blocks_per_transfer
+        for path, n in pairs:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"runs: block count for {path!r} must be an integer >= 0, got {n!r}")
+            if n == 0:
+                continue
+            est = self.bandwidth.estimate(path)
+            if slowest is None or est.bytes_per_s < slowest.bytes_per_s:
+                slowest = est
+            opens = np.zeros(n)
+            opens[:: per_transfer or n] = 1.0
+            step = np.concatenate([step, block_bytes / est.bytes_per_s + opens * est.latency_s])
+        blocks = len(step)
+        matched = blocks * block_tokens
+        if blocks == 0:
+            self.counts[Outcome.NONE] += 1
+            return Decision(Outcome.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
+        load = np.concatenate([[0.0], np.cumsum(step)])            # load[j]: first j blocks
+        starts = np.arange(blocks + 1, dtype=np.float64) * block_tokens
+        recompute = (cost.linear_flops_per_token * (matched - starts) + cost.attn_flops_per_pair
+                     * (matched * (matched + 1) - starts * (starts + 1)) / 2) / cost.flops_per_s
+        total = load + recompute
+        best = int(blocks - np.argmin(total[::-1]))                # last minimum: ties load more
+        outcome = Outcome.LOAD if best == blocks else Outcome.RECOMPUTE if best == 0 else Outcome.PARTIAL
+        self.counts[outcome] += 1
+        reason = (f"{outcome.value}: load {best}/{blocks} blocks in {load[best] * 1e3:.3f} ms + "
+                  f"recompute {matched - best * block_tokens} tokens in {recompute[best] * 1e3:.3f} ms; "
+                  f"all-load {load[-1] * 1e3:.3f} ms, all-recompute {recompute[0] * 1e3:.3f} ms; "
+                  f"slowest path {slowest.path} {slowest.bytes_per_s / 1e9:.3f} GB/s "
+                  f"({'measured' if slowest.measured else 'prior'})")
+        return Decision(outcome, best, best * block_tokens, matched, float(load[best]),
+                        float(recompute[best]), float(load[-1]), float(recompute[0]), reason)

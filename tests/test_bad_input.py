@@ -1,0 +1,166 @@
+"""Bad input against the real daemon: the right gRPC status, a clear message, the daemon keeps
+serving and no committed block is lost."""
+
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.clients import KVStoreClient, KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+
+LAYOUT = KVLayout(4, 2, 64, "fp16")
+
+
+@pytest.fixture
+def setup(daemon, client_factory):
+    c = client_factory(LAYOUT)
+    tokens = list(range(4 * 16))
+    kv = np.random.default_rng(0).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
+    assert c.put(tokens, kv) == 4
+    yield c, tokens, kv
+    # Whatever the test threw at it, the committed blocks are intact and readable.
+    out = np.zeros_like(kv)
+    assert c.get(tokens, out) == len(tokens)
+    assert out.tobytes() == kv.tobytes()
+    assert daemon.alive()
+
+
+def expect(code, fn, *words):
+    with pytest.raises(KVStoreError) as e:
+        fn()
+    assert e.value.code == code, e.value
+    for w in words:
+        assert w in e.value.message, e.value.message
+    return e.value
+
+
+def test_unknown_session(setup):
+    c, _, _ = setup
+    expect(grpc.StatusCode.NOT_FOUND,
+           lambda: c._call("Lookup", pb.LookupRequest(session_id=b"x" * 16, keys=b"")), "unknown session", "Register")
+    expect(grpc.StatusCode.INVALID_ARGUMENT,
+           lambda: c._call("Lookup", pb.LookupRequest(session_id=b"short", keys=b"")), "session_id", "16 bytes")
+
+
+def test_unknown_namespace_layout_fields(setup):
+    c, _, _ = setup
+    bad = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=0, num_kv_heads=2, head_dim=64, dtype="fp16"))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "num_layers")
+    bad = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp7"))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "dtype", "fp7")
+    bad = pb.RegisterRequest(model_id="", layout=pb.Layout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16"))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "model_id")
+    huge = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=4096, num_kv_heads=64, head_dim=128, dtype="fp32"))
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: c._call("Register", huge), "extent")
+
+
+def test_malformed_and_wrong_length_keys(setup):
+    c, tokens, _ = setup
+    expect(grpc.StatusCode.INVALID_ARGUMENT,
+           lambda: c._call("Lookup", pb.LookupRequest(session_id=c.session_id, keys=b"\x01" * 33)), "32-byte")
+    expect(grpc.StatusCode.INVALID_ARGUMENT,
+           lambda: c._call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 31)), "32-byte")
+    expect(grpc.StatusCode.INVALID_ARGUMENT,
+           lambda: c._call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 32, parent=b"xx")), "parent")
+    k = c.keys(tokens)[0]
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.reserve([b"\x05" * 32, b"\x05" * 32]), "twice")
+    assert c.lookup_keys([b"\x00" * 32, k]).hit_blocks == 0  # unknown key: a miss, not an error
+
+
+def test_counts_over_the_limit(tmp_path):
+    from daemon_util import start_daemon
+
+    d = start_daemon(tmp_path, "--server-max-keys-per-request", "8")
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "m")
+        expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.lookup_keys([bytes([i]) * 32 for i in range(9)]),
+               "9 keys exceed the limit of 8")
+        assert c.lookup_keys([bytes([i]) * 32 for i in range(8)]).hit_blocks == 0
+        # The client splits big puts into batches under the limit.
+        tokens = list(range(20 * 16))
+        kv = np.ones(LAYOUT.tensor_shape(len(tokens)), np.float16)
+        assert c.put(tokens, kv) == 20
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_buffer_sizes_that_do_not_match_the_layout(setup):
+    c, tokens, kv = setup
+    with pytest.raises(ValueError, match="bytes per token per layer"):
+        c.put(tokens, kv.astype(np.float32))
+    with pytest.raises(ValueError, match="dimension 1 must be 2"):
+        c.put(tokens, np.zeros((4, 3, 64, 2, 64), np.float16))
+    with pytest.raises(ValueError, match="expected shape"):
+        c.put(tokens, np.zeros((5, 2, 64, 2, 64), np.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        c.get(tokens, np.zeros((4, 2, 64, 64, 2), np.float16).transpose(0, 1, 2, 4, 3))
+
+
+def test_reading_an_uncommitted_block(setup):
+    c, tokens, _ = setup
+    keys = c.keys(tokens + [7] * 16)
+    w = c.reserve([keys[-1]], parent=keys[-2])
+    expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: c.acquire([keys[-1]]), "not committed")
+    assert c.lookup_keys(keys).hit_blocks == 4
+    w.abort()
+    expect(grpc.StatusCode.NOT_FOUND, lambda: c.acquire([keys[-1]]), "no such block")
+
+
+def test_two_clients_committing_the_same_key_at_once(setup, client_factory):
+    c, tokens, _ = setup
+    c2 = client_factory(LAYOUT)
+    k = c.keys(tokens + [9] * 16)[-1]
+    w1 = c.reserve([k])
+    w2 = c2.reserve([k])
+    assert w1.states == b"\x00" and w2.states == b"\x02" and w2.lease_id == 0
+    expect(grpc.StatusCode.NOT_FOUND,
+           lambda: c2._call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id + 1000)), "lease")
+    expect(grpc.StatusCode.PERMISSION_DENIED,
+           lambda: c2._call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id)), "another session")
+    w1.view(0)[:] = 3
+    assert w1.commit() == 1
+    with c2.acquire([k]) as r:
+        assert (r.view(0) == 3).all()
+
+
+def test_reservation_larger_than_the_tier(setup):
+    c, tokens, _ = setup
+    cap = c.stats().tiers[0].capacity_bytes // LAYOUT.block_bytes
+    keys = c.keys([5] * 16 * (cap + 1))
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: c.reserve(keys), "exceeds the DRAM tier", f"at most {cap}")
+
+
+def test_namespace_a_asking_for_namespace_b(setup, client_factory):
+    c, tokens, _ = setup
+    other = client_factory(LAYOUT, model_id="test-model", tenant_salt="tenant-b")
+    keys = c.keys(tokens)
+    assert other.lookup_keys(keys).hit_blocks == 0
+    expect(grpc.StatusCode.NOT_FOUND, lambda: other.acquire(keys), "this session's namespace")
+    assert other.delete(keys) == 0
+
+
+def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
+    sock = tmp_path / "k.sock"
+    for args, key in ((["--dram-capacity-bytes", "lots"], "dram.capacity_bytes"),
+                      (["--server-lease-ttl-s", "-1"], "server.lease_ttl_s"),
+                      (["--transport-backend", "carrier-pigeon"], "transport.backend"),
+                      (["--server-tcp-listen", "0.0.0.0:7000"], "requires TLS")):
+        p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", str(sock), *args],
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2, p.stderr
+        assert key in p.stderr
+        assert not sock.exists()
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[dram]\ncapacity_bytes = 'x'\n")
+    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "dram.capacity_bytes" in p.stderr
+    env = {**os.environ, "KVSTORE_METRICS_PORT": "99999"}
+    p = subprocess.run([sys.executable, "-m", "kvstore", "serve"], capture_output=True, text=True, timeout=30, env=env)
+    assert p.returncode == 2 and "metrics.port" in p.stderr

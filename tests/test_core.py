@@ -1,0 +1,137 @@
+"""The core's index, leases and eviction, driven directly with an injected clock."""
+
+import hashlib
+
+import pytest
+
+from kvstore.core import Core
+from kvstore.errors import Code, KVError
+from kvstore.keys import Namespace, chain_keys
+from kvstore.layout import KVLayout
+from kvstore.tiers.arena import Arena
+from kvstore.tiers.dram import DramTier
+
+LAYOUT = KVLayout(2, 1, 64, "fp16", block_tokens=16)  # 8 KiB blocks
+EXTENT = 16 * 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def env():
+    clock = Clock()
+    arena = Arena(4 * EXTENT, prefault=False)  # 4 extents x 8 slots of 8 KiB = 32 blocks
+    core = Core(DramTier(arena, EXTENT), lease_ttl_s=5.0, max_keys=1024, clock=clock)
+    s = core.register(Namespace("m", LAYOUT))
+    yield core, s, clock
+    arena.close()
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    root = hashlib.sha256(b"test-root").digest()
+    return chain_keys(root, [seed] * 16 * n, 16)
+
+
+def put(core, s, keys, parent=b""):
+    lease, offsets, states = core.reserve(s, b"".join(keys), parent)
+    if lease:
+        core.commit(s, lease.id, b"")
+    return offsets
+
+
+def test_capacity_and_exact_leaves_first_lru_order(env):
+    core, s, clock = env
+    assert core.dram.max_slots(LAYOUT.block_bytes) == 32
+    a = chain(1, 16)  # one chain of 16 blocks: a0 <- a1 <- ... <- a15
+    b = chain(2, 16)
+    put(core, s, a)
+    clock.t += 1
+    put(core, s, b)
+    clock.t += 1
+    # Touch chain a's first 4 blocks: they become the most recent, and their descendants
+    # a4..a15 are leaves-first candidates only after their own children go.
+    assert len(core.lookup(s, b"".join(a[:4]))) == 4
+    # Full: the next 3 blocks evict exactly the 3 least recently used leaves. Chain a was
+    # committed first, leaf-first order: a15, a14, a13.
+    c = chain(3, 3)
+    put(core, s, c)
+    assert core.evicted == [a[15], a[14], a[13]]
+    # Parents are never evicted before their cached children: a12 is now a leaf and goes next.
+    put(core, s, chain(4, 1))
+    assert core.evicted[-1] == a[12]
+    assert core.lookup(s, b"".join(a)) and len(core.lookup(s, b"".join(a))) == 12
+
+
+def test_pinned_block_is_never_evicted_and_back_pressure_is_clear(env):
+    core, s, clock = env
+    keys = chain(5, 32)
+    put(core, s, keys)
+    lease, blocks = core.acquire(s, b"".join(keys), allow_partial=False)
+    assert len(blocks) == 32
+    with pytest.raises(KVError) as e:
+        core.reserve(s, b"".join(chain(6, 1)), b"")
+    assert e.value.code is Code.RESOURCE_EXHAUSTED and "pinned" in e.value.message
+    core.release(s, lease.id)
+    put(core, s, chain(6, 1))
+    assert core.evicted == [keys[31]]
+
+
+def test_reservation_larger_than_tier(env):
+    core, s, _ = env
+    with pytest.raises(KVError) as e:
+        core.reserve(s, b"".join(chain(7, 33)), b"")
+    assert e.value.code is Code.RESOURCE_EXHAUSTED and "at most 32" in e.value.message
+    assert core.dram.alloc.used_bytes == 0
+
+
+def test_leases_expire_on_the_injected_clock(env):
+    core, s, clock = env
+    keys = chain(8, 4)
+    wl, _, _ = core.reserve(s, b"".join(keys[:2]), b"")
+    put(core, s, keys[2:], parent=keys[1])
+    rl, _ = core.acquire(s, b"".join(keys[2:]), allow_partial=False)
+    used = core.dram.alloc.used_bytes
+    clock.t += 4.9
+    assert core.expire() == 0
+    clock.t += 0.2
+    assert core.expire() == 2
+    assert core.dram.alloc.used_bytes == used - 2 * 8192  # reservation freed, committed blocks kept
+    assert all(b.ref_cnt == 0 for b in core.lookup(s, b"".join(keys[2:])))
+    with pytest.raises(KVError) as e:
+        core.commit(s, wl.id, b"")
+    assert e.value.code is Code.NOT_FOUND
+
+
+def test_second_writer_of_a_key_gets_busy_and_cannot_commit_it(env):
+    core, _, _ = env
+    s1 = core.register(Namespace("m", LAYOUT))
+    s2 = core.register(Namespace("m", LAYOUT))
+    k = chain(9, 1)
+    l1, _, st1 = core.reserve(s1, k[0], b"")
+    l2, _, st2 = core.reserve(s2, k[0], b"")
+    assert st1 == b"\x00" and st2 == b"\x02" and l2 is None
+    assert core.lookup(s2, k[0]) == []  # reserved, not committed: a miss, not an error
+    with pytest.raises(KVError) as e:
+        core.acquire(s2, k[0], allow_partial=False)
+    assert e.value.code is Code.FAILED_PRECONDITION and "not committed" in e.value.message
+    assert core.commit(s1, l1.id, b"") == 1
+    assert core.reserve(s2, k[0], b"")[2] == b"\x01"
+
+
+def test_namespaces_are_isolated(env):
+    core, s, _ = env
+    other = core.register(Namespace("m", LAYOUT, tenant_salt="tenant-b"))
+    keys = chain(10, 2)
+    put(core, s, keys)
+    assert core.lookup(other, b"".join(keys)) == []
+    with pytest.raises(KVError) as e:
+        core.acquire(other, b"".join(keys), allow_partial=False)
+    assert e.value.code is Code.NOT_FOUND
+    assert core.delete(other, b"".join(keys)) == (0, 0)
+    assert len(core.lookup(s, b"".join(keys))) == 2

@@ -1,0 +1,194 @@
+"""Integration: the real daemon process, real shared memory, real gRPC."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.clients import KVStoreClient
+from kvstore.layout import KVLayout
+
+
+def _kv(layout: KVLayout, tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape = layout.tensor_shape(tokens)
+    if layout.dtype.label == "bf16":
+        return torch.randn(shape, generator=g).to(torch.bfloat16)
+    if layout.dtype.label == "fp8_e4m3":
+        return torch.randn(shape, generator=g).to(torch.float8_e4m3fn)
+    if layout.dtype.label == "fp16":
+        return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)  # int8 / int4 packed
+
+
+LAYOUTS = {
+    "gqa-bf16": KVLayout(4, 2, 64, "bf16", "gqa"),
+    "mha-fp16": KVLayout(3, 4, 32, "fp16", "mha", block_tokens=8),
+    "mla-bf16": KVLayout(3, dtype="bf16", kind="mla", kv_lora_rank=64, qk_rope_head_dim=16),
+    "gqa-fp8": KVLayout(4, 2, 64, "fp8", "gqa"),
+    "gqa-int4": KVLayout(2, 2, 64, "int4", "gqa"),
+}
+
+
+def _bytes(t) -> bytes:
+    if isinstance(t, torch.Tensor):
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(t).tobytes()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_put_get_round_trip_bit_exact(client_factory, name):
+    layout = LAYOUTS[name]
+    c = client_factory(layout, model_id=f"model-{name}")
+    bt = layout.block_tokens
+    tokens = list(range(1000, 1000 + 5 * bt + 3))  # 5 full blocks and a partial one
+    kv = _kv(layout, len(tokens), 1)
+    assert c.put(tokens, kv) == 5
+    assert c.put(tokens, kv) == 0  # already cached: nothing stored twice
+    assert c.lookup(tokens) == 5 * bt
+    out = torch.zeros_like(kv) if isinstance(kv, torch.Tensor) else np.zeros_like(kv)
+    assert c.get(tokens, out) == 5 * bt
+    if isinstance(kv, torch.Tensor):
+        got, want = out[..., : 5 * bt, :, :] if layout.kind.value != "mla" else out[:, : 5 * bt], \
+            kv[..., : 5 * bt, :, :] if layout.kind.value != "mla" else kv[:, : 5 * bt]
+    else:
+        got, want = out[:, :, : 5 * bt], kv[:, :, : 5 * bt]
+    assert _bytes(got) == _bytes(want)
+    # The partial last block was not stored, and nothing past the prefix was written.
+    tail = out[..., 5 * bt:, :, :] if layout.kind.value != "mla" else out[:, 5 * bt:]
+    assert not _bytes(tail).strip(b"\0")
+
+
+def test_lookup_stops_at_first_miss(client_factory):
+    c = client_factory()
+    bt = c.layout.block_tokens
+    tokens = list(range(8 * bt))
+    kv = _kv(c.layout, len(tokens), 2)
+    keys = c.keys(tokens)
+    # Store blocks 0-2 and 4-7; block 3 is missing, so only 3 leading blocks hit.
+    for i in [0, 1, 2, 4, 5, 6, 7]:
+        with c.reserve([keys[i]], parent=keys[i - 1] if i else b"") as w:
+            w.view(0)[:] = 7
+    r = c.lookup_keys(keys)
+    assert r.hit_blocks == 3 and r.tiers == b"\x02\x02\x02"
+    assert c.lookup(tokens[:2 * bt + 5]) == 2 * bt
+    assert c.lookup([99] * bt) == 0
+    # A different first block shares nothing with the chain, even with the same later tokens.
+    assert c.lookup([1] * bt + tokens[bt:]) == 0
+
+
+def _hold_leases_and_die(sock: str, ready) -> None:
+    c = KVStoreClient(sock)
+    c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
+    keys = c.keys(list(range(4 * 16)))
+    c.reserve(keys[:2]).view(0)[:] = 1        # write lease, never committed
+    with c.reserve(keys[2:], parent=keys[1]):
+        pass                                   # committed
+    c.acquire(keys[2:])                        # read lease, never released
+    ready.set()
+    time.sleep(60)
+
+
+def test_sigkilled_client_leaks_nothing_after_ttl(tmp_path):
+    from daemon_util import start_daemon
+
+    d = start_daemon(tmp_path, "--server-lease-ttl-s", "1", "--server-reaper-interval-s", "0.1")
+    try:
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        p = ctx.Process(target=_hold_leases_and_die, args=(d.socket_path, ready))
+        p.start()
+        assert ready.wait(30)
+        c = KVStoreClient(d.socket_path)
+        c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
+        dram = c.stats().tiers[0]
+        assert dram.blocks == 4  # 2 reserved + 2 committed
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and c.stats().counters["leases"] > 0:
+            time.sleep(0.1)
+        st = c.stats()
+        assert st.counters["leases"] == 0
+        assert st.tiers[0].blocks == 2  # reserved slots freed, committed blocks kept
+        assert st.counters["kvstore_lease_expiries_total"] == 2
+        keys = c.keys(list(range(4 * 16)))
+        # The pinned blocks are evictable again: deleting them is no longer refused as busy.
+        assert c.delete(keys[2:]) == 2
+        assert c.stats().tiers[0].used_bytes == 0
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def _worker(sock: str, wid: int, rounds: int, q) -> None:
+    """Writes and reads overlapping prefixes; every block's content is a function of its key,
+    so any partial or foreign block is detected."""
+    try:
+        layout = KVLayout(2, 2, 64, "fp16")
+        c = KVStoreClient(sock)
+        c.register(layout, "shared-model")
+        rng = np.random.default_rng(wid)
+        bad = 0
+        for r in range(rounds):
+            prefix = int(rng.integers(0, 4))
+            tokens = [prefix] * 64 + [int(x) for x in rng.integers(0, 3, 16 * int(rng.integers(1, 4)))]
+            kv = np.empty(layout.tensor_shape(len(tokens)), np.float16)
+            keys = c.keys(tokens)
+            for i, k in enumerate(keys):
+                kv[:, :, i * 16:(i + 1) * 16] = np.frombuffer(k * (kv[:, :, :16].nbytes // 32), np.float16).reshape(kv[:, :, :16].shape)
+            c.put(tokens, kv)
+            out = np.zeros_like(kv)
+            n = c.get(tokens, out)
+            bad += int(_bytes(out[:, :, :n]) != _bytes(kv[:, :, :n]))
+        c.close()
+        q.put((wid, bad, None))
+    except Exception as e:  # report, don't hang the parent
+        q.put((wid, -1, repr(e)))
+
+
+def test_concurrent_clients_never_see_partial_or_foreign_blocks(daemon):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(daemon.socket_path, w, 40, q)) for w in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sorted(r[0] for r in results) == [0, 1, 2, 3]
+    assert all(r[2] is None for r in results), results
+    assert all(r[1] == 0 for r in results), results
+    assert daemon.alive()
+
+
+def test_make_serve_defaults_reachable_by_kvstore_stats(tmp_path):
+    """`kvstore serve` on its embedded defaults (only the socket dir moved into the test)."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "KVSTORE_METRICS_PORT": "0",
+           "KVSTORE_DRAM_MAX_AUTO_BYTES": "256MiB"}
+    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        sock = tmp_path / "kvstore" / "kvstore.sock"
+        from daemon_util import wait_serving
+
+        log = tmp_path / "unused.log"
+        log.write_text("")
+        wait_serving(str(sock), p, log)
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
+        out = subprocess.run([sys.executable, "-m", "kvstore", "stats"], env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "dram" in out.stdout and "0.250" in out.stdout
+        js = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json"], env=env, capture_output=True, text=True, timeout=30)
+        import json
+
+        assert json.loads(js.stdout)["tiers"][0]["capacity_bytes"] == str(256 << 20)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0

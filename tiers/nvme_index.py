@@ -1,0 +1,196 @@
+"""The NVMe tier's persistent index (LMDB) and its slot allocator.
+
+One LMDB environment in ``<dir>/index``: database ``blocks`` maps a 32-byte block key to a
+packed :class:`BlockRecord`; database ``meta`` holds the geometry the data files were laid out
+with. A record is committed only after its data is on the device, so every record names bytes
+that were completely written (the checksums decide whether they still are).
+
+Raises ``lmdb.Error`` subclasses; :mod:`kvstore.tiers.nvme` turns them into tier errors.
+Thread-safety: LMDB serialises writers itself; read transactions may run on any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import lmdb
+
+from kvstore.tiers.base import ExtentAllocator
+
+RECORD_VERSION = 1
+# version, flags, ns length, chunk count, offset, slot_bytes, nbytes, chunk_bytes, atime, ctime
+_HEAD = struct.Struct("<BBHIQQQQdd")
+_HAS_PARENT = 1
+
+
+@dataclass(slots=True)
+class BlockRecord:
+    """What the index knows about one committed block. Sizes in bytes, times in Unix seconds."""
+
+    key: bytes
+    ns_id: bytes
+    parent: bytes | None
+    offset: int          # byte offset in the tier's flat data space (file = offset // file_bytes)
+    slot_bytes: int      # the allocator's slot size for this namespace (>= nbytes)
+    nbytes: int          # bytes of block data
+    chunk_bytes: int     # bytes per checksummed chunk (one layer); 0 = whole block
+    sums: array          # xxh3_64 per chunk, array('Q')
+    atime: float
+    ctime: float
+
+    def pack(self) -> bytes:
+        flags = _HAS_PARENT if self.parent is not None else 0
+        return b"".join((
+            _HEAD.pack(RECORD_VERSION, flags, len(self.ns_id), len(self.sums), self.offset,
+                       self.slot_bytes, self.nbytes, self.chunk_bytes, self.atime, self.ctime),
+            self.ns_id, self.parent or b"", self.sums.tobytes()))
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes) -> "BlockRecord":
+        """Decode; raises ValueError on a record this version cannot read."""
+        if len(raw) < _HEAD.size:
+            raise ValueError("record too short")
+        ver, flags, ns_len, n, offset, slot_bytes, nbytes, chunk, atime, ctime = _HEAD.unpack_from(raw)
+        if ver != RECORD_VERSION:
+            raise ValueError(f"record version {ver}, expected {RECORD_VERSION}")
+        pos = _HEAD.size
+        ns_id = bytes(raw[pos:pos + ns_len])
+        pos += ns_len
+        parent = None
+        if flags & _HAS_PARENT:
+            parent = bytes(raw[pos:pos + 32])
+            pos += 32
+        sums = array("Q")
+        sums.frombytes(raw[pos:pos + 8 * n])
+        if len(ns_id) != ns_len or len(sums) != n or pos + 8 * n != len(raw):
+            raise ValueError("record length does not match its header")
+        return cls(bytes(key), ns_id, parent, offset, slot_bytes, nbytes, chunk, sums, atime, ctime)
+
+
+class NvmeIndex:
+    """LMDB environment holding block records and the data-file geometry."""
+
+    def __init__(self, path: str, map_bytes: int, durable: bool) -> None:
+        # sync/metasync off still survives a process crash (commits reach the page cache); only
+        # a power loss can then lose the last commits.
+        self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=2, sync=durable,
+                             metasync=durable, readahead=False, lock=True)
+        self.blocks = self.env.open_db(b"blocks")
+        self.meta = self.env.open_db(b"meta")
+
+    def geometry(self, wanted: dict) -> dict:
+        """The geometry stored in the index; stores ``wanted`` first if there is none."""
+        with self.env.begin(write=True, db=self.meta) as txn:
+            raw = txn.get(b"geometry")
+            if raw is None:
+                txn.put(b"geometry", json.dumps(wanted, sort_keys=True).encode())
+                return wanted
+        return json.loads(raw)
+
+    def scan(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every ``(key, raw record)``; one read transaction for the whole scan."""
+        with self.env.begin(db=self.blocks, buffers=False) as txn:
+            yield from txn.cursor()
+
+    def get(self, keys: Iterable[bytes]) -> list[BlockRecord | None]:
+        out = []
+        with self.env.begin(db=self.blocks, buffers=False) as txn:
+            for k in keys:
+                raw = txn.get(k)
+                out.append(None if raw is None else BlockRecord.unpack(k, raw))
+        return out
+
+    def commit(self, records: Iterable[BlockRecord], atimes: dict[bytes, float]) -> None:
+        """Insert ``records`` and update access times, in one transaction."""
+        with self.env.begin(write=True, db=self.blocks) as txn:
+            for rec in records:
+                txn.put(rec.key, rec.pack())
+            for key, t in atimes.items():
+                raw = txn.get(key)
+                if raw is not None:  # deleted since it was touched
+                    rec = BlockRecord.unpack(key, raw)
+                    rec.atime = t
+                    txn.put(key, rec.pack())
+
+    def delete(self, keys: Iterable[bytes]) -> None:
+        with self.env.begin(write=True, db=self.blocks) as txn:
+            for k in keys:
+                txn.delete(k)
+
+    def count(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.blocks)["entries"]
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class SlotAllocator(ExtentAllocator):
+    """:class:`ExtentAllocator` plus what a persistent tier needs: the slot count, the owner of
+    an offset, and :meth:`restore` to rebuild the free lists from the slots an index names.
+
+    ``restore`` reaches into the base class's state; it belongs in ``ExtentAllocator`` itself
+    once another tier needs it.
+    """
+
+    def __init__(self, capacity_bytes: int, extent_bytes: int, align_bytes: int) -> None:
+        super().__init__(capacity_bytes, extent_bytes, align_bytes)
+        self.used_slots = 0
+
+    def allocate(self, ns_id: bytes, slot_bytes: int) -> int | None:
+        off = super().allocate(ns_id, slot_bytes)
+        if off is not None:
+            self.used_slots += 1
+        return off
+
+    def free(self, ns_id: bytes, slot_bytes: int, offset: int) -> None:
+        super().free(ns_id, slot_bytes, offset)
+        self.used_slots -= 1
+
+    def owner(self, offset: int) -> tuple[bytes, int] | None:
+        """``(ns_id, slot_bytes)`` of the extent holding ``offset``, None if the extent is free."""
+        return self._extent_owner.get(offset // self.extent_bytes)
+
+    def slot_index_ok(self, slot_bytes: int, offset: int) -> bool:
+        """True if ``offset`` is the start of a slot of ``slot_bytes`` inside the usable range."""
+        stride = self.slot_stride(slot_bytes)
+        ext, rel = divmod(offset, self.extent_bytes)
+        return (0 <= offset < self.usable_bytes and stride <= self.extent_bytes
+                and rel % stride == 0 and rel + stride <= self.extent_bytes)
+
+    def restore(self, slots: Iterable[tuple[bytes, int, int]]) -> list[int]:
+        """Mark ``(ns_id, slot_bytes, offset)`` slots used on a fresh allocator, in one pass.
+
+        Returns the positions (in input order) of the slots refused: out of range, misaligned,
+        in an extent another namespace or slot size owns, or already claimed.
+        """
+        if self.used_slots or self._extent_owner:
+            raise RuntimeError("restore() needs a fresh allocator")
+        E = self.extent_bytes
+        by_ext: dict[int, tuple[tuple[bytes, int], set[int]]] = {}
+        refused = []
+        for i, (ns_id, slot_bytes, off) in enumerate(slots):
+            if not self.slot_index_ok(slot_bytes, off):
+                refused.append(i)
+                continue
+            owner = (ns_id, slot_bytes)
+            got = by_ext.setdefault(off // E, (owner, set()))
+            if got[0] != owner or off in got[1]:
+                refused.append(i)
+                continue
+            got[1].add(off)
+        for ext, (owner, used) in by_ext.items():
+            stride = self.slot_stride(owner[1])
+            base = ext * E
+            self._extent_owner[ext] = owner
+            self._extent_used[ext] = len(used)
+            pool = self._free_slots.setdefault(owner, [])
+            pool.extend(o for o in range(base + (E // stride - 1) * stride, base - 1, -stride) if o not in used)
+            self.used_bytes += len(used) * stride
+            self.used_slots += len(used)
+        self._free_extents = [e for e in self._free_extents if e not in by_ext]
+        return refused
