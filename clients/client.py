@@ -77,6 +77,20 @@ def as_bytes_view(kv, layout: KVLayout, what: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
+def empty_aligned(shape, dtype=np.uint8, align_bytes: int = 4096) -> np.ndarray:
+    """An uninitialised array whose data starts on a page boundary.
+
+    Reading a slot (page aligned) into a buffer that starts a few bytes past a page boundary
+    runs at about half speed on x86 (4K aliasing between loads and stores: measured 7 GB/s
+    against 14 GB/s here); pinned and page-aligned buffers avoid it. Use this for ``get``
+    destinations that are reused."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + align_bytes, np.uint8)
+    start = (-raw.ctypes.data) % align_bytes
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 @dataclass
 class LookupResult:
     hit_blocks: int
@@ -135,10 +149,17 @@ class ReadLease:
     def view(self, i: int) -> np.ndarray:
         return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)
 
-    def release(self) -> None:
+    def release(self, wait: bool = False) -> None:
+        """End the lease. By default the Release RPC is not waited for (it cannot fail in a way
+        the reader could act on; a lost release is reclaimed at the lease TTL)."""
         if self.lease_id:
             lid, self.lease_id = self.lease_id, 0
-            self.client._call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
+            req = pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid)
+            if wait:
+                self.client._call("Release", req)
+            else:
+                self.client._pending.append(self.client.stub.Release.future(req, timeout=self.client.timeout_s))
+                self.client._reap()
 
     def __enter__(self) -> "ReadLease":
         return self
@@ -160,6 +181,11 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.namespace: Namespace | None = None
         self.info: pb.RegisterResponse | None = None
+        self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
+
+    def _reap(self) -> None:
+        while self._pending and self._pending[0].done():
+            self._pending.pop(0)
 
     # --- plumbing ---------------------------------------------------------------------------
     def _call(self, method: str, request, timeout_s: float | None = None):
@@ -169,6 +195,12 @@ class KVStoreClient:
             raise KVStoreError(e.code(), e.details() or "") from None
 
     def close(self) -> None:
+        for f in self._pending:
+            try:
+                f.result()
+            except grpc.RpcError:
+                pass  # the lease TTL reclaims it
+        self._pending.clear()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -237,7 +269,7 @@ class KVStoreClient:
         return self._call("Delete", pb.DeleteRequest(session_id=self.session_id, keys=pack(keys))).deleted
 
     def _batch(self) -> int:
-        per_tier = max(1, self.info.arena_bytes // (4 * self.layout.block_bytes))
+        per_tier = max(1, self.info.arena_bytes // (2 * self.layout.block_bytes))
         return int(min(self.info.max_keys_per_request, per_tier))
 
     # --- data -------------------------------------------------------------------------------

@@ -195,7 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
+             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.transport.bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands with their own parsers get the rest of the line untouched (argparse's
+    # REMAINDER drops leading options).
+    for prefix, module in DELEGATED.items():
+        if tuple(argv[:len(prefix)]) == prefix:
+            import importlib
+
+            return importlib.import_module(module).main(argv[len(prefix):])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstore.errors import Code, KVError, invalid, not_found
-from kvstore.index import Block, BlockState, LruList
+from kvstore.index import Block, BlockState, Lru
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
@@ -80,7 +80,8 @@ class Core:
         self.namespaces: dict[bytes, NsState] = {}
         self.sessions: dict[bytes, Session] = {}
         self.leases: dict[int, Lease] = {}
-        self.lru: dict[TierKind, LruList] = {TierKind.DRAM: LruList()}
+        self._lrus: dict[tuple[TierKind, bytes], Lru] = {}  # per tier and namespace
+        self.tick = 0  # recency counter behind every Block.tick
         self._lease_ids = itertools.count(1)
         self.evicted: list[bytes] = []  # recent DRAM evictions, oldest first (for tests and ls)
         # Hooks the tier movement layer sets: called with a DRAM block about to be dropped; it
@@ -118,23 +119,39 @@ class Core:
         return split_keys(packed, self.max_keys)
 
     # --- lookup ----------------------------------------------------------------------------
-    def lookup(self, s: Session, packed: bytes) -> list[Block]:
-        """The leading committed blocks of ``packed`` in this namespace; stops at the first miss."""
-        blocks = s.ns.blocks
-        hits = []
+    def lookup(self, s: Session, packed: bytes) -> tuple[list[Block], bytes]:
+        """The leading committed blocks of ``packed`` in this namespace, stopping at the first
+        miss, and one tier byte per hit. The hot path of every request: kept lean."""
+        get = s.ns.blocks.get
+        committed = BlockState.COMMITTED
+        hits: list[Block] = []
+        append = hits.append
         for k in self._keys(packed):
-            b = blocks.get(k)
-            if b is None or b.state is not BlockState.COMMITTED:
+            b = get(k)
+            if b is None or b.state is not committed:
                 break
-            hits.append(b)
+            append(b)
         now = self.clock()
-        for b in reversed(hits):  # leaf first: ancestors end up more recent than descendants
+        tick = self.tick + len(hits) + 1
+        tiers = bytearray(len(hits))
+        for i, b in enumerate(hits):  # root most recent: ancestors outlive their descendants
+            tick -= 1
+            b.tick = tick
             b.hits += 1
             b.last_access = now
-            lru = self.lru.get(b.tier)
-            if lru is not None:
-                lru.touch(b)
-        return hits
+            tiers[i] = b.tier
+        self.tick += len(hits)
+        return hits, bytes(tiers)
+
+    def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
+        lru = self._lrus.get((tier, ns_id))
+        if lru is None:
+            lru = self._lrus[(tier, ns_id)] = Lru()
+        return lru
+
+    def touch(self, b: Block) -> None:
+        self.tick += 1
+        b.tick = self.tick
 
     # --- write path ------------------------------------------------------------------------
     def reserve(self, s: Session, packed: bytes, parent: bytes) -> tuple[Lease | None, list[int], bytes]:
@@ -193,16 +210,22 @@ class Core:
         return off
 
     def _evict_one(self, ns: NsState) -> bool:
-        """Evict one DRAM block, preferring this namespace's (whose slots fit exactly); another
-        namespace's blocks are evicted until one of its extents frees up."""
-        lru = self.lru[TierKind.DRAM]
-        victim = None
-        for b in lru:
-            if b.ns_id == ns.id and not b.busy and not b.has_kids_in(TierKind.DRAM):
-                victim = b
-                break
+        """Evict one DRAM block: this namespace's least recent leaf (its slots fit exactly),
+        else the least recent leaf of the namespace whose LRU head is oldest, until one of
+        that namespace's extents frees up."""
+        tier = TierKind.DRAM
+
+        def leaf(b: Block) -> bool:
+            return not b.busy and not b.has_kids_in(tier)
+
+        victim = self.lru(tier, ns.id).pop_victim(leaf)
         if victim is None:
-            victim = lru.victim(TierKind.DRAM)
+            heads = [(lru.peek_tick(), key[1]) for key, lru in self._lrus.items()
+                     if key[0] is tier and key[1] != ns.id and len(lru)]
+            for _tick, other in sorted(h for h in heads if h[0] is not None):
+                victim = self.lru(tier, other).pop_victim(leaf)
+                if victim is not None:
+                    break
         if victim is None:
             return False
         self._drop_from_dram(victim, "capacity")
@@ -210,7 +233,7 @@ class Core:
 
     def _drop_from_dram(self, b: Block, reason: str) -> None:
         kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
-        self.lru[TierKind.DRAM].remove(b)
+        self.lru(TierKind.DRAM, b.ns_id).discard(b)
         self.dram.free(b.ns_id, b.offset)
         if not kept:
             self._forget(b)
@@ -256,7 +279,7 @@ class Core:
             chosen = list(lease.blocks)
         ns = s.ns
         now = self.clock()
-        lru = self.lru[TierKind.DRAM]
+        lru = self.lru(TierKind.DRAM, ns.id)
         for b in chosen:
             b.state = BlockState.COMMITTED
             b.lease_id = 0
@@ -265,10 +288,11 @@ class Core:
                 b.parent = p
                 p.kids.add(b)
             b.last_access = now
-        for b in reversed(chosen):
-            lru.push(b)
+        for b in reversed(chosen):  # leaf first, then each parent: ancestors stay more recent
+            self.touch(b)
+            lru.add(b)
             if b.parent is not None:
-                lru.touch(b.parent)  # keep the parent more recent than its new leaf
+                self.touch(b.parent)
         done = set(map(id, chosen))
         lease.blocks = [b for b in lease.blocks if id(b) not in done]
         if not lease.blocks:
@@ -319,11 +343,12 @@ class Core:
         if not blocks:
             return None, []
         lease = Lease(next(self._lease_ids), LeaseKind.READ, s, blocks, self.clock() + self.lease_ttl_s)
-        lru = self.lru[TierKind.DRAM]
+        lru = self.lru(TierKind.DRAM, s.ns.id)
         now = self.clock()
         for b in reversed(blocks):
+            self.touch(b)
             if b.ref_cnt == 0:
-                lru.remove(b)
+                lru.discard(b)
             b.ref_cnt += 1
             b.last_access = now
         self.leases[lease.id] = lease
@@ -339,7 +364,7 @@ class Core:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.state is BlockState.COMMITTED and self.namespaces[b.ns_id].blocks.get(b.key) is b:
-                    self.lru[b.tier].push(b) if b.tier in self.lru else None
+                    self.lru(b.tier, b.ns_id).add(b)
                 else:
                     self._free_dropped(b)
         self._end_lease(lease)

@@ -26,10 +26,11 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from kvstore.layout import KVLayout
 from kvstore.modelcfg import ModelConfig
 
 # Priors used until a path has been measured: (bytes/s, seconds per transfer). Deliberately
@@ -52,7 +53,7 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyConfig:
+class LoadPolicyConfig:
     """Estimator and policy settings (bytes, seconds, FLOP/s)."""
 
     alpha: float = 0.2                    # weight of the newest transfer in the moving average
@@ -115,9 +116,9 @@ class _Fit:
 class BandwidthEstimator:
     """Online per-path bandwidth and per-transfer latency. Not thread-safe."""
 
-    def __init__(self, config: PolicyConfig | None = None, *,
+    def __init__(self, config: LoadPolicyConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or PolicyConfig()
+        self.config = config or LoadPolicyConfig()
         self.clock = clock
         self._fits: dict[str, _Fit] = {}
 
@@ -241,13 +242,27 @@ class PrefillCostModel:
                   ref_tokens: int = 2048, flops_per_s: float | None = None,
                   params: int | None = None) -> "PrefillCostModel":
         """Cost model of ``model``: calibrated from a reported throughput when given, else from
-        an effective FLOP rate (default :attr:`PolicyConfig.default_prefill_flops_per_s`).
+        an effective FLOP rate (default :attr:`LoadPolicyConfig.default_prefill_flops_per_s`).
         ``params`` overrides the active parameter count (2 x params FLOPs per token)."""
         linear = 2 * params if params else model.linear_flops_per_token()
         attn = model.attn_flops_per_pair()
         if tokens_per_s is not None:
             return cls.calibrated(linear, attn, tokens_per_s=tokens_per_s, ref_tokens=ref_tokens)
-        return cls(linear, attn, flops_per_s or PolicyConfig().default_prefill_flops_per_s)
+        return cls(linear, attn, flops_per_s or LoadPolicyConfig().default_prefill_flops_per_s)
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, *, params: float, tokens_per_s: float,
+                   ref_tokens: int = 2048) -> "PrefillCostModel":
+        """Cost model when the daemon knows only the KV layout, the (active) parameter count
+        and a throughput. The attention width ``d`` (query heads x head dim) is estimated from
+        the dense-transformer rule ``params ~ 12 x layers x d^2``, giving ``4 x layers x d``
+        FLOPs per query-key pair. With ``params <= 0`` the quadratic term is left out: seconds
+        are then ``tokens / tokens_per_s``, which underprices recomputing long prefixes."""
+        if params <= 0:
+            return cls.calibrated(1.0, 0.0, tokens_per_s=tokens_per_s, ref_tokens=ref_tokens)
+        width = math.sqrt(params / (12 * layout.num_layers))
+        return cls.calibrated(2 * params, 4 * layout.num_layers * width,
+                              tokens_per_s=tokens_per_s, ref_tokens=ref_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,13 +283,25 @@ class Decision:
 Runs = Mapping[object, int] | Sequence[tuple[object, int]]
 
 
+def runs_of(paths: Iterable[object]) -> list[tuple[str, int]]:
+    """Per-block paths in chain order (e.g. a Lookup's tier per hit block) -> ``(path, n)`` runs."""
+    runs: list[tuple[str, int]] = []
+    for p in paths:
+        key = normalize_path(p)
+        if runs and runs[-1][0] == key:
+            runs[-1] = (key, runs[-1][1] + 1)
+        else:
+            runs.append((key, 1))
+    return runs
+
+
 class LoadPolicy:
     """Decides load-or-recompute per block from measured paths and a prefill cost model.
     ``counts`` tallies outcomes for the metrics exporter. Not thread-safe."""
 
-    def __init__(self, config: PolicyConfig | None = None, *,
+    def __init__(self, config: LoadPolicyConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or PolicyConfig()
+        self.config = config or LoadPolicyConfig()
         self.bandwidth = BandwidthEstimator(self.config, clock=clock)
         self.counts: dict[Outcome, int] = {o: 0 for o in Outcome}
 
@@ -295,22 +322,28 @@ class LoadPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         pairs = list(runs.items()) if isinstance(runs, Mapping) else list(runs)
-        # Per block: its load seconds, and whether it opens a new transfer (pays latency).
-        step = np.zeros(0)
-        slowest: PathEstimate | None = None
-        per_transfer = self.config.max_blocks_per_transfer
+        ests: dict[str, PathEstimate] = {}
+        used: set[str] = set()
+        counts, per_block_s, latency_s = [], [], []
         for path, n in pairs:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"runs: block count for {path!r} must be an integer >= 0, got {n!r}")
-            if n == 0:
-                continue
-            est = self.bandwidth.estimate(path)
-            if slowest is None or est.bytes_per_s < slowest.bytes_per_s:
-                slowest = est
-            opens = np.zeros(n)
-            opens[:: per_transfer or n] = 1.0
-            step = np.concatenate([step, block_bytes / est.bytes_per_s + opens * est.latency_s])
-        blocks = len(step)
+            key = normalize_path(path)
+            if key not in ests:
+                ests[key] = self.bandwidth.estimate(key)
+            est = ests[key]
+            if n:
+                used.add(key)
+            counts.append(n)
+            per_block_s.append(block_bytes / est.bytes_per_s)
+            latency_s.append(est.latency_s)
+        blocks = sum(counts)
+        # Per block: its load seconds, plus the latency when it opens a new transfer.
+        n_arr = np.asarray(counts, dtype=np.int64)
+        within = np.arange(blocks) - np.repeat(np.cumsum(n_arr) - n_arr, n_arr)
+        per_transfer = self.config.max_blocks_per_transfer
+        opens = within % per_transfer == 0 if per_transfer else within == 0
+        step = np.repeat(per_block_s, n_arr) + opens * np.repeat(latency_s, n_arr)
         matched = blocks * block_tokens
         if blocks == 0:
             self.counts[Outcome.NONE] += 1
@@ -320,6 +353,7 @@ class LoadPolicy:
         recompute = (cost.linear_flops_per_token * (matched - starts) + cost.attn_flops_per_pair
                      * (matched * (matched + 1) - starts * (starts + 1)) / 2) / cost.flops_per_s
         total = load + recompute
+        slowest = min((ests[k] for k in used), key=lambda e: e.bytes_per_s)
         best = int(blocks - np.argmin(total[::-1]))                # last minimum: ties load more
         outcome = Outcome.LOAD if best == blocks else Outcome.RECOMPUTE if best == 0 else Outcome.PARTIAL
         self.counts[outcome] += 1

@@ -98,8 +98,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Lookup(self, req, context):
         with self.core.lock:
             s = self._session(req.session_id)
-            hits = self.core.lookup(s, req.keys)
-            tiers = bytes(b.tier for b in hits)
+            hits, tiers = self.core.lookup(s, req.keys)
             advice = self.d.advise(s, hits)
         m = self.metrics
         if m:

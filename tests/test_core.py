@@ -56,7 +56,7 @@ def test_capacity_and_exact_leaves_first_lru_order(env):
     clock.t += 1
     # Touch chain a's first 4 blocks: they become the most recent, and their descendants
     # a4..a15 are leaves-first candidates only after their own children go.
-    assert len(core.lookup(s, b"".join(a[:4]))) == 4
+    assert len(core.lookup(s, b"".join(a[:4]))[0]) == 4
     # Full: the next 3 blocks evict exactly the 3 least recently used leaves. Chain a was
     # committed first, leaf-first order: a15, a14, a13.
     c = chain(3, 3)
@@ -65,7 +65,7 @@ def test_capacity_and_exact_leaves_first_lru_order(env):
     # Parents are never evicted before their cached children: a12 is now a leaf and goes next.
     put(core, s, chain(4, 1))
     assert core.evicted[-1] == a[12]
-    assert core.lookup(s, b"".join(a)) and len(core.lookup(s, b"".join(a))) == 12
+    assert core.lookup(s, b"".join(a)) and len(core.lookup(s, b"".join(a))[0]) == 12
 
 
 def test_pinned_block_is_never_evicted_and_back_pressure_is_clear(env):
@@ -102,7 +102,7 @@ def test_leases_expire_on_the_injected_clock(env):
     clock.t += 0.2
     assert core.expire() == 2
     assert core.dram.alloc.used_bytes == used - 2 * 8192  # reservation freed, committed blocks kept
-    assert all(b.ref_cnt == 0 for b in core.lookup(s, b"".join(keys[2:])))
+    assert all(b.ref_cnt == 0 for b in core.lookup(s, b"".join(keys[2:]))[0])
     with pytest.raises(KVError) as e:
         core.commit(s, wl.id, b"")
     assert e.value.code is Code.NOT_FOUND
@@ -116,7 +116,7 @@ def test_second_writer_of_a_key_gets_busy_and_cannot_commit_it(env):
     l1, _, st1 = core.reserve(s1, k[0], b"")
     l2, _, st2 = core.reserve(s2, k[0], b"")
     assert st1 == b"\x00" and st2 == b"\x02" and l2 is None
-    assert core.lookup(s2, k[0]) == []  # reserved, not committed: a miss, not an error
+    assert core.lookup(s2, k[0])[0] == []  # reserved, not committed: a miss, not an error
     with pytest.raises(KVError) as e:
         core.acquire(s2, k[0], allow_partial=False)
     assert e.value.code is Code.FAILED_PRECONDITION and "not committed" in e.value.message
@@ -129,9 +129,9 @@ def test_namespaces_are_isolated(env):
     other = core.register(Namespace("m", LAYOUT, tenant_salt="tenant-b"))
     keys = chain(10, 2)
     put(core, s, keys)
-    assert core.lookup(other, b"".join(keys)) == []
+    assert core.lookup(other, b"".join(keys))[0] == []
     with pytest.raises(KVError) as e:
         core.acquire(other, b"".join(keys), allow_partial=False)
     assert e.value.code is Code.NOT_FOUND
     assert core.delete(other, b"".join(keys)) == (0, 0)
-    assert len(core.lookup(s, b"".join(keys))) == 2
+    assert len(core.lookup(s, b"".join(keys))[0]) == 2

@@ -155,6 +155,13 @@ class SlotAllocator(ExtentAllocator):
         """``(ns_id, slot_bytes)`` of the extent holding ``offset``, None if the extent is free."""
         return self._extent_owner.get(offset // self.extent_bytes)
 
+    def room(self, ns_id: bytes, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` that ``ns_id`` could allocate now."""
+        stride = self.slot_stride(slot_bytes)
+        if stride > self.extent_bytes:
+            return 0
+        return len(self._free_slots.get((ns_id, slot_bytes), ())) + len(self._free_extents) * (self.extent_bytes // stride)
+
     def slot_index_ok(self, slot_bytes: int, offset: int) -> bool:
         """True if ``offset`` is the start of a slot of ``slot_bytes`` inside the usable range."""
         stride = self.slot_stride(slot_bytes)
