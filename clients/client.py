@@ -169,12 +169,23 @@ class ReadLease:
 
 
 class KVStoreClient:
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 30.0, *, target: str | None = None,
+                 root_ca: bytes | None = None, client_cert: bytes | None = None, client_key: bytes | None = None,
+                 token: str | None = None) -> None:
+        """Connect over the daemon's unix socket (default), or to ``target`` ("host:port") over
+        TLS for cross-node control (``root_ca`` PEM; ``client_cert``/``client_key`` for mutual
+        TLS; ``token`` for the bearer token). Over TCP there is no arena: put/get need the socket."""
         self.socket_path = socket_path or default_socket_path()
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(f"unix:{self.socket_path}",
-                                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                                      ("grpc.max_send_message_length", 64 << 20)])
+        self.remote = bool(target)
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        if target:
+            creds = grpc.ssl_channel_credentials(root_ca, client_key, client_cert)
+            if token:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            self.channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=opts)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.session_id = b""
         self.arena: Arena | None = None
@@ -229,6 +240,9 @@ class KVStoreClient:
         self.session_id = resp.session_id
         if self.arena is not None:
             self.arena.close()
+            self.arena = None
+        if self.remote:
+            return  # no shared memory across nodes: control calls only
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(self.timeout_s)
             s.connect(resp.arena_socket)
@@ -237,12 +251,15 @@ class KVStoreClient:
         self.arena = Arena(size, fd=fd, prefault=False)
 
     def keys(self, token_ids) -> list[BlockKey]:
-        self._need_session()
+        if self.namespace is None:
+            raise RuntimeError("call register(layout, model_id) first")
         return chain_keys(self.namespace.root, token_ids, self.layout.block_tokens)
 
     def _need_session(self) -> None:
         if not self.session_id:
             raise RuntimeError("call register(layout, model_id) first")
+        if self.arena is None:
+            raise RuntimeError("no arena: data calls need the daemon's unix socket, not a TCP control connection")
 
     # --- lookup -----------------------------------------------------------------------------
     def lookup_keys(self, keys: Sequence[bytes]) -> LookupResult:

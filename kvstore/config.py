@@ -15,7 +15,7 @@ import os
 import re
 import tempfile
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields  # noqa: F401 - fields is used by daemon.reload
 from pathlib import Path
 from typing import Any
 

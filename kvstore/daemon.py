@@ -7,6 +7,7 @@ thread, the lease reaper, and the tier-movement workers once those tiers are ena
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -62,9 +63,30 @@ def _prepare_socket_path(path: str) -> None:
             probe.close()
 
 
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (health checks included)."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        md = dict(details.invocation_metadata or ())
+        if hmac.compare_digest(md.get("authorization", ""), self.expected):
+            return continuation(details)
+        return self._deny
+
+
 class Daemon:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, config_path: str | None = None, cli_overrides: dict | None = None) -> None:
         self.cfg = cfg
+        self.config_path = config_path
+        self.cli_overrides = cli_overrides or {}
+        self.tcp_server = None
         self.started = time.monotonic()
         self.metrics = Metrics()
         self.socket_path = cfg.resolved_socket_path()
@@ -166,6 +188,7 @@ class Daemon:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, cfg.server.socket_mode)
+        self.tcp_server = self._start_tcp() if cfg.server.tcp_listen else None
         self.start_extras()
         self.server.start()
         if cfg.metrics.port:
@@ -182,6 +205,61 @@ class Daemon:
         log.info("serving on unix:%s (arena %s, %.2f GiB DRAM, metrics %s:%s)", self.socket_path,
                  self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
         _sd_notify("READY=1")
+
+    def _start_tcp(self) -> grpc.Server:
+        """The cross-node control listener: TLS always, client certificates when a CA is set,
+        and a bearer token when one is configured. It serves the same servicer."""
+        s = self.cfg.server
+        try:
+            key, cert = open(s.tls_key_file, "rb").read(), open(s.tls_cert_file, "rb").read()
+            ca = open(s.tls_client_ca_file, "rb").read() if s.tls_client_ca_file else None
+        except OSError as e:
+            raise StartupError(f"server.tls_*: cannot read {e.filename}: {e.strerror}") from None
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        interceptors = [TokenInterceptor(s.auth_token)] if s.auth_token else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc-tcp"),
+                             interceptors=interceptors)
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            self.tcp_port = server.add_secure_port(s.tcp_listen, creds)
+        except RuntimeError as e:
+            raise StartupError(f"server.tcp_listen: cannot listen on {s.tcp_listen}: {e}") from None
+        if not self.tcp_port:
+            raise StartupError(f"server.tcp_listen: cannot listen on {s.tcp_listen}")
+        server.start()
+        log.info("TLS control listener on %s (mutual TLS: %s, token: %s)", s.tcp_listen, ca is not None, bool(s.auth_token))
+        return server
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file and environment; apply what can change live."""
+        from kvstore import config as C
+
+        try:
+            new = C.load(self.config_path, overrides=self.cli_overrides)
+        except C.ConfigError as e:
+            log.error("reload refused, keeping the running config: %s", e)
+            return
+        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "max_keys_per_request"),
+                ("server", "log_level"), ("server", "shutdown_grace_s"), ("nvme", "high_watermark"),
+                ("nvme", "low_watermark"), ("nvme", "admit_after_hits"), ("policy", "prefill_tokens_per_s"),
+                ("transport", "timeout_s")}
+        changed, frozen = [], []
+        for section, _ in C.sections():
+            old_sec, new_sec = getattr(self.cfg, section), getattr(new, section)
+            for f in C.fields(old_sec):
+                a, b = getattr(old_sec, f.name), getattr(new_sec, f.name)
+                if a != b:
+                    if (section, f.name) in live:
+                        setattr(old_sec, f.name, b)
+                        changed.append(f"{section}.{f.name}")
+                    else:
+                        frozen.append(f"{section}.{f.name}")
+        with self.core.lock:
+            self.core.lease_ttl_s = self.cfg.server.lease_ttl_s
+            self.core.max_keys = self.cfg.server.max_keys_per_request
+        logging.getLogger().setLevel(self.cfg.server.log_level.upper())
+        log.info("reloaded config: changed %s; need a restart: %s", changed or "nothing", frozen or "nothing")
 
     def start_extras(self) -> None:
         """Extra listeners and tiers (TLS TCP, NVMe, transport); extended as they land."""
@@ -235,6 +313,8 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         done = self.server.stop(grace)
+        if self.tcp_server is not None:
+            self.tcp_server.stop(grace).wait(grace + 1)
         done.wait(grace + 1)
         self.stop_extras(grace)
         try:
@@ -265,15 +345,14 @@ def _sd_notify(state: str) -> None:
         log.warning("sd_notify failed: %s", e)
 
 
-def run(cfg: Config, daemon_cls=Daemon) -> int:
+def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_overrides: dict | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    d = daemon_cls(cfg)
+    d = daemon_cls(cfg, config_path, cli_overrides)
     d.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    if hasattr(d, "reload"):
-        signal.signal(signal.SIGHUP, lambda *_: d.reload())
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=d.reload, name="reload").start())
     while not stop.wait(1.0):
         pass
     d.stop()

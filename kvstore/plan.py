@@ -4,11 +4,7 @@ Units: sizes are bytes (B); GB = 10^9 bytes and GiB = 2^30 bytes; GB/s = 10^9 by
 Gbit/s = 10^9 bits/s. A bare number given for a size is GB, for a rate GB/s; token counts
 accept a ``k`` suffix meaning 1024 tokens (``4k`` = 4096), as context lengths are quoted.
 
-Assumptions, stated in the output too: weights are all at one dtype and split evenly over the
-tensor-parallel (TP) group; KV heads are split over the group (MLA's latent is replicated on
-every GPU); paged allocation wastes on average ``(block_tokens - 1) / 2`` tokens per request in
-its last block; a cached shared prefix is shared in whole blocks only; when loading a prefix,
-every GPU loads its own KV shard over its own link.
+The assumptions behind the figures are listed in ``ASSUMPTIONS`` and printed with them.
 """
 
 from __future__ import annotations
@@ -29,6 +25,16 @@ GB = 10**9
 GIB = 2**30
 UNITS = "B = bytes; GB = 10^9 B; GiB = 2^30 B; GB/s = 10^9 B/s; Gbit/s = 10^9 bit/s"
 SIZE_DTYPES = (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.INT8, DType.INT4)
+ASSUMPTIONS = (
+    "weights are all at one dtype and split evenly over the tensor-parallel (TP) group",
+    "KV heads are split over the TP group; MLA's one latent is replicated on every GPU",
+    "paged allocation wastes (block_tokens - 1) / 2 tokens per request on average in its last "
+    "block (lengths uniform modulo the block size), never more than a full context",
+    "a shared prefix is cached and shared in whole blocks only",
+    "to load a prefix, every GPU loads its own KV shard over its own link; load and recompute "
+    "are not overlapped; per-transfer latency is left out (the daemon's policy measures it)",
+    "disaggregated serving ships each prompt's KV once, minus the shared prefix the decode side caches",
+)
 # Nominal one-direction speeds; pass --link NAME=RATE with measured figures instead.
 DEFAULT_LINKS = (("pcie4-x16", 25e9), ("pcie5-x16", 50e9), ("nvme-gen4", 7e9),
                  ("ib-ndr-400g", 50e9), ("eth-100g", 12.5e9))
@@ -174,7 +180,8 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
     headroom = opts.gpu_mem_bytes - opts.overhead_bytes - weights_gpu
     usable = max(headroom, 0)
     blocks_gpu = usable // (bt * tok_gpu)
-    exp_blocks = (opts.mean + (bt - 1) / 2) / bt   # E[ceil(len / bt)], lengths uniform mod bt
+    # E[ceil(len / bt)] with lengths uniform modulo bt, but never more than a full context.
+    exp_blocks = min((opts.mean + (bt - 1) / 2) / bt, math.ceil(ctx / bt))
     shared_blocks = opts.shared_prefix_tokens // bt
     own_blocks = exp_blocks - opts.hit_rate * shared_blocks
     capacity = {
@@ -186,7 +193,7 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
         "context_tokens": ctx, "kv_bytes_per_request_per_gpu": ctx * tok_gpu,
         "max_requests_contiguous": usable // (ctx * tok_gpu),
         "kv_blocks_per_gpu": blocks_gpu, "kv_tokens_per_gpu": blocks_gpu * bt,
-        "mean_tokens": opts.mean, "mean_last_block_waste_tokens": (bt - 1) / 2,
+        "mean_tokens": opts.mean, "mean_last_block_waste_tokens": exp_blocks * bt - opts.mean,
         "max_requests_paged": math.floor(blocks_gpu / exp_blocks),
         "max_requests_paged_shared_prefix": (math.floor((blocks_gpu - shared_blocks) / own_blocks)
                                              if shared_blocks and blocks_gpu > shared_blocks else None),
@@ -224,7 +231,7 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
                           "attn_flops_per_pair": cost.attn_flops_per_pair, "flops_per_s": cost.flops_per_s,
                           "calibration": (f"{opts.prefill_tokens_per_s} tokens/s at {opts.prefill_ref_tokens} tokens"
                                           if opts.prefill_tokens_per_s else f"{opts.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU x {tp}")},
-        "crossover": crossover, "disaggregated": None, "warnings": [],
+        "crossover": crossover, "disaggregated": None, "assumptions": list(ASSUMPTIONS), "warnings": [],
     }
     if headroom <= 0:
         report["warnings"].append(f"weights ({weights_gpu:,} B per GPU) plus overhead exceed --gpu-mem; raise --tp")
@@ -255,7 +262,7 @@ def render(r: dict) -> str:
            f"KV size ({r['block_tokens']} tokens per block; request = {r['request_tokens']:,} tokens; "
            f"per GPU at TP={c['tp']}: {c['kv_sharding']})",
            f"  {'dtype':<9}{'B/token/layer':>14}{'B/token':>12}{'B/block':>14}{'B/request':>16}"
-           f"{'GB/request':>12}{'per GPU':>12}{'+scales B/tok':>15}"]
+           f"{'GB/request':>12}{'GB/req/GPU':>12}{'+scales B/tok':>15}"]
     for s in r["kv_sizes"]:
         out.append(f"  {s['dtype']:<9}{s['bytes_per_token_layer']:>14,}{s['bytes_per_token']:>12,}"
                    f"{s['bytes_per_block']:>14,}{s['bytes_per_request']:>16,}{s['bytes_per_request'] / GB:>12.3f}"
@@ -291,7 +298,7 @@ def render(r: dict) -> str:
             f"  {'link':<14}{'GB/s':>8}{'load ms':>10}{'recompute ms':>14}  {'faster':<10}"
             f"{'crossover GB/s':>15}{'load wins from':>16}"]
     for x in r["crossover"]:
-        wins = "never" if x["load_wins_from_tokens"] is None else f"{x['load_wins_from_tokens']:,} tok"
+        wins = {None: "never", 1: "any length"}.get(x["load_wins_from_tokens"], f"{x['load_wins_from_tokens']:,} tok")
         out.append(f"  {x['link']:<14}{x['bytes_per_s'] / GB:>8.2f}{x['load_s'] * 1e3:>10.2f}"
                    f"{x['recompute_s'] * 1e3:>14.2f}  {x['faster']:<10}{x['crossover_bytes_per_s'] / GB:>15.2f}{wins:>16}")
     d = r["disaggregated"]
@@ -300,6 +307,7 @@ def render(r: dict) -> str:
                     f"({d['shipped_tokens_per_request']:,.0f} tokens shipped per request, {_gb(d['bytes_per_request'])})",
                 f"  link bandwidth needed      {d['bytes_per_s'] / GB:,.2f} GB/s = {d['bytes_per_s'] * 8 / 1e9:,.1f} Gbit/s",
                 "  links needed at nominal speed: " + ", ".join(f"{k} {v}" for k, v in d["links_needed"].items())]
+    out += ["", "assumptions:"] + [f"  - {a}" for a in r["assumptions"]]
     out += [f"warning: {w}" for w in r["warnings"]]
     return "\n".join(out)
 
