@@ -51,13 +51,21 @@ class DramTier:
     def view(self, slot: int, nbytes: int) -> np.ndarray:
         return self.arena.view(slot, nbytes)
 
+    def _slot_view(self, slot: int, nbytes: int) -> np.ndarray:
+        owner = self.alloc._extent_owner.get(slot // self.alloc.extent_bytes)
+        if owner is None:
+            raise ValueError(f"slot at {slot} is not allocated")
+        if nbytes > owner[1]:
+            raise ValueError(f"{nbytes} bytes do not fit a {owner[1]}-byte slot (would overwrite its neighbour)")
+        return self.arena.view(slot, nbytes)
+
     def write(self, slot: int, src) -> None:
         src = np.frombuffer(src, dtype=np.uint8)
-        np.copyto(self.arena.view(slot, src.nbytes), src)
+        np.copyto(self._slot_view(slot, src.nbytes), src)
 
     def read(self, slot: int, dst) -> None:
         dst = np.frombuffer(dst, dtype=np.uint8)
-        np.copyto(dst, self.arena.view(slot, dst.nbytes))
+        np.copyto(dst, self._slot_view(slot, dst.nbytes))
 
     def write_async(self, slot: int, src) -> Transfer:
         # A memcpy into faulted pages runs at 14-20 GB/s: not worth a thread hop.
