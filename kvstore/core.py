@@ -49,6 +49,7 @@ class NsState:
     sessions: int = 0
     prefill_tokens_per_s: float = 0.0
     model_params: float = 0.0
+    cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
 
 
 @dataclass(slots=True, eq=False)

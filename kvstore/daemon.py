@@ -8,6 +8,7 @@ thread, the lease reaper, and the tier-movement workers once those tiers are ena
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from kvstore.config import Config
 from kvstore.core import Core
 from kvstore.errors import Code, KVError
 from kvstore.metrics import Metrics
+from kvstore.policy import LoadPolicy, PrefillCostModel
 from kvstore.service import KVStoreService
 from kvstore.tiers.arena import Arena, send_fd
 from kvstore.tiers.base import TierKind
@@ -103,16 +105,31 @@ class Daemon:
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes)
         self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s,
                          max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
+        self.policy = LoadPolicy()
         self.server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
 
     # --- hooks the servicer calls; later tiers and the transport extend them --------------
     def on_register(self, session) -> None:
-        pass
+        st = session.ns
+        # Without a parameter count the cost model prices recompute as tokens / throughput
+        # (no quadratic attention term).
+        params = st.model_params or self.cfg.policy.model_params
+        st.cost = PrefillCostModel.for_layout(
+            st.ns.layout, params=params, tokens_per_s=st.prefill_tokens_per_s or self.cfg.policy.prefill_tokens_per_s)
 
-    def advise(self, session, hits) -> dict:
-        """Load-or-recompute advice for the matched prefix (policy lands with issue 5)."""
-        return {"load_blocks": len(hits), "reason": "all hits resident in DRAM" if hits else "no hit"}
+    def advise(self, session, hits, tiers: bytes) -> dict:
+        """Load-or-recompute advice for the matched prefix, from measured bandwidths and the
+        namespace's prefill cost model. Called under the core lock."""
+        if not hits:
+            return {"load_blocks": 0, "reason": "no cached prefix"}
+        st = session.ns
+        runs = [(TierKind(t).name.lower(), len(list(g))) for t, g in itertools.groupby(tiers)]
+        d = self.policy.decide(runs, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes, cost=st.cost)
+        if d.outcome.value in ("load", "recompute", "partial"):
+            self.metrics.policy_decisions.labels(decision=d.outcome.value).inc()
+        return {"load_blocks": d.load_blocks, "est_load_s": d.load_s, "est_recompute_s": d.all_recompute_s,
+                "reason": d.reason}
 
     def after_commit(self) -> None:
         pass
@@ -143,6 +160,8 @@ class Daemon:
             m.tier_blocks.labels(tier=name).set(st.blocks)
             m.tier_enabled.labels(tier=name).set(1 if st.enabled else 0)
         m.hbm_emulated.set(1 if self.hbm_emulated else 0)
+        for path, est in self.policy.bandwidth.snapshot().items():
+            m.tier_bandwidth.labels(path=path).set(est.bytes_per_s)
 
     def stats_pb(self) -> pb.StatsResponse:
         with self.core.lock:

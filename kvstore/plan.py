@@ -163,16 +163,20 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
     active = opts.params or model.params(active=True)
     wdt = opts.weight_dtype or model.weight_dtype
     sizes = []
+
+    def gpu_token_bytes(dt: DType) -> int:   # one GPU's KV shard per token, scales included
+        return model.gpu_layout(dt, tp, bt).bytes_per_token + model.scale_bytes_per_token(dt, heads_gpu or None)
+
     for dt in SIZE_DTYPES:
-        lay, gl = model.layout(dt, bt), model.gpu_layout(dt, tp, bt)
+        lay = model.layout(dt, bt)
         sizes.append({"dtype": dt.label, "bytes_per_token_layer": lay.bytes_per_token_layer,
                       "bytes_per_token": lay.bytes_per_token, "bytes_per_block": lay.block_bytes,
                       "bytes_per_request": lay.bytes_per_token * ctx,
                       "scale_bytes_per_token": model.scale_bytes_per_token(dt),
-                      "gpu_bytes_per_request": (gl.bytes_per_token + model.scale_bytes_per_token(dt, heads_gpu or None)) * ctx})
+                      "gpu_bytes_per_request": gpu_token_bytes(dt) * ctx})
     kv = model.layout(opts.kv_dtype, bt)
     mha = model.mha_bytes_per_token(opts.kv_dtype)
-    tok_gpu = model.gpu_layout(opts.kv_dtype, tp, bt).bytes_per_token + model.scale_bytes_per_token(opts.kv_dtype, heads_gpu or None)
+    tok_gpu = gpu_token_bytes(opts.kv_dtype)
     tok_all = kv.bytes_per_token + model.scale_bytes_per_token(opts.kv_dtype)
 
     weights = math.ceil(params * wdt.bits / 8)
@@ -229,8 +233,9 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
         "capacity": capacity, "prefix_cache": prefix,
         "prefill_model": {"linear_flops_per_token": cost.linear_flops_per_token,
                           "attn_flops_per_pair": cost.attn_flops_per_pair, "flops_per_s": cost.flops_per_s,
-                          "calibration": (f"{opts.prefill_tokens_per_s} tokens/s at {opts.prefill_ref_tokens} tokens"
-                                          if opts.prefill_tokens_per_s else f"{opts.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU x {tp}")},
+                          "calibration": (
+                              f"{opts.prefill_tokens_per_s} tokens/s at {opts.prefill_ref_tokens} tokens"
+                              if opts.prefill_tokens_per_s else f"{opts.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU x {tp}")},
         "crossover": crossover, "disaggregated": None, "assumptions": list(ASSUMPTIONS), "warnings": [],
     }
     if headroom <= 0:
@@ -272,7 +277,8 @@ def render(r: dict) -> str:
             f"  as full MHA ({m['attention_heads']} heads) this model would store {h['bytes_per_token']:,} B/token "
             f"in {h['kv_dtype']}: {m['kind'].upper()} saves {h['saving_factor']:.2f}x", "",
             f"Capacity (TP={c['tp']} x {_gb(c['gpu_mem_bytes'])} GPUs, weights {c['weight_dtype']}, KV {c['kv_dtype']})",
-            f"  weights                    {_gb(c['weight_bytes'])} ({c['params']:,} params), {_gb(c['weight_bytes_per_gpu'])} per GPU",
+            f"  weights                    {_gb(c['weight_bytes'])} ({c['params']:,} params), "
+            f"{_gb(c['weight_bytes_per_gpu'])} per GPU",
             f"  runtime overhead           {_gb(c['overhead_bytes_per_gpu'])} per GPU",
             f"  KV headroom                {_gb(c['kv_headroom_bytes_per_gpu'])} per GPU, "
             f"{_gb(c['kv_headroom_bytes_per_group'])} per TP group" + ("" if c["fits"] else "  (weights do not fit)"),

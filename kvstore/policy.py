@@ -15,7 +15,8 @@ Two models meet here:
 
 :meth:`LoadPolicy.decide` scans every split of the prefix (load the first ``j`` blocks,
 recompute the rest; only a prefix can be loaded, since recompute needs the KV before it) and
-picks the fastest. Transfers of different tiers are assumed serial (they share the host link).
+picks the fastest. Transfers of different tiers are assumed serial (they share the host link),
+and an NVMe or peer block also pays the DRAM-to-GPU hop, since it lands in the arena first.
 Nothing here is thread-safe: the daemon calls it under its one lock.
 """
 
@@ -62,6 +63,8 @@ class LoadPolicyConfig:
     max_blocks_per_transfer: int = 0      # a run of blocks on one path moves in transfers of at
                                           # most this many blocks; 0 = one transfer per run
     default_prefill_flops_per_s: float = 4.0e14  # ~40% of an H100's dense bf16 peak
+    lower_tiers_via_dram: bool = True     # NVMe and peer blocks land in the DRAM arena first,
+                                          # so their load also pays the "dram" hop to the GPU
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -329,14 +332,17 @@ class LoadPolicy:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"runs: block count for {path!r} must be an integer >= 0, got {n!r}")
             key = normalize_path(path)
-            if key not in ests:
-                ests[key] = self.bandwidth.estimate(key)
-            est = ests[key]
+            hops = [key]
+            if self.config.lower_tiers_via_dram and key not in ("hbm", "dram"):
+                hops.append("dram")
+            for hop in hops:
+                if hop not in ests:
+                    ests[hop] = self.bandwidth.estimate(hop)
             if n:
                 used.add(key)
             counts.append(n)
-            per_block_s.append(block_bytes / est.bytes_per_s)
-            latency_s.append(est.latency_s)
+            per_block_s.append(sum(block_bytes / ests[h].bytes_per_s for h in hops))
+            latency_s.append(sum(ests[h].latency_s for h in hops))
         blocks = sum(counts)
         # Per block: its load seconds, plus the latency when it opens a new transfer.
         n_arr = np.asarray(counts, dtype=np.int64)

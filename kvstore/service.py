@@ -87,7 +87,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if self.metrics:
                 self.metrics.sessions.set(len(self.core.sessions))
                 self.metrics.namespaces.set(len(self.core.namespaces))
-        self.d.on_register(s)
+            self.d.on_register(s)
         return pb.RegisterResponse(
             session_id=s.id, namespace_id=ns.root, arena_socket=self.d.arena_socket,
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
@@ -99,7 +99,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             hits, tiers = self.core.lookup(s, req.keys)
-            advice = self.d.advise(s, hits)
+            advice = self.d.advise(s, hits, tiers)
         m = self.metrics
         if m:
             bt = s.ns.ns.layout.block_tokens

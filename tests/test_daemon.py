@@ -192,3 +192,24 @@ def test_make_serve_defaults_reachable_by_kvstore_stats(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_lookup_carries_the_load_or_recompute_advice(client_factory, daemon):
+    import urllib.request
+
+    layout = KVLayout(4, 2, 64, "fp16")
+    tokens = list(range(10 * 16))
+    kv = np.ones(layout.tensor_shape(len(tokens)), np.float16)
+    slow = client_factory(layout, model_id="slow-prefill", prefill_tokens_per_s=100.0)
+    fast = client_factory(layout, model_id="fast-prefill", prefill_tokens_per_s=1e13)
+    for c in (slow, fast):
+        c.put(tokens, kv)
+    a = slow.lookup_keys(slow.keys(tokens))
+    assert a.hit_blocks == 10 and a.load_blocks == 10 and a.est_load_s < a.est_recompute_s
+    assert a.est_recompute_s == pytest.approx(160 / 100.0, rel=0.05)
+    b = fast.lookup_keys(fast.keys(tokens))
+    assert b.hit_blocks == 10 and b.load_blocks == 0 and b.est_recompute_s < a.est_recompute_s
+    assert "recompute" in b.reason
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+    assert 'kvstore_policy_decisions_total{decision="load"} 1.0' in text
+    assert 'kvstore_policy_decisions_total{decision="recompute"} 1.0' in text
