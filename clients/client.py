@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -271,10 +272,21 @@ class KVStoreClient:
         return self.lookup_keys(self.keys(token_ids)).hit_blocks * self.layout.block_tokens
 
     # --- leases -----------------------------------------------------------------------------
-    def reserve(self, keys: Sequence[bytes], parent: bytes = b"") -> WriteLease:
+    def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0) -> WriteLease:
+        """Reserve slots for ``keys``. While the daemon answers RESOURCE_EXHAUSTED because blocks
+        are still being demoted to NVMe, retry with backoff for at most ``retry_s`` seconds."""
         self._need_session()
-        resp = self._call("Reserve", pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent))
-        return WriteLease(self, list(keys), resp)
+        req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent)
+        deadline, pause = time.monotonic() + retry_s, 0.002
+        while True:
+            try:
+                return WriteLease(self, list(keys), self._call("Reserve", req))
+            except KVStoreError as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or "demoted" not in e.message \
+                        or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
         self._need_session()
@@ -313,8 +325,9 @@ class KVStoreClient:
                 stored += w.commit()
         return stored
 
-    def get(self, token_ids, out) -> int:
-        """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read."""
+    def get(self, token_ids, out, wait_s: float = 10.0) -> int:
+        """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read.
+        Blocks on a lower tier are promoted first, waiting at most ``wait_s`` seconds."""
         self._need_session()
         dst = as_bytes_view(out, self.layout, "out")
         keys = self.keys(token_ids)
@@ -325,7 +338,7 @@ class KVStoreClient:
         step = self._batch()
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
-            with self.acquire(chunk, allow_partial=True) as r:
+            with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
                 for i in range(r.count):
                     t0 = (start + i) * bt
                     np.copyto(dst[..., t0:t0 + bt, :], r.view(i).reshape(self._block_shape()))
@@ -339,6 +352,15 @@ class KVStoreClient:
         if L.kind is AttnKind.MLA:
             return (L.num_layers, L.block_tokens, L.bytes_per_token_layer)
         return (L.num_layers, 2, L.block_tokens, L.bytes_per_token_layer // 2)
+
+    def prefetch(self, keys: Sequence[bytes], deadline_s: float = 0.0) -> int:
+        """Start promoting ``keys`` into DRAM; returns a handle for :meth:`prefetch_status`."""
+        return self._call("Prefetch", pb.PrefetchRequest(session_id=self.session_id, keys=pack(keys),
+                                                         target=pb.TIER_DRAM, deadline_s=deadline_s)).handle
+
+    def prefetch_status(self, handle: int, wait_s: float = 0.0) -> pb.PrefetchStatusResponse:
+        return self._call("PrefetchStatus", pb.PrefetchStatusRequest(session_id=self.session_id, handle=handle,
+                                                                     wait_s=wait_s), timeout_s=wait_s + self.timeout_s)
 
     def stats(self) -> pb.StatsResponse:
         return self._call("Stats", pb.StatsRequest())

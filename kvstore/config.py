@@ -92,6 +92,8 @@ class NvmeConfig:
     high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe"})
     low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
     admit_after_hits: int = field(default=0, metadata={"help": "admission: demote only blocks looked up at least this many times (0 = all)"})
+    durable_commit: bool = field(default=False, metadata={"help": "Commit returns only once the blocks are on NVMe (survive a crash); else they reach NVMe by demotion"})
+    file_bytes: int = field(default=16 * 1024**3, metadata={"help": "size of each preallocated data file (bytes)"})
 
 
 @dataclass

@@ -88,6 +88,11 @@ class Core:
         # Hooks the tier movement layer sets: called with a DRAM block about to be dropped; it
         # returns True when the block's data was kept in a lower tier instead.
         self.on_evict: Callable[[Block], bool] | None = None
+        # Set by tier movement: True for a block that must reach NVMe before DRAM may drop it.
+        self.must_demote: Callable[[Block], bool] | None = None
+        self.waiting_for_demotion = False
+        self.demoting = 0  # blocks whose DRAM slot is being copied to NVMe right now
+        self.demand_bytes = 0  # room the last reservation refused for demotion needed
 
     # --- sessions --------------------------------------------------------------------------
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
@@ -185,6 +190,11 @@ class Core:
         try:
             for i in todo:
                 off = self._allocate(ns)
+                if off is None and (self.waiting_for_demotion or self.demoting):
+                    self.waiting_for_demotion = True
+                    self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
+                    raise KVError(Code.RESOURCE_EXHAUSTED,
+                                  "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds")
                 if off is None:
                     raise KVError(Code.RESOURCE_EXHAUSTED,
                                   f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "
@@ -197,6 +207,8 @@ class Core:
         except KVError:
             self._free_reserved(lease)
             raise
+        self.demand_bytes = 0
+        self.waiting_for_demotion = False
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
         self._lease_gauge()
@@ -229,6 +241,12 @@ class Core:
                     break
         if victim is None:
             return False
+        if self.must_demote is not None and self.must_demote(victim):
+            # Its data would be lost: put it back and let the writer retry once the
+            # background demotion has moved it (back-pressure, not loss).
+            self.lru(tier, victim.ns_id).add(victim)
+            self.waiting_for_demotion = True
+            return False
         self._drop_from_dram(victim, "capacity")
         return True
 
@@ -236,7 +254,9 @@ class Core:
         kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
         self.lru(TierKind.DRAM, b.ns_id).discard(b)
         self.dram.free(b.ns_id, b.offset)
-        if not kept:
+        if kept:
+            b.tier, b.offset = TierKind.NVME, -1
+        else:
             self._forget(b)
         if reason == "capacity":
             self.evicted.append(b.key)
@@ -266,7 +286,7 @@ class Core:
             raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: is a {lease.kind} lease, not a {kind} lease")
         return lease
 
-    def commit(self, s: Session, lease_id: int, packed: bytes) -> int:
+    def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
         lease = self._lease(s, lease_id, LeaseKind.WRITE)
         if packed:
             wanted = self._keys(packed)
@@ -301,7 +321,7 @@ class Core:
         if self.metrics:
             self.metrics.blocks_committed.inc(len(chosen))
             self.metrics.bytes_written.inc(len(chosen) * ns.block_bytes)
-        return len(chosen)
+        return chosen
 
     def abort(self, s: Session, lease_id: int) -> int:
         lease = self._lease(s, lease_id, LeaseKind.WRITE)
@@ -330,7 +350,7 @@ class Core:
         blocks = []
         for i, k in enumerate(keys):
             b = s.ns.blocks.get(k)
-            if b is None or b.tier is not TierKind.DRAM or b.state is not BlockState.COMMITTED or b.busy:
+            if b is None or b.tier is not TierKind.DRAM or b.state is not BlockState.COMMITTED:
                 if allow_partial:
                     break
                 if b is None:
@@ -416,12 +436,12 @@ class Core:
         return deleted, busy
 
     def _delete_block(self, b: Block) -> None:
+        if b.on_nvme and self.on_delete is not None:
+            self.on_delete(b)
         if b.tier is TierKind.DRAM:
             self._drop_from_dram(b, "delete")
         else:
             self._forget(b)
-            if self.on_delete is not None:
-                self.on_delete(b)
 
     on_delete: Callable[[Block], None] | None = None
 

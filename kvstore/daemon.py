@@ -131,13 +131,13 @@ class Daemon:
         return {"load_blocks": d.load_blocks, "est_load_s": d.load_s, "est_recompute_s": d.all_recompute_s,
                 "reason": d.reason}
 
-    def after_commit(self) -> None:
+    def after_commit(self, blocks) -> None:
         pass
 
-    def make_resident(self, session, packed_keys: bytes, wait_s: float) -> None:
+    def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
         pass
 
-    def prefetch(self, session, packed_keys: bytes, target: TierKind, deadline_s: float) -> int:
+    def prefetch(self, session, keys: list[bytes], target: TierKind, deadline_s: float) -> int:
         raise KVError(Code.UNAVAILABLE, "prefetch: no lower tier is enabled (set nvme.dir); DRAM blocks are already resident")
 
     def prefetch_status(self, session, handle: int, wait_s: float):

@@ -33,59 +33,53 @@ class Block:
     hits: int = 0
     last_access: float = 0.0
     lease_id: int = 0  # write lease while RESERVED
-    busy: bool = False  # being moved between tiers; not evictable, not readable elsewhere
+    busy: bool = False  # its slot is under I/O (demotion, promotion): neither evicted nor deleted
+    on_nvme: bool = False  # an NVMe copy exists (dropping the DRAM copy loses nothing)
     tick: int = 0  # recency: higher is more recent
-    in_lru: bool = False
-    lru_seq: int = 0
 
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)
 
 
 class Lru:
-    """Exact LRU over one tier, ordered by ``Block.tick`` (a recency counter the core bumps).
+    """Exact LRU over one tier of one namespace, ordered by ``Block.tick`` (a recency counter the
+    core bumps).
 
     Touching a block is one attribute store (``b.tick = ...``): a Lookup of 8192 keys touches
     8192 blocks, so touch must cost nothing. Heap entries whose tick went stale are re-filed
-    when they reach the top, which keeps pops in exact tick order. ``add`` and ``discard`` are
-    O(log n) / O(1); a victim pop is O(log n) amortised.
+    when they reach the top, which keeps pops in exact tick order. Membership lives here, not
+    on the block, because a block with an NVMe copy is in the DRAM and the NVMe LRU at once.
+    ``add`` is O(log n), ``discard`` O(1), a victim pop O(log n) amortised.
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Block]] = []
+        self._live: dict[int, int] = {}  # id(block) -> seq of its valid heap entry
         self._seq = 0
-        self.size = 0
+
+    def __contains__(self, b: Block) -> bool:
+        return id(b) in self._live
 
     def add(self, b: Block) -> None:
-        if b.in_lru:
-            return
-        b.in_lru = True
-        self.size += 1
-        self._file(b)
+        if id(b) not in self._live:
+            self._file(b)
 
     def _file(self, b: Block) -> None:
         self._seq += 1
-        b.lru_seq = self._seq
+        self._live[id(b)] = self._seq
         heapq.heappush(self._heap, (b.tick, self._seq, b))
 
     def discard(self, b: Block) -> None:
-        if b.in_lru:
-            b.in_lru = False
-            self.size -= 1
-            if len(self._heap) > 4 * self.size + 1024:
-                self._compact()
-
-    def _compact(self) -> None:
-        live = [(b.tick, seq, b) for _, seq, b in self._heap if b.in_lru and b.lru_seq == seq]
-        heapq.heapify(live)
-        self._heap = live
+        if self._live.pop(id(b), None) is not None and len(self._heap) > 4 * len(self._live) + 1024:
+            self._heap = [e for e in self._heap if self._live.get(id(e[2])) == e[1]]
+            heapq.heapify(self._heap)
 
     def _top(self) -> Block | None:
         """The live least recent block, re-filing stale entries on the way; not removed."""
-        h = self._heap
+        h, live = self._heap, self._live
         while h:
             tick, seq, b = h[0]
-            if not b.in_lru or b.lru_seq != seq:
+            if live.get(id(b)) != seq:
                 heapq.heappop(h)
             elif tick != b.tick:
                 heapq.heappop(h)
@@ -108,20 +102,18 @@ class Lru:
             if b is None:
                 break
             heapq.heappop(self._heap)
+            del self._live[id(b)]
             if ok(b):
                 victim = b
                 break
             skipped.append(b)
         for b in skipped:
             self._file(b)
-        if victim is not None:
-            victim.in_lru = False
-            self.size -= 1
         return victim
 
     def order(self) -> list[Block]:
         """Live blocks, least recent first (for tests and `kvstore ls`)."""
-        return sorted((b for _, seq, b in self._heap if b.in_lru and b.lru_seq == seq), key=lambda b: b.tick)
+        return sorted((b for _, seq, b in self._heap if self._live.get(id(b)) == seq), key=lambda b: b.tick)
 
     def __len__(self) -> int:
-        return self.size
+        return len(self._live)

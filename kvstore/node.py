@@ -1,13 +1,93 @@
-"""The node daemon: the DRAM core plus the tiers and transport enabled by config.
+"""The node daemon: the DRAM core plus the NVMe tier and the transfer listener when configured.
 
-Each capability is a mixin over :class:`kvstore.daemon.Daemon` hooks, so the core daemon stays
-small and each tier's wiring lives next to its own concerns.
+:class:`kvstore.daemon.Daemon` owns the core and gRPC; this class fills its hooks with tier
+movement (:mod:`kvstore.tiering`) so the base daemon stays small.
 """
 
 from __future__ import annotations
 
+import logging
+
 from kvstore.daemon import Daemon
+from kvstore.errors import Code, KVError
+from kvstore.tiers.base import TierKind, TierStats
+
+log = logging.getLogger("kvstore.node")
 
 
 class NodeDaemon(Daemon):
-    pass
+    tiering = None
+    nvme_error = ""
+
+    def start_extras(self) -> None:
+        n = self.cfg.nvme
+        if not n.dir:
+            return
+        from kvstore.tiering import Tiering
+        from kvstore.tiers.nvme import NvmeConfig, NvmeError, NvmeTier
+
+        extent = self.cfg.dram.extent_bytes
+        cap = n.capacity_bytes // extent * extent
+        file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
+        try:
+            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent),
+                            metrics=self.metrics)
+        except (NvmeError, OSError, ValueError) as e:
+            # The daemon keeps serving from DRAM; stats and metrics show the tier disabled and why.
+            self.nvme_error = f"nvme.dir: {e}"
+            log.error("NVMe tier disabled: %s", self.nvme_error)
+            return
+        self.tiering = Tiering(self, tier)
+        blocks = self.tiering.recover()
+        log.info("NVMe tier at %s: %d blocks recovered (%s I/O)", n.dir, blocks, tier.io_mode.value)
+        self.tiering.start()
+
+    def stop_extras(self, grace_s: float) -> None:
+        if self.tiering is not None:
+            self.tiering.close(grace_s)
+
+    def tier_stats(self) -> list[TierStats]:
+        out = super().tier_stats()
+        if self.tiering is not None:
+            st = self.tiering.nvme.stats()
+            if not st.enabled:
+                st.extra = {"reason": st.extra.get("disabled_reason", "")}
+            else:
+                st.extra = {}
+            out.append(st)
+        elif self.cfg.nvme.dir:
+            out.append(TierStats(TierKind.NVME, 0, 0, 0, enabled=False, extra={"reason": self.nvme_error}))
+        return out
+
+    # --- hooks ------------------------------------------------------------------------------
+    def on_register(self, session) -> None:
+        super().on_register(session)
+        if self.tiering is not None:
+            try:
+                self.tiering.remember(session.ns)
+            except OSError as e:
+                log.error("cannot record namespace for NVMe recovery: %s", e)
+
+    def after_commit(self, blocks) -> None:
+        t = self.tiering
+        if t is None:
+            return
+        if self.cfg.nvme.durable_commit:
+            t.persist(blocks)
+        t.kick.set()
+
+    def make_resident(self, session, keys, wait_s: float) -> None:
+        if self.tiering is not None:
+            self.tiering.make_resident(session, keys, wait_s)
+
+    def prefetch(self, session, keys, target: TierKind, deadline_s: float) -> int:
+        if target is not TierKind.DRAM:
+            raise KVError(Code.INVALID_ARGUMENT, f"target: prefetch into {target.name} is not supported; use TIER_DRAM")
+        if self.tiering is None:
+            return super().prefetch(session, keys, target, deadline_s)
+        return self.tiering.prefetch(session, keys, deadline_s)
+
+    def prefetch_status(self, session, handle: int, wait_s: float):
+        if self.tiering is None:
+            return super().prefetch_status(session, handle, wait_s)
+        return self.tiering.prefetch_status(session, handle, wait_s)

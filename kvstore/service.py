@@ -121,9 +121,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Commit(self, req, context):
         with self.core.lock:
             s = self._session(req.session_id)
-            n = self.core.commit(s, req.lease_id, req.keys)
-        self.d.after_commit()
-        return pb.CommitResponse(committed=n)
+            blocks = self.core.commit(s, req.lease_id, req.keys)
+        self.d.after_commit(blocks)
+        return pb.CommitResponse(committed=len(blocks))
 
     @rpc
     def Abort(self, req, context):
@@ -136,7 +136,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("wait_s: must be >= 0")
         with self.core.lock:
             s = self._session(req.session_id)
-        self.d.make_resident(s, req.keys, min(req.wait_s, 60.0))
+        if req.wait_s > 0:
+            self.d.make_resident(s, self.core._keys(req.keys), min(req.wait_s, 60.0))
         with self.core.lock:
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
@@ -174,7 +175,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             s = self._session(req.session_id)
             self.core._keys(req.keys)
         target = TierKind(req.target) if req.target else TierKind.DRAM
-        handle = self.d.prefetch(s, req.keys, target, req.deadline_s)
+        handle = self.d.prefetch(s, self.core._keys(req.keys), target, req.deadline_s)
         return pb.PrefetchResponse(handle=handle)
 
     @rpc

@@ -1,0 +1,463 @@
+"""Tier movement between DRAM and NVMe: background demotion between watermarks, promotion on
+read, prefetch with deadlines, restart recovery, and optional durable commits.
+
+A block can live in DRAM, on NVMe, or both (``Block.on_nvme``: an NVMe copy exists, so dropping
+the DRAM copy loses nothing). Metadata changes happen under ``Core.lock``; the I/O itself runs
+on the NVMe tier's threads with the lock released. A block whose slot is being copied is
+``busy``: it can still be read where it is, but it is neither evicted nor deleted until the copy
+ends, so a slot is never reused under an I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvstore.core import Core, NsState
+from kvstore.errors import Code, KVError
+from kvstore.index import Block, BlockState
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.nvme import NvmeTier, Outcome
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger("kvstore.tiering")
+NVME, DRAM = TierKind.NVME, TierKind.DRAM
+MAX_PREFETCHES = 4096
+
+
+@dataclass(eq=False)
+class Prefetch:
+    id: int
+    session_id: bytes
+    keys: list[bytes]
+    started: float
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    missed: bool = False
+    failed: str = ""
+
+
+class Tiering:
+    def __init__(self, daemon, nvme: NvmeTier) -> None:
+        self.d = daemon
+        self.core: Core = daemon.core
+        self.nvme = nvme
+        self.cfg = daemon.cfg.nvme
+        self.metrics = daemon.metrics
+        self.kick = threading.Event()
+        self.stopping = threading.Event()
+        self.changed = threading.Condition(self.core.lock)  # notified when promotions land
+        self.prefetches: dict[int, Prefetch] = {}
+        self.draining = False  # demoting: went over the high watermark, not yet under the low one
+        self._ids = itertools.count(1)
+        self._ns_file = os.path.join(nvme.config.dir, "namespaces.json")
+        self._known_ns: dict[str, dict] = {}
+        self.core.on_evict = self._keep_on_nvme
+        self.core.must_demote = self._must_demote
+        self.core.on_delete = self._delete_copy
+        self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
+
+    # --- restart ----------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Rebuild the index of every block the NVMe tier holds; returns blocks recovered."""
+        try:
+            self._known_ns = json.loads(open(self._ns_file).read())
+        except FileNotFoundError:
+            self._known_ns = {}
+        except (OSError, ValueError) as e:
+            log.error("%s unreadable (%s): NVMe blocks of unknown namespaces are dropped", self._ns_file, e)
+            self._known_ns = {}
+        core = self.core
+        for hex_id, d in self._known_ns.items():
+            ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
+            if ns.root.hex() == hex_id and ns.root not in core.namespaces:
+                core.namespaces[ns.root] = NsState(ns, ns.root, ns.layout.block_bytes)
+        entries = sorted(self.nvme.entries(), key=lambda e: e.atime)
+        orphans, n = [], 0
+        with core.lock:
+            for e in entries:
+                st = core.namespaces.get(e.ns_id)
+                if st is None or e.nbytes != st.block_bytes:
+                    orphans.append(e.key)
+                    continue
+                b = Block(e.key, e.ns_id, NVME, -1, state=BlockState.COMMITTED, parent_key=e.parent, on_nvme=True)
+                b.last_access = e.atime
+                st.blocks[e.key] = b
+                core.touch(b)
+                n += 1
+            for st in core.namespaces.values():
+                for b in st.blocks.values():
+                    p = st.blocks.get(b.parent_key) if b.parent_key else None
+                    if p is not None:
+                        b.parent = p
+                        p.kids.add(b)
+            # Re-file in recency order now that parents are linked.
+            for e in entries:
+                st = core.namespaces.get(e.ns_id)
+                b = st.blocks.get(e.key) if st else None
+                if b is not None:
+                    core.lru(NVME, e.ns_id).add(b)
+        if orphans:
+            log.warning("dropping %d NVMe blocks of namespaces this daemon cannot describe", len(orphans))
+            self.nvme.delete(orphans)
+        return n
+
+    def remember(self, st: NsState) -> None:
+        """Persist a namespace's description so its NVMe blocks are recovered after a restart."""
+        hex_id = st.id.hex()
+        if hex_id in self._known_ns:
+            return
+        ns = st.ns
+        self._known_ns[hex_id] = {"model_id": ns.model_id, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
+                                  "tp_world": ns.tp_world, "tenant_salt": ns.tenant_salt}
+        tmp = self._ns_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self._known_ns, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._ns_file)
+
+    # --- hooks the core calls (under its lock) ----------------------------------------------
+    def _keep_on_nvme(self, b: Block) -> bool:
+        """A DRAM block is being evicted: keep it as an NVMe block if a copy is there."""
+        if b.on_nvme and self.nvme.enabled:
+            self.core.lru(NVME, b.ns_id).add(b)
+            return True
+        return False
+
+    def _must_demote(self, b: Block) -> bool:
+        if b.on_nvme or not self.nvme.enabled or b.hits < self.cfg.admit_after_hits:
+            return False
+        self.kick.set()
+        return True
+
+    def _delete_copy(self, b: Block) -> None:
+        if b.on_nvme:
+            b.on_nvme = False
+            self.core.lru(NVME, b.ns_id).discard(b)
+            try:
+                self.nvme.delete([b.key])
+            except Exception as e:  # noqa: BLE001 - the tier disables itself; DRAM keeps serving
+                log.error("NVMe delete failed: %s", e)
+
+    # --- demotion ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def _demote_loop(self) -> None:
+        while not self.stopping.is_set():
+            self.kick.wait(0.05)
+            self.kick.clear()
+            if not self.nvme.enabled:
+                self._nvme_lost()
+                continue
+            try:
+                while not self.stopping.is_set() and self._demote_round():
+                    pass
+            except Exception:  # noqa: BLE001 - keep the daemon serving from DRAM
+                log.exception("demotion round failed")
+
+    def _pick(self, want_bytes: int) -> list[Block]:
+        """Least recent DRAM leaves across namespaces, up to ``want_bytes`` (under the lock). A
+        parent whose DRAM children are all picked in this round counts as a leaf: the whole run
+        goes to NVMe together, so leaves-first order still holds."""
+        core, picked, got = self.core, [], 0
+        chosen: set[int] = set()
+
+        def ok(b: Block) -> bool:
+            return not b.busy and all(k.tier is not DRAM or id(k) in chosen for k in b.kids)
+
+        while got < want_bytes:
+            heads = [(lru.peek_tick(), ns_id) for (tier, ns_id), lru in core._lrus.items() if tier is DRAM and len(lru)]
+            heads = [h for h in heads if h[0] is not None]
+            if not heads:
+                break
+            b = core.lru(DRAM, min(heads)[1]).pop_victim(ok)
+            if b is None:
+                break
+            picked.append(b)
+            chosen.add(id(b))
+            got += core.dram.slot_stride(core.namespaces[b.ns_id].block_bytes)
+        return picked
+
+    def _demote_round(self) -> bool:
+        """One batch of demotions. Starts above the high watermark (or when a writer waits for
+        room) and keeps going until usage is under the low watermark and the waiting writer's
+        reservation fits."""
+        core, dram = self.core, self.core.dram
+        with core.lock:
+            used, cap = dram.alloc.used_bytes, dram.capacity_bytes
+            if used > self.cfg.high_watermark * cap or core.waiting_for_demotion:
+                self.draining = True
+            want = max(used - int(self.cfg.low_watermark * cap), core.demand_bytes - (cap - used))
+            if not self.draining or want <= 0:
+                log.debug("demotion idle: used %d of %d, demand %d", used, cap, core.demand_bytes)
+                self.draining = False
+                core.waiting_for_demotion = False
+                return False
+            victims = self._pick(min(want, 256 << 20))
+            if not victims:
+                log.debug("demotion wants %d bytes but finds no unpinned leaf", want)
+                return False
+            items, moving = [], []
+            for b in victims:
+                st = core.namespaces[b.ns_id]
+                if b.on_nvme:
+                    core._drop_from_dram(b, "capacity")  # a copy is there already: just move
+                elif b.hits < self.cfg.admit_after_hits:
+                    core._drop_from_dram(b, "capacity")  # not admitted to NVMe
+                else:
+                    b.busy = True
+                    moving.append(b)
+                    items.append((b.ns_id, b.key, b.parent_key, st.ns.layout.layer_chunk_bytes,
+                                  dram.view(b.offset, st.block_bytes)))
+            core.demoting += len(moving)
+        if not items:
+            return True
+        t0 = time.perf_counter()
+        batch = self._put(items)
+        with core.lock:
+            core.demoting -= len(moving)
+            no_space = False
+            for b in moving:
+                b.busy = False
+                outcome = batch.results.get(b.key) if batch else Outcome.FAILED
+                live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
+                if outcome in (Outcome.OK, Outcome.PRESENT) and live:
+                    b.on_nvme = True
+                    if b.ref_cnt == 0:
+                        core._drop_from_dram(b, "capacity")  # kept: becomes an NVMe block
+                        self.metrics.demotions.labels(src="dram", dst="nvme").inc()
+                elif outcome in (Outcome.OK, Outcome.PRESENT):
+                    self._delete_nvme([b.key])  # deleted while it was being written
+                    self._release_dram(b)
+                else:
+                    no_space |= outcome is Outcome.NO_SPACE
+                    if live and b.ref_cnt == 0:
+                        core.lru(DRAM, b.ns_id).add(b)
+                    elif not live:
+                        self._release_dram(b)
+            if no_space:
+                self._evict_nvme(len(moving))
+            self._drive_prefetches()
+            self.changed.notify_all()
+        if batch is not None and batch.nbytes:
+            self.d.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
+        log.debug("demoted %d blocks in %.4f s (%s)", len(moving), time.perf_counter() - t0,
+                  "ok" if batch is not None and batch.error is None else batch.error if batch else "tier off")
+        return True
+
+    def _put(self, items):
+        try:
+            batch = self.nvme.put_many(items)
+        except Exception as e:  # noqa: BLE001 - disabled tier: DRAM keeps serving
+            log.error("NVMe put failed: %s", e)
+            return None
+        if not batch.wait(self.d.cfg.transport.timeout_s * 4):
+            log.error("NVMe put of %d blocks still running after its bound", len(items))
+            batch.wait()  # the slots are under I/O: they must not be reused until it ends
+        return batch
+
+    def _release_dram(self, b: Block) -> None:
+        """Free the DRAM slot of a block that was deleted while busy."""
+        if b.tier is DRAM and b.offset >= 0 and b.ref_cnt == 0:
+            self.core.dram.free(b.ns_id, b.offset)
+            b.offset = -1
+
+    def _delete_nvme(self, keys: list[bytes]) -> None:
+        try:
+            self.nvme.delete(keys)
+        except Exception as e:  # noqa: BLE001
+            log.error("NVMe delete failed: %s", e)
+
+    def _evict_nvme(self, count: int) -> None:
+        """Drop ``count`` least recent NVMe leaves to make room (under the lock)."""
+        core, dropped = self.core, []
+
+        def ok(b: Block) -> bool:
+            return not b.busy and not any(k.on_nvme for k in b.kids)
+
+        for _ in range(count):
+            heads = [(lru.peek_tick(), ns_id) for (tier, ns_id), lru in core._lrus.items() if tier is NVME and len(lru)]
+            heads = [h for h in heads if h[0] is not None]
+            if not heads:
+                break
+            b = core.lru(NVME, min(heads)[1]).pop_victim(ok)
+            if b is None:
+                break
+            b.on_nvme = False
+            dropped.append(b.key)
+            if b.tier is NVME:
+                core._forget(b)
+            self.metrics.evictions.labels(tier="nvme", reason="capacity").inc()
+        if dropped:
+            self._delete_nvme(dropped)
+
+    def _nvme_lost(self) -> None:
+        """The tier disabled itself: forget blocks that only it held (never serve them)."""
+        with self.core.lock:
+            for st in self.core.namespaces.values():
+                for b in [b for b in st.blocks.values() if b.on_nvme]:
+                    b.on_nvme = False
+                    self.core.lru(NVME, b.ns_id).discard(b)
+                    if b.tier is NVME and not b.busy:
+                        self.core._forget(b)
+
+    # --- durable commit ---------------------------------------------------------------------
+    def persist(self, blocks: list[Block]) -> None:
+        """Write committed DRAM blocks through to NVMe before the commit is acknowledged."""
+        core = self.core
+        with core.lock:
+            todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
+            for b in todo:
+                b.busy = True
+            items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
+                      core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes)) for b in todo]
+        batch = self._put(items) if items else None
+        with core.lock:
+            for b in todo:
+                b.busy = False
+                if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
+                    b.on_nvme = True
+                    core.lru(NVME, b.ns_id).add(b)
+        if items and (batch is None or batch.error is not None):
+            raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
+                                            f"{batch.error if batch else 'NVMe tier disabled'}")
+
+    # --- promotion and prefetch -------------------------------------------------------------
+    def promote(self, st: NsState, keys: list[bytes]) -> int:
+        """Start moving the leading NVMe-only blocks of ``keys`` into DRAM; returns how many
+        leading blocks are resident or on their way. Called under the lock."""
+        core, want, slots = self.core, [], []
+        n = 0
+        for k in keys:
+            b = st.blocks.get(k)
+            if b is None or b.state is not BlockState.COMMITTED:
+                break
+            n += 1
+            if b.tier is NVME and not b.busy:
+                off = core._allocate(st)
+                if off is None:
+                    break
+                b.busy = True
+                want.append(b)
+                slots.append(off)
+        if want:
+            dsts = [core.dram.view(off, st.block_bytes) for off in slots]
+            t0 = time.perf_counter()
+            try:
+                self.nvme.get_many([b.key for b in want], dsts,
+                                   on_done=lambda batch: self._promoted(st, want, slots, batch, t0))
+            except Exception as e:  # noqa: BLE001 - disabled tier: the blocks are gone
+                log.error("NVMe read failed: %s", e)
+                for b, off in zip(want, slots):
+                    core.dram.free(st.id, off)
+                    b.busy = False
+                self._nvme_lost()
+        return n
+
+    def _promoted(self, st: NsState, blocks: list[Block], slots: list[int], batch, t0: float) -> None:
+        core = self.core
+        with core.lock:
+            for b, off in zip(blocks, slots):
+                b.busy = False
+                ok = batch.results.get(b.key) is Outcome.OK
+                live = st.blocks.get(b.key) is b
+                if ok and live:
+                    b.tier, b.offset = DRAM, off
+                    core.touch(b)
+                    core.lru(DRAM, st.id).add(b)
+                    self.metrics.promotions.labels(src="nvme", dst="dram").inc()
+                else:
+                    core.dram.free(st.id, off)
+                    if live:  # corrupt or lost on disk: never served
+                        b.on_nvme = False
+                        core.lru(NVME, st.id).discard(b)
+                        core._forget(b)
+            self.changed.notify_all()
+        if batch.nbytes:
+            self.d.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
+
+    def _resident(self, st: NsState, keys: list[bytes]) -> tuple[int, bool]:
+        """(leading blocks resident in DRAM, whether more may still arrive: the next one is on
+        NVMe, being read or waiting for DRAM room)."""
+        n = 0
+        for k in keys:
+            b = st.blocks.get(k)
+            if b is None or b.state is not BlockState.COMMITTED:
+                return n, False
+            if b.tier is not DRAM:
+                return n, self.nvme.enabled
+            n += 1
+        return n, False
+
+    def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        with self.core.lock:
+            while True:
+                self.promote(session.ns, keys)  # idempotent: blocks under way are skipped
+                _, pending = self._resident(session.ns, keys)
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    return
+                self.changed.wait(min(left, 0.05))
+
+    def prefetch(self, session, keys: list[bytes], deadline_s: float) -> int:
+        p = Prefetch(next(self._ids), session.id, keys, time.monotonic(),
+                     time.monotonic() + (deadline_s or self.d.cfg.transport.timeout_s))
+        with self.core.lock:
+            self.promote(session.ns, keys)
+            self.prefetches[p.id] = p
+            while len(self.prefetches) > MAX_PREFETCHES:
+                self.prefetches.pop(next(iter(self.prefetches)))
+        return p.id
+
+    def prefetch_status(self, session, handle: int, wait_s: float):
+        with self.core.lock:
+            p = self.prefetches.get(handle)
+            if p is None or p.session_id != session.id:
+                raise KVError(Code.NOT_FOUND, f"prefetch {handle}: unknown handle for this session")
+            until = min(time.monotonic() + wait_s, p.deadline)
+            while True:
+                self.promote(session.ns, p.keys)
+                ready, pending = self._resident(session.ns, p.keys)
+                now = time.monotonic()
+                if not pending or now >= until:
+                    break
+                self.changed.wait(min(until - now, 0.05))
+            total = len(p.keys)
+            if ready == total:
+                if not p.done.is_set():
+                    p.done.set()
+                    self.metrics.prefetch_latency.observe(time.monotonic() - p.started)
+                return pb.PREFETCH_DONE, ready, total, "all blocks resident in DRAM"
+            if pending and time.monotonic() < p.deadline:
+                return pb.PREFETCH_RUNNING, ready, total, f"{ready} of {total} leading blocks resident"
+            if pending and not p.missed:
+                p.missed = True
+                self.metrics.prefetch_deadline_misses.inc()
+            why = "deadline passed" if pending else "a block is missing or failed its checksum"
+            return pb.PREFETCH_PARTIAL, ready, total, f"{why}: {ready} of {total} leading blocks usable; recompute the rest"
+
+    def _drive_prefetches(self) -> None:
+        """Demotion made room: push live prefetches on (under the lock)."""
+        now = time.monotonic()
+        for p in list(self.prefetches.values()):
+            if not p.done.is_set() and now < p.deadline:
+                s = self.core.sessions.get(p.session_id)
+                if s is not None:
+                    self.promote(s.ns, p.keys)
+
+    # --- shutdown ---------------------------------------------------------------------------
+    def close(self, grace_s: float) -> None:
+        self.stopping.set()
+        self.kick.set()
+        self.thread.join(grace_s)
+        self.nvme.close()

@@ -1,0 +1,196 @@
+"""DRAM <-> NVMe through the real daemon: more than RAM, restarts, crashes, corruption,
+prefetch deadlines, a broken NVMe directory."""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from daemon_util import start_daemon
+from kvstore.clients import KVStoreClient
+from kvstore.layout import KVLayout
+
+LAYOUT = KVLayout(8, 4, 128, "fp16", "mha")  # 256 KiB blocks
+DRAM = "32MiB"  # 128 blocks
+
+
+def nvme_args(d, *extra):
+    return ("--nvme-dir", str(d), "--nvme-capacity-bytes", "256MiB", "--nvme-file-bytes", "128MiB", *extra)
+
+
+def block_kv(tokens):
+    """Content that is a function of the token ids, so any block read back can be checked."""
+    kv = np.empty(LAYOUT.tensor_shape(len(tokens)), np.float16)
+    t = (np.asarray(tokens) % 2039).astype(np.float16)
+    kv[...] = t[None, None, :, None, None] + np.arange(128, dtype=np.float16)[None, None, None, None, :] / 256
+    return kv
+
+
+def test_store_four_times_dram_and_read_back(tmp_path):
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "big")
+        seqs = [list(range(s * 100_000, s * 100_000 + 64 * 16)) for s in range(8)]  # 8 x 64 blocks = 4 x DRAM
+        for toks in seqs:
+            assert c.put(toks, block_kv(toks)) == 64
+        st = {t.tier: t for t in c.stats().tiers}
+        assert st[3].blocks >= 512 - 128 and st[3].enabled
+        for toks in seqs:
+            out = np.zeros(LAYOUT.tensor_shape(len(toks)), np.float16)
+            assert c.get(toks, out) == len(toks)
+            assert out.tobytes() == block_kv(toks).tobytes()
+        text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+        assert 'kvstore_demotions_total{dst="nvme",src="dram"}' in text
+        assert float(text.split('kvstore_promotions_total{dst="dram",src="nvme"} ')[1].split()[0]) > 0
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def _writer(sock, acked_path, stop_after):
+    c = KVStoreClient(sock)
+    c.register(LAYOUT, "crash")
+    with open(acked_path, "a") as log:
+        for s in range(stop_after):
+            toks = list(range(s * 1000, s * 1000 + 4 * 16))
+            c.put(toks, block_kv(toks))
+            log.write(f"{s}\n")  # acknowledged: Commit returned
+            log.flush()
+
+
+def test_sigkill_during_writes_keeps_every_acknowledged_block(tmp_path):
+    nv = tmp_path / "nvme"
+    d = start_daemon(tmp_path, *nvme_args(nv, "--nvme-durable-commit", "true"), dram=DRAM)
+    acked = tmp_path / "acked"
+    ctx = mp.get_context("spawn")
+    w = ctx.Process(target=_writer, args=(d.socket_path, str(acked), 10_000))
+    w.start()
+    deadline = time.monotonic() + 60
+    while (not acked.exists() or len(acked.read_text().split()) < 40) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    d.kill()  # SIGKILL in the middle of the write stream
+    w.join(30)
+    if w.is_alive():
+        w.kill()
+    done = [int(x) for x in acked.read_text().split()]
+    assert len(done) >= 40
+    d2 = start_daemon(tmp_path, *nvme_args(nv), dram=DRAM, name="restarted")
+    try:
+        c = KVStoreClient(d2.socket_path)
+        c.register(LAYOUT, "crash")
+        for s in done:
+            toks = list(range(s * 1000, s * 1000 + 4 * 16))
+            out = np.zeros(LAYOUT.tensor_shape(len(toks)), np.float16)
+            assert c.get(toks, out) == len(toks), f"acknowledged sequence {s} lost"
+            assert out.tobytes() == block_kv(toks).tobytes()
+        # Whatever was in flight is either absent or intact, never wrong.
+        s = max(done) + 1
+        toks = list(range(s * 1000, s * 1000 + 4 * 16))
+        out = np.zeros(LAYOUT.tensor_shape(len(toks)), np.float16)
+        n = c.get(toks, out)
+        assert out[:, :, :n].tobytes() == block_kv(toks)[:, :, :n].tobytes()
+        c.close()
+    finally:
+        assert d2.stop() == 0
+
+
+def test_flipped_byte_is_detected_and_never_served(tmp_path):
+    nv = tmp_path / "nvme"
+    d = start_daemon(tmp_path, *nvme_args(nv, "--nvme-durable-commit", "true"), dram=DRAM)
+    c = KVStoreClient(d.socket_path)
+    c.register(LAYOUT, "flip")
+    toks = list(range(4 * 16))
+    c.put(toks, block_kv(toks))
+    c.close()
+    assert d.stop() == 0
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+
+    t = NvmeTier(NvmeConfig(dir=str(nv), capacity_bytes=256 << 20, file_bytes=128 << 20, extent_bytes=4 << 20))
+    entries = {e.key: e for e in t.entries()}
+    t.close()
+    keys = KVStoreClient.__new__(KVStoreClient)
+    from kvstore.keys import Namespace, chain_keys
+
+    ks = chain_keys(Namespace("flip", LAYOUT).root, toks, 16)
+    victim = entries[ks[2]]
+    files = sorted(p for p in os.listdir(nv) if p.startswith("data"))
+    with open(nv / files[victim.slot // (128 << 20)], "r+b") as f:
+        f.seek(victim.slot % (128 << 20) + 12345)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    d2 = start_daemon(tmp_path, *nvme_args(nv), dram=DRAM, name="after-flip")
+    try:
+        c = KVStoreClient(d2.socket_path)
+        c.register(LAYOUT, "flip")
+        assert c.lookup(toks) == 64  # the index still lists it until a read checks it
+        out = np.zeros(LAYOUT.tensor_shape(len(toks)), np.float16)
+        assert c.get(toks, out) == 32  # blocks 0 and 1 good; block 2 corrupt: dropped, not served
+        assert out[:, :, :32].tobytes() == block_kv(toks)[:, :, :32].tobytes()
+        assert not out[:, :, 32:].any()
+        assert c.lookup(toks) == 32
+        text = urllib.request.urlopen(d2.metrics_url, timeout=5).read().decode()
+        assert 'kvstore_checksum_failures_total{source="nvme"} 1.0' in text
+        c.close()
+    finally:
+        assert d2.stop() == 0
+
+
+def test_prefetch_with_an_impossible_deadline_returns_partial_in_time(tmp_path):
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "pf")
+        toks = list(range(96 * 16))
+        c.put(toks, block_kv(toks))
+        keys = c.keys(toks)
+        # Push everything out of DRAM: another sequence of 128 blocks.
+        other = list(range(10**6, 10**6 + 128 * 16))
+        c.put(other, block_kv(other))
+        assert {t.tier: t.blocks for t in c.stats().tiers}[3] >= 96
+        t0 = time.monotonic()
+        h = c.prefetch(keys, deadline_s=0.005)
+        r = c.prefetch_status(h, wait_s=5.0)
+        took = time.monotonic() - t0
+        assert r.state in (2, 1)  # PARTIAL, or DONE if the disk beat 5 ms
+        assert took < 2.0, f"status waited {took:.2f} s past a 5 ms deadline"
+        if r.state == 2:
+            assert r.ready_blocks < 96 and "recompute" in r.detail
+        h2 = c.prefetch(keys, deadline_s=30)
+        r2 = c.prefetch_status(h2, wait_s=30)
+        assert r2.state == 1 and r2.ready_blocks == 96
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_unusable_nvme_directory_disables_the_tier_and_dram_keeps_serving(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    d = start_daemon(tmp_path, *nvme_args(blocker / "nvme"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "m")
+        toks = list(range(32))
+        assert c.put(toks, block_kv(toks)) == 2
+        nv = {t.tier: t for t in c.stats().tiers}[3]
+        assert not nv.enabled and "nvme" in nv.detail
+        out = subprocess_stats(d.socket_path)
+        assert "DISABLED" in out
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def subprocess_stats(sock):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvstore", "stats", "--socket", sock], capture_output=True,
+                          text=True, timeout=30).stdout
