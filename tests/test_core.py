@@ -120,7 +120,7 @@ def test_second_writer_of_a_key_gets_busy_and_cannot_commit_it(env):
     with pytest.raises(KVError) as e:
         core.acquire(s2, k[0], allow_partial=False)
     assert e.value.code is Code.FAILED_PRECONDITION and "not committed" in e.value.message
-    assert core.commit(s1, l1.id, b"") == 1
+    assert len(core.commit(s1, l1.id, b"")) == 1
     assert core.reserve(s2, k[0], b"")[2] == b"\x01"
 
 
