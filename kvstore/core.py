@@ -231,14 +231,7 @@ class Core:
         def leaf(b: Block) -> bool:
             return not b.busy and not b.has_kids_in(tier)
 
-        victim = self.lru(tier, ns.id).pop_victim(leaf)
-        if victim is None:
-            heads = [(lru.peek_tick(), key[1]) for key, lru in self._lrus.items()
-                     if key[0] is tier and key[1] != ns.id and len(lru)]
-            for _tick, other in sorted(h for h in heads if h[0] is not None):
-                victim = self.lru(tier, other).pop_victim(leaf)
-                if victim is not None:
-                    break
+        victim = self.pop_victim(tier, leaf, prefer_ns=ns.id)
         if victim is None:
             return False
         if self.must_demote is not None and self.must_demote(victim):
@@ -249,6 +242,21 @@ class Core:
             return False
         self._drop_from_dram(victim, "capacity")
         return True
+
+    def pop_victim(self, tier: TierKind, ok: Callable[[Block], bool], prefer_ns: bytes | None = None) -> Block | None:
+        """Remove from ``tier``'s LRUs and return the least recent block with ``ok(block)``:
+        from ``prefer_ns`` first if given, else from the namespace whose oldest block is oldest."""
+        if prefer_ns is not None:
+            victim = self.lru(tier, prefer_ns).pop_victim(ok)
+            if victim is not None:
+                return victim
+        heads = [(lru.peek_tick(), ns_id) for (t, ns_id), lru in self._lrus.items()
+                 if t is tier and ns_id != prefer_ns and len(lru)]
+        for _tick, ns_id in sorted(h for h in heads if h[0] is not None):
+            victim = self.lru(tier, ns_id).pop_victim(ok)
+            if victim is not None:
+                return victim
+        return None
 
     def _drop_from_dram(self, b: Block, reason: str) -> None:
         kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
@@ -423,10 +431,13 @@ class Core:
 
     # --- delete ----------------------------------------------------------------------------
     def delete(self, s: Session, packed: bytes) -> tuple[int, int]:
+        """Delete committed blocks; pinned or moving ones are kept. Returns (deleted, busy)."""
+        return self._delete_all([b for b in map(s.ns.blocks.get, self._keys(packed)) if b is not None])
+
+    def _delete_all(self, blocks: list[Block]) -> tuple[int, int]:
         deleted = busy = 0
-        for k in self._keys(packed):
-            b = s.ns.blocks.get(k)
-            if b is None or b.state is not BlockState.COMMITTED:
+        for b in blocks:
+            if b.state is not BlockState.COMMITTED:
                 continue
             if b.ref_cnt or b.busy:
                 busy += 1
@@ -454,16 +465,7 @@ class Core:
             raise not_found(f"namespace {ns_id_hex}: no such namespace")
         if len(matches) > 1:
             raise invalid(f"namespace {ns_id_hex}: prefix matches {len(matches)} namespaces; give more digits")
-        dropped = busy = 0
-        for b in list(matches[0].blocks.values()):
-            if b.state is not BlockState.COMMITTED:
-                continue
-            if b.ref_cnt or b.busy:
-                busy += 1
-                continue
-            self._delete_block(b)
-            dropped += 1
-        return dropped, busy
+        return self._delete_all(list(matches[0].blocks.values()))
 
     # --- stats -----------------------------------------------------------------------------
     def _lease_gauge(self) -> None:

@@ -175,11 +175,7 @@ class Tiering:
             return not b.busy and all(k.tier is not DRAM or id(k) in chosen for k in b.kids)
 
         while got < want_bytes:
-            heads = [(lru.peek_tick(), ns_id) for (tier, ns_id), lru in core._lrus.items() if tier is DRAM and len(lru)]
-            heads = [h for h in heads if h[0] is not None]
-            if not heads:
-                break
-            b = core.lru(DRAM, min(heads)[1]).pop_victim(ok)
+            b = core.pop_victim(DRAM, ok)
             if b is None:
                 break
             picked.append(b)
@@ -285,11 +281,7 @@ class Tiering:
             return not b.busy and not any(k.on_nvme for k in b.kids)
 
         for _ in range(count):
-            heads = [(lru.peek_tick(), ns_id) for (tier, ns_id), lru in core._lrus.items() if tier is NVME and len(lru)]
-            heads = [h for h in heads if h[0] is not None]
-            if not heads:
-                break
-            b = core.lru(NVME, min(heads)[1]).pop_victim(ok)
+            b = core.pop_victim(NVME, ok)
             if b is None:
                 break
             b.on_nvme = False
