@@ -83,13 +83,16 @@ class NvmeIndex:
         self.meta = self.env.open_db(b"meta")
 
     def geometry(self, wanted: dict) -> dict:
-        """The geometry stored in the index; stores ``wanted`` first if there is none."""
-        with self.env.begin(write=True, db=self.meta) as txn:
+        """The geometry the stored blocks were laid out with. Stores ``wanted`` while the index
+        holds no block (a fresh directory, or one whose first open failed)."""
+        with self.env.begin(db=self.meta) as txn:
             raw = txn.get(b"geometry")
-            if raw is None:
+        have = None if raw is None else json.loads(raw)
+        if have != wanted and (have is None or self.count() == 0):
+            with self.env.begin(write=True, db=self.meta) as txn:
                 txn.put(b"geometry", json.dumps(wanted, sort_keys=True).encode())
-                return wanted
-        return json.loads(raw)
+            return wanted
+        return have
 
     def scan(self) -> Iterator[tuple[bytes, bytes]]:
         """Every ``(key, raw record)``; one read transaction for the whole scan."""
@@ -201,3 +204,37 @@ class SlotAllocator(ExtentAllocator):
             self.used_slots += len(used)
         self._free_extents = [e for e in self._free_extents if e not in by_ext]
         return refused
+
+
+def recover(index: NvmeIndex, alloc: SlotAllocator) -> tuple[dict[bytes, int], int, int]:
+    """Rebuild ``alloc``'s free space from every record in ``index``.
+
+    Returns ``(key -> slot offset, bytes of block data, records dropped)``. A record is dropped
+    (deleted from the index) when it is unreadable, its sizes disagree, or its slot cannot be
+    claimed (outside the data files, misaligned, in another namespace's extent, or claimed by
+    another record). Data bytes are not read here: every read verifies them.
+    """
+    keep: list[tuple[bytes, bytes, int, int, int]] = []  # key, ns, slot_bytes, offset, nbytes
+    bad: list[bytes] = []
+    for key, raw in index.scan():
+        try:
+            r = BlockRecord.unpack(key, raw)
+            n_chunks = -(-r.nbytes // r.chunk_bytes) if r.chunk_bytes else 1
+            if len(key) != 32 or not 0 < r.nbytes <= r.slot_bytes or len(r.sums) != n_chunks:
+                raise ValueError("inconsistent sizes")
+        except ValueError:
+            bad.append(key)
+            continue
+        keep.append((key, r.ns_id, r.slot_bytes, r.offset, r.nbytes))
+    refused = set(alloc.restore((ns, sb, off) for _, ns, sb, off, _ in keep))
+    by_key: dict[bytes, int] = {}
+    nbytes = 0
+    for i, (key, _, _, off, n) in enumerate(keep):
+        if i in refused:
+            bad.append(key)
+        else:
+            by_key[key] = off
+            nbytes += n
+    if bad:
+        index.delete(bad)
+    return by_key, nbytes, len(bad)

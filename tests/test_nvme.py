@@ -1,0 +1,634 @@
+"""NVMe tier: the shared tier contract, the key-level API, restart and crash recovery, and the
+failure modes (disk full, unwritable directory, index full). Real files, real LMDB, real
+mounts (tmpfs; those tests need root and skip without it) and a real SIGKILLed process."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore.metrics import Metrics
+from kvstore.tiers.arena import Arena
+from kvstore.tiers.base import TierError
+from kvstore.tiers.nvme import IoMode, NvmeConfig, NvmeTier, Outcome, SyncMode
+from kvstore.tiers.nvme_types import (
+    NvmeBatchError, NvmeBusyError, NvmeChecksumError, NvmeDisabledError, NvmeDiskFullError,
+    NvmeGeometryError, NvmeIndexFullError, NvmeIOError, NvmeUnwritableError)
+from tier_contract import TierContract
+
+KiB, MiB = 1 << 10, 1 << 20
+NS = hashlib.sha256(b"ns-1").digest()
+NS2 = hashlib.sha256(b"ns-2").digest()
+BLOCK = 64 * KiB
+CHUNK = 8 * KiB  # 8 "layers" per block
+
+
+def key(i: int, ns: bytes = NS) -> bytes:
+    return hashlib.sha256(ns + i.to_bytes(8, "little")).digest()
+
+
+def data(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def cfg(path, **kw) -> NvmeConfig:
+    base = dict(dir=str(path), capacity_bytes=4 * MiB, file_bytes=2 * MiB, extent_bytes=512 * KiB,
+                io_threads=4, bounce_bytes=64 * KiB, atime_flush_s=3600.0)
+    base.update(kw)
+    return NvmeConfig(**base)
+
+
+def put(tier, ids, ns=NS, nbytes=BLOCK, chunk=CHUNK):
+    b = tier.put_many([(ns, key(i, ns), key(i - 1, ns) if i else None, chunk, data(i, nbytes)) for i in ids])
+    assert b.wait(30)
+    return b
+
+
+def get(tier, ids, ns=NS, nbytes=BLOCK):
+    dsts = [np.zeros(nbytes, np.uint8) for _ in ids]
+    b = tier.get_many([key(i, ns) for i in ids], dsts)
+    assert b.wait(30)
+    return b, dsts
+
+
+@pytest.fixture
+def tier(tmp_path):
+    with NvmeTier(cfg(tmp_path / "nvme")) as t:
+        yield t
+
+
+# --- the shared contract ----------------------------------------------------------------------
+
+class TestNvmeContract(TierContract):
+    def make_tier(self, tmp_path, capacity_bytes):
+        return NvmeTier(NvmeConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
+                                   file_bytes=capacity_bytes // 2, extent_bytes=4 * self.SLOT, io_threads=4,
+                                   bounce_bytes=64 * KiB))
+
+
+class TestNvmeContractBuffered(TestNvmeContract):
+    """The same contract when the filesystem refuses O_DIRECT (page cache + fdatasync)."""
+
+    def make_tier(self, tmp_path, capacity_bytes):
+        t = NvmeTier(NvmeConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
+                                file_bytes=capacity_bytes, extent_bytes=4 * self.SLOT, io_mode=IoMode.BUFFERED))
+        assert t.stats().extra["io_mode"] == "buffered"
+        return t
+
+
+# --- key-level API ------------------------------------------------------------------------------
+
+def test_put_get_round_trip_from_arena(tmp_path):
+    metrics = Metrics()
+    arena = Arena(16 * BLOCK)
+    for i in range(8):
+        arena.view(i * BLOCK, BLOCK)[:] = data(i)
+    with NvmeTier(cfg(tmp_path / "nvme"), metrics=metrics) as t:
+        assert t.io_mode is IoMode.DIRECT
+        b = t.put_many([(NS, key(i), None, CHUNK, arena.view(i * BLOCK, BLOCK)) for i in range(8)])
+        b.result(30)
+        assert [b.results[key(i)] for i in range(8)] == [Outcome.OK] * 8
+        assert b.nbytes == 8 * BLOCK and b.error is None
+        g = t.get_many([key(i) for i in range(8)], [arena.view((8 + i) * BLOCK, BLOCK) for i in range(8)])
+        g.result(30)
+        assert np.array_equal(arena.buf[8 * BLOCK:], arena.buf[:8 * BLOCK])
+        st = t.stats()
+        assert (st.used_bytes, st.blocks, st.extra["indexed_blocks"]) == (8 * BLOCK, 8, 8)
+        assert st.extra["bounced_ios"] == 0  # page-aligned arena views go straight to the file
+        assert t.contains([key(0), key(99)]) == [True, False]
+    val = metrics.registry.get_sample_value
+    assert val("kvstore_nvme_io_bytes_total", {"op": "write"}) == 8 * BLOCK
+    assert val("kvstore_nvme_io_bytes_total", {"op": "read"}) == 8 * BLOCK
+    assert val("kvstore_nvme_io_ops_total", {"op": "write"}) == 8
+    assert val("kvstore_nvme_io_ops_total", {"op": "read"}) == 8
+    assert val("kvstore_checksum_failures_total", {"source": "nvme"}) == 0
+    arena.close()
+
+
+def test_unaligned_and_odd_sized_blocks(tier):
+    n = 3 * 4096 + 1234  # e.g. an MLA layout: blocks are not a multiple of 4 KiB
+    raw = bytearray(n + 1)
+    raw[1:] = data(1, n).tobytes()
+    tier.put_many([(NS, key(1), None, 1000, memoryview(raw)[1:])]).result(30)
+    out = bytearray(n + 7)
+    g = tier.get_many([key(1)], [memoryview(out)[7:]])
+    g.result(30)
+    assert out[7:] == raw[1:]
+    assert tier.stats().extra["bounced_ios"] == 2
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_destination_larger_than_the_block(tier, aligned):
+    """A DRAM slot may be larger than the block; the bytes past the block are not the block's."""
+    n = 3 * 4096 + 1234  # the last 1000-byte chunk is short
+    tier.put_many([(NS, key(1), None, 1000, data(1, n))]).result(30)
+    arena = Arena(8 * 4096)
+    dst = arena.view(0 if aligned else 1, 6 * 4096)
+    dst[:] = 0xEE
+    tier.get_many([key(1)], [dst]).result(30)
+    assert np.array_equal(dst[:n], data(1, n))
+    arena.close()
+
+
+def test_adjacent_blocks_move_in_vectored_ios_and_fail_alone(tmp_path):
+    c = cfg(tmp_path / "nvme", coalesce_bytes=256 * KiB)
+    arena = Arena(32 * BLOCK)
+    for i in range(16):
+        arena.view(i * BLOCK, BLOCK)[:] = data(i)
+    with NvmeTier(c) as t:
+        t.put_many([(NS, key(i), None, CHUNK, arena.view(i * BLOCK, BLOCK)) for i in range(16)]).result(30)
+        st = t.stats().extra
+        assert (st["writes"], st["written_bytes"], st["bounced_ios"]) == (16, 16 * BLOCK, 0)
+        assert st["vectored_ios"] == 4  # 16 adjacent 64 KiB slots in runs of 256 KiB
+        slots = {e.key: e.slot for e in t.entries()}
+        flip_byte(c, slots[key(6)] + 5 * CHUNK)  # inside the second run
+        g = t.get_many([key(i) for i in range(16)], [arena.view((16 + i) * BLOCK, BLOCK) for i in range(16)])
+        assert g.wait(30)
+        assert g.results[key(6)] is Outcome.CORRUPT and g.errors[key(6)].chunk == 5
+        for i in set(range(16)) - {6}:
+            assert g.results[key(i)] is Outcome.OK
+            assert np.array_equal(arena.view((16 + i) * BLOCK, BLOCK), data(i)), f"block {i}"
+        assert t.stats().extra["vectored_ios"] == 8
+    arena.close()
+
+
+def test_present_and_in_batch_duplicates_write_nothing(tier):
+    put(tier, range(3)).result()
+    writes = tier.stats().extra["writes"]
+    b = put(tier, [0, 1, 2, 3, 3])
+    assert [b.results[key(i)] for i in range(4)] == [Outcome.PRESENT] * 3 + [Outcome.OK]
+    assert b.error is None
+    assert tier.stats().extra["writes"] == writes + 1
+
+
+def test_full_tier_is_back_pressure_not_an_exception(tier):
+    cap = 4 * MiB // BLOCK
+    assert tier.room(NS, BLOCK) == cap
+    put(tier, range(cap)).result()
+    assert tier.room(NS, BLOCK) == 0
+    b = tier.put_many([(NS, key(cap), None, CHUNK, data(cap))])
+    assert b.results[key(cap)] is Outcome.NO_SPACE  # known when put_many returns
+    assert b.wait(30) and isinstance(b.error, NvmeBatchError)
+    assert tier.stats().enabled
+    assert tier.delete([key(0)]) == 1
+    assert tier.room(NS, BLOCK) == 1
+    put(tier, [cap]).result()
+    assert tier.stats().used_bytes == 4 * MiB
+
+
+def test_get_missing_is_a_normal_answer(tier):
+    put(tier, [0]).result()
+    dst = np.full(BLOCK, 7, np.uint8)
+    b = tier.get_many([key(5), key(0)], [dst, np.zeros(BLOCK, np.uint8)])
+    assert b.results[key(5)] is Outcome.MISSING
+    assert b.wait(30) and b.results[key(0)] is Outcome.OK
+    assert isinstance(b.error, NvmeBatchError) and b.ok_keys() == [key(0)]
+    assert (dst == 7).all()  # untouched
+
+
+def test_bad_input_is_refused_before_anything_happens(tier):
+    with pytest.raises(ValueError):
+        tier.put_many([(NS, b"short", None, 0, data(0))])
+    with pytest.raises(ValueError):
+        tier.put_many([(NS, key(0), None, -1, data(0))])
+    with pytest.raises(ValueError):
+        tier.put_many([(NS, key(0), None, 0, np.zeros(0, np.uint8))])
+    with pytest.raises(ValueError):
+        tier.put_many([(NS, key(0), None, 0, np.zeros(1 * MiB, np.uint8))])  # larger than an extent
+    assert tier.stats().used_bytes == 0
+    put(tier, [0]).result()
+    with pytest.raises(ValueError):
+        tier.get_many([key(0)], [np.zeros(BLOCK - 1, np.uint8)])
+    with pytest.raises(ValueError):
+        tier.get_many([key(0), key(0)], [np.zeros(BLOCK, np.uint8)] * 2)
+    with pytest.raises(ValueError):
+        tier.get_many([key(0)], [bytes(BLOCK)])  # read-only destination
+    g, dsts = get(tier, [0])  # pins were released: the block reads and deletes normally
+    assert g.error is None and tier.delete([key(0)]) == 1 and tier.stats().used_bytes == 0
+
+
+def test_delete_frees_and_persists(tmp_path):
+    c = cfg(tmp_path / "nvme")
+    with NvmeTier(c) as t:
+        put(t, range(4)).result()
+        assert t.delete([key(1), key(3), key(9)]) == 2
+        assert t.contains([key(i) for i in range(4)]) == [True, False, True, False]
+        assert (t.stats().used_bytes, t.stats().blocks) == (2 * BLOCK, 2)
+    with NvmeTier(c) as t:
+        assert sorted(e.key for e in t.entries()) == sorted([key(0), key(2)])
+        assert t.stats().used_bytes == 2 * BLOCK
+
+
+def test_delete_racing_put_leaves_nothing_behind(tier):
+    for round_ in range(5):
+        ids = range(round_ * 8, round_ * 8 + 8)
+        b = tier.put_many([(NS, key(i), None, CHUNK, data(i)) for i in ids])
+        tier.delete([key(i) for i in ids])  # some still in flight (CANCELLED), some committed
+        assert b.wait(30) and b.error is None
+        assert set(b.results.values()) <= {Outcome.OK, Outcome.CANCELLED}
+        assert tier.contains([key(i) for i in ids]) == [False] * 8
+        assert (tier.stats().used_bytes, tier.stats().blocks) == (0, 0)
+
+
+def test_delete_during_read_defers_the_free(tier):
+    put(tier, range(16)).result()
+    dsts = [np.zeros(BLOCK, np.uint8) for _ in range(16)]
+    g = tier.get_many([key(i) for i in range(16)], dsts)
+    tier.delete([key(i) for i in range(16)])
+    assert g.wait(30) and g.error is None  # pinned before the delete: every read completes
+    assert all(np.array_equal(d, data(i)) for i, d in enumerate(dsts))
+    assert (tier.stats().used_bytes, tier.stats().blocks) == (0, 0)
+
+
+def test_on_done_runs_once_per_batch_on_a_tier_thread(tier):
+    import threading
+    seen = []
+    me = threading.get_ident()
+
+    def done(batch):
+        seen.append((batch, threading.get_ident() != me))
+
+    b = tier.put_many([(NS, key(i), None, CHUNK, data(i)) for i in range(4)], on_done=done)
+    b.result(30)
+    g = tier.get_many([key(0)], [np.zeros(BLOCK, np.uint8)], on_done=done)
+    g.result(30)
+    m = tier.get_many([key(99)], [np.zeros(BLOCK, np.uint8)], on_done=done)  # nothing to read
+    p = tier.put_many([(NS, key(0), None, CHUNK, data(0))], on_done=done)  # nothing to write
+    assert m.wait(30) and p.wait(30)
+    for _ in range(100):
+        if len(seen) == 4:
+            break
+        time.sleep(0.01)  # on_done runs just after the batch is marked done
+    assert sorted(map(id, (x for x, _ in seen))) == sorted(map(id, (b, g, m, p)))
+    assert all(other_thread for _, other_thread in seen)
+
+
+def test_slot_read_of_an_indexed_block(tier):
+    put(tier, [0]).result()
+    (entry,) = tier.entries()
+    dst = np.zeros(BLOCK, np.uint8)
+    tier.read(entry.slot, dst)
+    assert np.array_equal(dst, data(0))
+    with pytest.raises(ValueError):
+        tier.free(NS, entry.slot)  # indexed blocks go through delete()
+
+
+# --- restart ----------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_restart_recovers_every_block_and_the_free_space(tmp_path):
+    c = cfg(tmp_path / "nvme", capacity_bytes=8 * MiB, file_bytes=4 * MiB)
+    clock = FakeClock(1000.0)
+    with NvmeTier(c, clock=clock) as t:
+        put(t, range(10)).result()
+        put(t, range(5), ns=NS2, nbytes=3 * BLOCK + 100, chunk=0).result()
+        clock.t = 2000.0
+        t.touch([key(3)])
+        g, _ = get(t, [4])  # a read is an access too
+        used = t.stats().used_bytes
+    with NvmeTier(c) as t:
+        assert t.recovery.blocks == 15 and t.recovery.dropped == 0
+        assert t.stats().used_bytes == used
+        got = {e.key: e for e in t.entries()}
+        assert set(got) == {key(i) for i in range(10)} | {key(i, NS2) for i in range(5)}
+        e = got[key(3)]
+        assert (e.ns_id, e.parent, e.nbytes, e.chunk_bytes, e.ctime, e.atime) == (NS, key(2), BLOCK, CHUNK, 1000.0, 2000.0)
+        assert got[key(4)].atime == 2000.0 and got[key(5)].atime == 1000.0
+        e2 = got[key(0, NS2)]
+        assert (e2.ns_id, e2.parent, e2.nbytes, e2.chunk_bytes) == (NS2, None, 3 * BLOCK + 100, 0)
+        # New blocks after the restart never land on recovered ones.
+        put(t, range(10, 40)).result()
+        g, dsts = get(t, range(40))
+        assert g.error is None and all(np.array_equal(d, data(i)) for i, d in enumerate(dsts))
+        g, dsts = get(t, range(5), ns=NS2, nbytes=3 * BLOCK + 100)
+        assert g.error is None and all(np.array_equal(d, data(i, 3 * BLOCK + 100)) for i, d in enumerate(dsts))
+
+
+def test_torn_write_is_never_served(tmp_path):
+    """Data in a slot with no index record (a put that died before its commit) is free space."""
+    c = cfg(tmp_path / "nvme")
+    with NvmeTier(c) as t:
+        put(t, [0]).result()
+        slot = t.allocate(NS, BLOCK)
+        t.write(slot, data(1))  # bytes on disk, never committed
+    with NvmeTier(c) as t:
+        assert [e.key for e in t.entries()] == [key(0)]
+        assert (t.stats().used_bytes, t.stats().blocks) == (BLOCK, 1)
+        g, _ = get(t, [1])
+        assert g.results[key(1)] is Outcome.MISSING
+
+
+def flip_byte(c: NvmeConfig, offset: int) -> None:
+    path = os.path.join(c.dir, f"data-{offset // c.file_bytes:05d}.kvd")
+    with open(path, "r+b") as f:
+        f.seek(offset % c.file_bytes)
+        b = f.read(1)
+        f.seek(offset % c.file_bytes)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_flipped_byte_is_detected_counted_and_dropped(tmp_path):
+    c = cfg(tmp_path / "nvme")
+    with NvmeTier(c) as t:
+        put(t, range(4)).result()
+        slot = {e.key: e.slot for e in t.entries()}[key(2)]
+    flip_byte(c, slot + 3 * CHUNK + 17)
+    metrics = Metrics()
+    with NvmeTier(c, metrics=metrics) as t:
+        assert t.recovery.blocks == 4  # recovery trusts the index; the read checks the bytes
+        g, dsts = get(t, range(4))
+        assert g.results[key(2)] is Outcome.CORRUPT
+        err = g.errors[key(2)]
+        assert isinstance(err, NvmeChecksumError) and isinstance(err, TierError)
+        assert (err.key, err.chunk, err.offset) == (key(2), 3, slot)
+        assert "layer chunk 3 of 8" in str(err)
+        assert isinstance(g.error, NvmeBatchError)
+        assert all(g.results[key(i)] is Outcome.OK and np.array_equal(dsts[i], data(i)) for i in (0, 1, 3))
+        assert t.contains([key(2)]) == [False]
+        st = t.stats()
+        assert (st.used_bytes, st.blocks, st.extra["checksum_failures"], st.enabled) == (3 * BLOCK, 3, 1, True)
+        assert metrics.registry.get_sample_value("kvstore_checksum_failures_total", {"source": "nvme"}) == 1
+        g, _ = get(t, [2])
+        assert g.results[key(2)] is Outcome.MISSING  # dropped for good
+    with NvmeTier(c) as t:
+        assert sorted(e.key for e in t.entries()) == sorted(key(i) for i in (0, 1, 3))
+
+
+def test_scrub_finds_corruption_under_an_open_tier(tier):
+    put(tier, range(6)).result()
+    slots = {e.key: e.slot for e in tier.entries()}
+    flip_byte(tier.config, slots[key(1)])
+    flip_byte(tier.config, slots[key(4)] + BLOCK - 1)
+    assert tier.scrub() == 2
+    assert tier.contains([key(i) for i in range(6)]) == [True, False, True, True, False, True]
+    assert tier.scrub() == 0
+
+
+# --- crash: SIGKILL during a heavy write stream ------------------------------------------------
+
+CRASH_HELPERS = """
+import hashlib
+import numpy as np
+B = 48 * 1024 + 4096            # 52 KiB: page-aligned lengths go direct, one in 4 odd ones bounce
+BASE = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+NS = hashlib.sha256(b"crash").digest()
+def nbytes(i): return B if i % 4 else B - 1000
+def key(i): return hashlib.sha256(NS + i.to_bytes(8, "little")).digest()
+def block(i):
+    off = (i * 4096 * 7) % (BASE.nbytes - B)
+    b = BASE[off:off + nbytes(i)].copy()
+    b[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
+    return b
+"""
+# Page-aligned sources, so adjacent full-page blocks go out in vectored writes.
+ALIGNED = "\nfrom kvstore.tiers.nvme_io import aligned_buffer\n" + """
+def aligned_block(i):
+    b = aligned_buffer(nbytes(i))[:nbytes(i)]
+    b[:] = block(i)
+    return b
+"""
+
+CRASH_CHILD = CRASH_HELPERS + ALIGNED + """
+import sys
+from kvstore.tiers.nvme import NvmeConfig, NvmeTier, SyncMode
+tier = NvmeTier(NvmeConfig(dir=sys.argv[1], capacity_bytes=256 << 20, file_bytes=64 << 20,
+                           extent_bytes=1 << 20, io_threads=4, sync=SyncMode(sys.argv[2])))
+out, inflight, i = sys.stdout, [], 0
+while True:
+    ids = list(range(i, i + 8))
+    i += 8
+    out.write("S " + " ".join(map(str, ids)) + "\\n")
+    out.flush()
+    inflight.append((tier.put_many([(NS, key(j), key(j - 1) if j else None, 4096, aligned_block(j))
+                                    for j in ids]), ids))
+    if len(inflight) == 4:
+        b, done = inflight.pop(0)
+        b.result(60)
+        out.write("A " + " ".join(map(str, done)) + "\\n")
+        out.flush()
+"""
+
+
+@pytest.mark.parametrize("sync,delay_s", [(SyncMode.DURABLE, 0.0), (SyncMode.DURABLE, 0.002),
+                                          (SyncMode.PROCESS, 0.002)])
+def test_sigkill_during_write_stream_keeps_every_acknowledged_block(tmp_path, sync, delay_s):
+    d = str(tmp_path / "nvme")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, d, sync.value], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    submitted, acked = set(), set()
+    try:
+        for line in proc.stdout:
+            kind, *ids = line.split()
+            (acked if kind == b"A" else submitted).update(int(x) for x in ids)
+            if len(acked) >= 400:
+                time.sleep(delay_s)  # 0: right after an ack; later: anywhere in write/sync/commit
+                proc.send_signal(signal.SIGKILL)  # mid-stream: 24 blocks are in flight
+                break
+        proc.wait(60)
+        rest, err = proc.stdout.read(), proc.stderr.read()  # through the reader's buffer, to EOF
+    finally:
+        proc.kill()
+    for line in rest.split(b"\n")[:-1]:  # acknowledged before the kill landed: just as binding
+        kind, *ids = line.split()
+        (acked if kind == b"A" else submitted).update(int(x) for x in ids)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert len(acked) >= 400 and submitted - acked, "the kill must land with puts in flight"
+
+    ns = {}
+    exec(CRASH_HELPERS + ALIGNED, ns)
+    c = NvmeConfig(dir=d, capacity_bytes=256 << 20, file_bytes=64 << 20, extent_bytes=1 << 20, io_threads=4)
+    with NvmeTier(c) as t:
+        entries = {e.key: e for e in t.entries()}
+        by_key = {ns["key"](i): i for i in submitted}
+        assert set(entries) <= set(by_key), "the index names a block that was never submitted"
+        assert {ns["key"](i) for i in acked} <= set(entries), "an acknowledged block was lost"
+        assert t.stats().used_bytes == sum(-(-e.nbytes // 4096) * 4096 for e in entries.values())
+        ids = sorted(by_key[k] for k in entries)
+        dsts = [ns["aligned_buffer"](ns["nbytes"](i))[:ns["nbytes"](i)] for i in ids]
+        g = t.get_many([ns["key"](i) for i in ids], dsts)
+        g.result(60)  # every indexed block, acknowledged or not, reads back verified ...
+        for i, dst in zip(ids, dsts):  # ... and bit-exact
+            assert np.array_equal(dst, ns["block"](i)), f"block {i}"
+        unacked = submitted - set(ids)
+        g = t.get_many([ns["key"](i) for i in unacked], [np.zeros(ns["B"], np.uint8) for _ in unacked])
+        g.wait(60)
+        assert all(g.results[ns["key"](i)] is Outcome.MISSING for i in unacked)
+        assert t.stats().extra["checksum_failures"] == 0
+        st = t.stats().extra  # both read paths ran: vectored runs of full pages, and bounced tails
+        assert st["vectored_ios"] > 0 and st["bounced_ios"] > 0
+
+
+# --- failure modes ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tmpfs(path, size: str, *opts: str, fstype: str = "tmpfs"):
+    """A real tmpfs (or ``fstype``) of ``size`` at ``path``; needs root, skips the test otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {fstype}")
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", fstype, "-o", ",".join((f"size={size}",) + opts), fstype, str(path)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount {fstype}: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_up(path) -> None:
+    """Use every remaining byte of the filesystem holding ``path``."""
+    fd = os.open(os.path.join(path, f"filler-{uuid.uuid4().hex}"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\xff" * 4096):
+                pass
+    finally:
+        os.close(fd)
+
+
+def test_disk_full_at_create_is_a_clear_error(tmp_path):
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        with pytest.raises(NvmeDiskFullError, match="disk full"):
+            NvmeTier(cfg(mnt / "nvme", capacity_bytes=4 * MiB))
+        assert os.statvfs(mnt).f_bfree * os.statvfs(mnt).f_frsize > 1 * MiB  # nothing left allocated
+        with NvmeTier(cfg(mnt / "nvme", capacity_bytes=1 * MiB)) as t:
+            put(t, [0]).result()  # the same directory works once it fits
+
+
+def test_disk_full_on_data_write_disables_the_tier(tmp_path):
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        c = cfg(mnt / "nvme", capacity_bytes=8 * MiB, file_bytes=8 * MiB, preallocate=False)
+        with NvmeTier(c) as t:
+            put(t, range(4)).result()
+            b = put(t, range(4, 40))
+            failed = [k for k, o in b.results.items() if o is Outcome.FAILED]
+            assert failed and all(isinstance(b.errors[k], (NvmeDiskFullError, NvmeDisabledError)) for k in failed)
+            assert any(isinstance(b.errors[k], NvmeDiskFullError) for k in failed)
+            st = t.stats()
+            assert not st.enabled and "disk full" in st.extra["disabled_reason"]
+            with pytest.raises(NvmeDisabledError, match="disk full"):
+                t.put_many([(NS, key(99), None, 0, data(99))])
+            with pytest.raises(NvmeDisabledError):
+                t.get_many([key(0)], [np.zeros(BLOCK, np.uint8)])
+            stored = [k for k, o in b.results.items() if o is Outcome.OK]
+        with NvmeTier(c) as t:  # what was acknowledged is still there
+            assert {e.key for e in t.entries()} == {key(i) for i in range(4)} | set(stored)
+            g, dsts = get(t, range(4))
+            assert g.error is None and all(np.array_equal(d, data(i)) for i, d in enumerate(dsts))
+
+
+def test_disk_full_on_index_commit_disables_the_tier(tmp_path):
+    with tmpfs(tmp_path / "small", "3m") as mnt:
+        with NvmeTier(cfg(mnt / "nvme", capacity_bytes=1 * MiB, file_bytes=1 * MiB)) as t:
+            fill_up(mnt)  # data files are preallocated; only the index can grow now
+            b = put(t, range(8), chunk=64)  # 1024 checksums per record: the index must grow
+            assert set(b.results.values()) == {Outcome.FAILED}
+            assert all(isinstance(e, NvmeDiskFullError) for e in b.errors.values())
+            st = t.stats()
+            assert not st.enabled and "disk full" in st.extra["disabled_reason"]
+            assert (st.used_bytes, st.blocks) == (0, 0)  # written but uncommitted slots went back
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_bytes(b"x")
+    with pytest.raises(NvmeUnwritableError, match="not writable"):
+        NvmeTier(cfg(f / "nvme"))
+    with tmpfs(tmp_path / "ro", "1m", "ro") as mnt:
+        with pytest.raises(NvmeUnwritableError, match="not writable"):
+            NvmeTier(cfg(mnt / "nvme"))
+
+
+def test_index_map_full_disables_the_tier_and_keeps_what_was_committed(tmp_path):
+    c = cfg(tmp_path / "nvme", capacity_bytes=16 * MiB, file_bytes=8 * MiB, extent_bytes=1 * MiB,
+            map_bytes=64 * KiB)
+    committed = []
+    with NvmeTier(c) as t:
+        for n in range(64):
+            b = put(t, range(n * 4, n * 4 + 4), nbytes=16 * KiB, chunk=512)
+            committed += [k for k in b.keys if b.results[k] is Outcome.OK]
+            if b.error is not None:
+                break
+        errs = set(map(type, b.errors.values()))
+        assert errs == {NvmeIndexFullError}, errs
+        assert "map_bytes" in str(next(iter(b.errors.values())))
+        st = t.stats()
+        assert not st.enabled and "index full" in st.extra["disabled_reason"]
+        assert (st.blocks, st.used_bytes) == (len(committed), len(committed) * 16 * KiB)
+        with pytest.raises(NvmeDisabledError):
+            t.allocate(NS, BLOCK)
+    assert committed
+    with NvmeTier(cfg(tmp_path / "nvme", capacity_bytes=16 * MiB, file_bytes=8 * MiB, extent_bytes=1 * MiB)) as t:
+        assert {e.key for e in t.entries()} == set(committed)
+        ids = [i for i in range(len(committed) + 4) if key(i) in set(committed)]
+        g, dsts = get(t, ids, nbytes=16 * KiB)
+        assert g.error is None and all(np.array_equal(d, data(i, 16 * KiB)) for i, d in zip(ids, dsts))
+
+
+def test_second_process_cannot_open_the_same_directory(tmp_path):
+    c = cfg(tmp_path / "nvme")
+    with NvmeTier(c):
+        with pytest.raises(NvmeBusyError):
+            NvmeTier(c)
+    NvmeTier(c).close()
+
+
+def test_geometry_change_is_refused_once_blocks_exist(tmp_path):
+    NvmeTier(cfg(tmp_path / "nvme")).close()
+    NvmeTier(cfg(tmp_path / "nvme", extent_bytes=256 * KiB)).close()  # empty: free to change
+    with NvmeTier(cfg(tmp_path / "nvme", extent_bytes=256 * KiB)) as t:
+        put(t, [0]).result()
+    with pytest.raises(NvmeGeometryError, match="extent_bytes"):
+        NvmeTier(cfg(tmp_path / "nvme"))
+
+
+def test_filesystem_refusing_o_direct_falls_back_to_buffered(tmp_path):
+    with tmpfs(tmp_path / "ram", "16m", fstype="ramfs") as mnt:  # ramfs: open(O_DIRECT) is EINVAL
+        c = cfg(mnt / "nvme")
+        with NvmeTier(c) as t:
+            assert t.io_mode is IoMode.BUFFERED and t.stats().extra["io_mode"] == "buffered"
+            put(t, range(5)).result()
+        with NvmeTier(c) as t:
+            g, dsts = get(t, range(5))
+            assert g.error is None and all(np.array_equal(d, data(i)) for i, d in enumerate(dsts))
+        with pytest.raises(NvmeIOError, match="Invalid argument"):
+            NvmeTier(cfg(mnt / "nvme", io_mode=IoMode.DIRECT))  # asked for O_DIRECT explicitly
+
+
+def test_buffered_mode_survives_restart(tmp_path):
+    c = cfg(tmp_path / "nvme", io_mode=IoMode.BUFFERED)
+    with NvmeTier(c) as t:
+        assert t.stats().extra["io_mode"] == "buffered"
+        put(t, range(5)).result()
+    with NvmeTier(c) as t:
+        g, dsts = get(t, range(5))
+        assert g.error is None and all(np.array_equal(d, data(i)) for i, d in enumerate(dsts))
+
+
+def test_closed_tier_refuses_work(tmp_path):
+    t = NvmeTier(cfg(tmp_path / "nvme"))
+    b = t.put_many([(NS, key(i), None, CHUNK, data(i)) for i in range(8)])
+    t.close()  # in-flight puts finish first
+    assert b.done() and b.error is None
+    assert not t.stats().enabled and t.stats().extra["disabled_reason"] == "closed"
+    with pytest.raises(NvmeDisabledError, match="closed"):
+        t.put_many([(NS, key(9), None, 0, data(9))])
+    t.close()
