@@ -311,19 +311,41 @@ class KVStoreClient:
         bt = self.layout.block_tokens
         if src.shape[-2] < len(keys) * bt:
             raise ValueError(f"kv: holds {src.shape[-2]} tokens, fewer than the {len(keys) * bt} of full blocks")
+        # Batches are pipelined: the copy into batch k+1 overlaps the Commit of batch k (which,
+        # with durable commits, waits for NVMe). At most two commits are in flight.
         stored = 0
-        step = self._batch()
-        for start in range(0, len(keys), step):
-            chunk = keys[start:start + step]
-            with self.reserve(chunk, parent=keys[start - 1] if start else b"") as w:
-                for i in range(len(chunk)):
-                    dst = w.view(i)
-                    if dst is None:
-                        continue
-                    t0 = (start + i) * bt
-                    np.copyto(dst.reshape(self._block_shape()), src[..., t0:t0 + bt, :])
-                stored += w.commit()
+        step = max(1, self._batch() // 2)
+        pending: list[grpc.Future] = []
+        try:
+            for start in range(0, len(keys), step):
+                chunk = keys[start:start + step]
+                w = self.reserve(chunk, parent=keys[start - 1] if start else b"")
+                try:
+                    for i in range(len(chunk)):
+                        dst = w.view(i)
+                        if dst is not None:
+                            t0 = (start + i) * bt
+                            np.copyto(dst.reshape(self._block_shape()), src[..., t0:t0 + bt, :])
+                except BaseException:
+                    w.abort()
+                    raise
+                if not w.done:
+                    w.done = True
+                    pending.append(self.stub.Commit.future(
+                        pb.CommitRequest(session_id=self.session_id, lease_id=w.lease_id), timeout=self.timeout_s))
+                while len(pending) > 1:
+                    stored += self._committed(pending.pop(0))
+        finally:
+            for f in pending:  # settle what is in flight even when raising
+                stored += self._committed(f)
         return stored
+
+    @staticmethod
+    def _committed(f: grpc.Future) -> int:
+        try:
+            return f.result().committed
+        except grpc.RpcError as e:
+            raise KVStoreError(e.code(), e.details() or "") from None
 
     def get(self, token_ids, out, wait_s: float = 10.0) -> int:
         """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read.

@@ -310,10 +310,14 @@ class Tiering:
             todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
             for b in todo:
                 b.busy = True
+            core.demoting += len(todo)
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
                       core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes)) for b in todo]
+        t0 = time.perf_counter()
         batch = self._put(items) if items else None
+        log.debug("persisted %d blocks in %.4f s", len(items), time.perf_counter() - t0)
         with core.lock:
+            core.demoting -= len(todo)
             for b in todo:
                 b.busy = False
                 if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
