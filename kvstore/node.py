@@ -18,8 +18,31 @@ log = logging.getLogger("kvstore.node")
 class NodeDaemon(Daemon):
     tiering = None
     nvme_error = ""
+    hbm = None
 
     def start_extras(self) -> None:
+        self._start_hbm()
+        self._start_nvme()
+
+    def _start_hbm(self) -> None:
+        if not self.cfg.hbm.capacity_bytes:
+            return
+        from kvstore.tiers.base import TierError
+        from kvstore.tiers.hbm import HbmTier, HbmTierConfig
+
+        try:
+            self.hbm = HbmTier(HbmTierConfig.from_config(self.cfg))
+        except (TierError, RuntimeError, ValueError) as e:
+            from kvstore.daemon import StartupError
+
+            raise StartupError(f"hbm: {e}") from None
+        self.hbm.register_host(self.arena)
+        self.hbm_emulated = self.hbm.emulated  # labels kvstore_info and every stats answer
+        st = self.hbm.stats()
+        log.info("HBM tier: %.2f GiB on %s", st.capacity_bytes / 2**30,
+                 "an EMULATED device (" + st.extra.get("reason", "") + ")" if self.hbm.emulated else "the GPU")
+
+    def _start_nvme(self) -> None:
         n = self.cfg.nvme
         if not n.dir:
             return
@@ -45,9 +68,15 @@ class NodeDaemon(Daemon):
     def stop_extras(self, grace_s: float) -> None:
         if self.tiering is not None:
             self.tiering.close(grace_s)
+        if self.hbm is not None:
+            self.hbm.close()
 
     def tier_stats(self) -> list[TierStats]:
         out = super().tier_stats()
+        if self.hbm is not None:
+            st = self.hbm.stats()
+            st.extra = {"reason": st.extra.get("reason", "")} if st.emulated else {}
+            out.insert(0, st)
         if self.tiering is not None:
             st = self.tiering.nvme.stats()
             if not st.enabled:

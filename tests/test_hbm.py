@@ -1,0 +1,410 @@
+"""The HBM tier keeps the tier contract on the emulated device, and its streams keep CUDA's
+ordering: work on one stream in order, cross-stream hazards on a slot ordered by events, a
+failed copy never passing for a good one."""
+
+import threading
+
+import numpy as np
+import pytest
+from tier_contract import TierContract
+
+from kvstore.tiers.arena import Arena
+from kvstore.tiers.base import TierError, TierKind
+from kvstore.tiers.hbm import HbmTier, HbmTierConfig
+from kvstore.tiers.hbm_device import EmuEvent, EmuStream, choose_device
+
+KiB = 1024
+SLOT = 64 * KiB
+NS = b"N" * 32
+BLOCKED_S = 0.05  # how long a wait that must not finish is given to (wrongly) finish
+
+
+def _pattern(seed: int, nbytes: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class TestHbmEmulatedContract(TierContract):
+    def make_tier(self, tmp_path, capacity_bytes):
+        return HbmTier(HbmTierConfig(capacity_bytes, extent_bytes=4 * self.SLOT, device="emulated",
+                                     prefault=False))
+
+
+class TestHbmEmulatedFourStreamsContract(TierContract):
+    def make_tier(self, tmp_path, capacity_bytes):
+        return HbmTier(HbmTierConfig(capacity_bytes, extent_bytes=4 * self.SLOT, device="emulated",
+                                     streams=4, prefault=False))
+
+
+@pytest.fixture
+def tier():
+    t = HbmTier(HbmTierConfig(16 * SLOT, extent_bytes=4 * SLOT, device="emulated", prefault=False))
+    yield t
+    t.close()
+
+
+class Gate:
+    """Holds a stream at a point until opened: ``stream.submit(gate)``."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+
+    def __call__(self) -> None:
+        assert self._open.wait(30), "gate never opened"
+
+    def open(self) -> None:
+        self._open.set()
+
+
+# --- device choice and stats -----------------------------------------------------------------
+
+def test_auto_without_cuda_is_emulated_with_reason():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: auto picks it")
+    c = choose_device("auto")
+    assert c.emulated and c.reason.startswith("no CUDA device: torch.cuda.is_available() is False")
+
+
+def test_explicit_cuda_index_without_cuda_raises():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(TierError, match="CUDA device 0 requested"):
+        choose_device("0")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "-1", "cuda:x", ""])
+def test_bad_device_spec_raises(bad):
+    with pytest.raises(ValueError, match="device"):
+        choose_device(bad)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="streams"):
+        HbmTier(HbmTierConfig(SLOT, device="emulated", streams=1))
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HbmTier(HbmTierConfig(0, device="emulated"))
+
+
+def test_stats_report_emulated_and_reason(tier):
+    st = tier.stats()
+    assert st.kind is TierKind.HBM and st.emulated and tier.emulated
+    assert st.extra["backend"] == "emulated" and st.extra["streams"] == 2
+    assert st.extra["reason"] == "emulated by configuration (device = 'emulated')"
+    assert st.extra["host_pinned"] is False
+
+
+def test_register_host_is_a_noop_when_emulated(tier):
+    arena = Arena(4 * SLOT, prefault=False)
+    try:
+        assert tier.register_host(arena) is False
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_from_daemon_config():
+    from kvstore.config import Config
+
+    cfg = Config()
+    cfg.hbm.capacity_bytes = 8 * SLOT
+    cfg.hbm.device = "emulated"
+    c = HbmTierConfig.from_config(cfg)
+    assert (c.capacity_bytes, c.device, c.streams) == (8 * SLOT, "emulated", 2)
+    assert c.extent_bytes == min(cfg.dram.extent_bytes, 8 * SLOT)
+
+
+# --- emulated streams and events ---------------------------------------------------------------
+
+def test_emu_stream_runs_in_submission_order():
+    s = EmuStream()
+    gate, seen = Gate(), []
+    try:
+        s.submit(gate)
+        for i in range(5):
+            s.submit(lambda i=i: seen.append(i))
+        ev = s.record()
+        assert not ev.query() and seen == []  # everything queued behind the gate
+        gate.open()
+        ev.synchronize(30)
+        assert seen == [0, 1, 2, 3, 4]
+    finally:
+        s.close()
+
+
+def test_emu_wait_event_orders_another_stream():
+    a, b = EmuStream(), EmuStream()
+    gate, seen = Gate(), []
+    try:
+        a.submit(gate)
+        a.submit(lambda: seen.append("a"))
+        ev_a = a.record()
+        b.wait_event(ev_a)
+        b.submit(lambda: seen.append("b"))
+        ev_b = b.record()
+        with pytest.raises(TimeoutError):
+            ev_b.synchronize(BLOCKED_S)
+        gate.open()
+        ev_b.synchronize(30)
+        assert seen == ["a", "b"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_emu_error_fails_its_event_and_every_waiter():
+    a, b = EmuStream(), EmuStream()
+    ran = []
+    try:
+        a.submit(lambda: 1 / 0)
+        bad = a.record()
+        a.submit(lambda: ran.append("a-next"))
+        good = a.record()
+        b.wait_event(bad)
+        b.submit(lambda: ran.append("b"))  # its input failed: must not run
+        dependent = b.record()
+        with pytest.raises(ZeroDivisionError):
+            bad.synchronize(30)
+        good.synchronize(30)  # an error belongs to one op, not to the stream forever
+        with pytest.raises(TierError, match="earlier transfer"):
+            dependent.synchronize(30)
+        assert ran == ["a-next"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_emu_event_timeout():
+    with pytest.raises(TimeoutError):
+        EmuEvent().synchronize(0.001)
+
+
+# --- ordering inside the tier ----------------------------------------------------------------
+
+def test_read_after_write_on_another_stream_sees_the_write(tier):
+    s = tier.allocate(NS, SLOT)
+    up, down = tier.promote_lanes[0], tier.demote_lanes[0]
+    assert up is not down
+    gate = Gate()
+    up.stream.submit(gate)  # the promotion stream is busy
+    w = tier.write_async(s, _pattern(1))
+    dst = np.zeros(SLOT, np.uint8)
+    r = tier.read_async(s, dst)
+    assert not r.wait(BLOCKED_S), "the read ran before the write it follows"
+    gate.open()
+    r.result(30)
+    w.result(30)
+    assert np.array_equal(dst, _pattern(1))
+
+
+def test_write_after_read_waits_for_the_read(tier):
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, _pattern(1))
+    gate = Gate()
+    tier.demote_lanes[0].stream.submit(gate)  # the demotion stream is busy
+    dst = np.zeros(SLOT, np.uint8)
+    r = tier.read_async(s, dst)
+    w = tier.write_async(s, _pattern(2))
+    assert not w.wait(BLOCKED_S), "the write overtook a read issued before it"
+    gate.open()
+    r.result(30)
+    w.result(30)
+    assert np.array_equal(dst, _pattern(1))  # the read saw the old content
+    tier.read(s, dst)
+    assert np.array_equal(dst, _pattern(2))
+
+
+def test_read_on_same_stream_after_device_copy(tier):
+    a, b = tier.allocate(NS, SLOT), tier.allocate(NS, SLOT)
+    tier.write_async(a, _pattern(3))
+    tier.copy_async(b, a, SLOT)  # same promotion stream: ordered by the stream itself
+    dst = np.zeros(SLOT, np.uint8)
+    tier.read_async(b, dst).result(30)
+    assert np.array_equal(dst, _pattern(3))
+
+
+def test_independent_slots_do_not_wait_on_each_other(tier):
+    a, b = tier.allocate(NS, SLOT), tier.allocate(NS, SLOT)
+    tier.write(b, _pattern(4))
+    gate = Gate()
+    tier.promote_lanes[0].stream.submit(gate)
+    tier.write_async(a, _pattern(5))
+    dst = np.zeros(SLOT, np.uint8)
+    tier.read_async(b, dst).result(30)  # no hazard on b: not held up by the gated stream
+    assert np.array_equal(dst, _pattern(4))
+    gate.open()
+    tier.synchronize()
+
+
+def test_batched_promote_and_demote_count_bytes(tier):
+    slots = [tier.allocate(NS, SLOT) for _ in range(4)]
+    t = tier.promote([(s, _pattern(10 + i)) for i, s in enumerate(slots)])
+    t.result(30)
+    assert t.nbytes == 4 * SLOT
+    dsts = [np.zeros(SLOT, np.uint8) for _ in slots]
+    tier.demote(list(zip(slots, dsts))).result(30)
+    assert all(np.array_equal(d, _pattern(10 + i)) for i, d in enumerate(dsts))
+    st = tier.stats()
+    assert (st.extra["bytes_promoted"], st.extra["bytes_demoted"]) == (4 * SLOT, 4 * SLOT)
+
+
+def test_failed_write_never_serves_data(tier, monkeypatch):
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, _pattern(1))
+    real = tier.pool.copy
+    calls = []
+
+    def flaky(dst, src):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("injected DMA failure")
+        real(dst, src)
+
+    monkeypatch.setattr(tier.pool, "copy", flaky)
+    w = tier.write_async(s, _pattern(2))
+    dst = np.full(SLOT, 7, np.uint8)
+    r = tier.read_async(s, dst)  # another stream, reads what the failed write left
+    with pytest.raises(OSError, match="injected"):
+        w.result(30)
+    with pytest.raises(TierError, match="earlier transfer"):
+        r.result(30)
+    assert (dst == 7).all(), "a read of a slot whose write failed must not copy"
+    with pytest.raises(TierError):  # still poisoned: the failure is already known
+        tier.read(s, dst)
+    tier.write(s, _pattern(3))  # a new write replaces it, failure or not
+    tier.read(s, dst)
+    assert np.array_equal(dst, _pattern(3))
+
+
+def test_failed_write_fails_a_device_copy_on_the_same_stream(tier, monkeypatch):
+    a, b = tier.allocate(NS, SLOT), tier.allocate(NS, SLOT)
+    real = tier.pool.copy
+    calls = []
+
+    def flaky(dst, src):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("injected DMA failure")
+        real(dst, src)
+
+    monkeypatch.setattr(tier.pool, "copy", flaky)
+    gate = Gate()
+    tier.promote_lanes[0].stream.submit(gate)
+    w = tier.write_async(a, _pattern(1))
+    c = tier.copy_async(b, a, SLOT)  # same stream as the write: must still see it failed
+    gate.open()
+    with pytest.raises(OSError):
+        w.result(30)
+    with pytest.raises(TierError, match="earlier transfer"):
+        c.result(30)
+    with pytest.raises(TierError):  # b's content came from nowhere good either
+        tier.read(b, np.zeros(SLOT, np.uint8))
+
+
+def test_failed_read_does_not_fail_the_next_write(tier, monkeypatch):
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, _pattern(1))
+    real = tier.pool.copy
+    calls = []
+
+    def flaky(dst, src):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("injected DMA failure")
+        real(dst, src)
+
+    monkeypatch.setattr(tier.pool, "copy", flaky)
+    gate = Gate()
+    tier.demote_lanes[0].stream.submit(gate)
+    r = tier.read_async(s, np.zeros(SLOT, np.uint8))
+    w = tier.write_async(s, _pattern(2))  # waits for the read, does not inherit its failure
+    gate.open()
+    with pytest.raises(OSError):
+        r.result(30)
+    w.result(30)
+    dst = np.zeros(SLOT, np.uint8)
+    tier.read(s, dst)
+    assert np.array_equal(dst, _pattern(2))
+
+
+def test_free_waits_for_copies_in_flight(tier):
+    s = tier.allocate(NS, SLOT)
+    gate = Gate()
+    tier.promote_lanes[0].stream.submit(gate)
+    w = tier.write_async(s, _pattern(1))
+    threading.Timer(BLOCKED_S, gate.open).start()
+    tier.free(NS, s)  # returns only once the write that targets the slot ran
+    assert np.array_equal(tier.pool.slice(s, SLOT), _pattern(1))
+    w.result(30)
+    assert tier.stats().blocks == 0
+
+
+def test_double_free_raises(tier):
+    s = tier.allocate(NS, SLOT)
+    keep = tier.allocate(NS, SLOT)  # keeps the extent owned
+    tier.free(NS, s)
+    with pytest.raises(ValueError):
+        tier.free(NS, s)
+    assert tier.stats().blocks == 1 and keep is not None
+
+
+def test_closed_tier_refuses_work():
+    t = HbmTier(HbmTierConfig(4 * SLOT, device="emulated", prefault=False))
+    s = t.allocate(NS, SLOT)
+    t.close()
+    with pytest.raises(TierError, match="closed"):
+        t.write_async(s, _pattern(1))
+    t.close()  # idempotent
+
+
+# --- sharing the pool with a worker ----------------------------------------------------------
+
+def test_emulated_ipc_handle_maps_the_same_pool(tier):
+    pytest.importorskip("torch")
+    from kvstore.tiers.hbm import open_pool
+
+    h = tier.ipc_handle()
+    assert h["kind"] == "emulated" and h["capacity_bytes"] == 16 * SLOT
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, _pattern(9))
+    m = open_pool(h)
+    try:
+        assert np.array_equal(m.mem[s:s + SLOT].numpy(), _pattern(9))
+        m.mem[s:s + 4] = 1  # the worker writes; the daemon reads it back
+        dst = np.zeros(4, np.uint8)
+        tier.read(s, dst)
+        assert (dst == 1).all()
+    finally:
+        m.close()
+
+
+def test_cpu_tensors_are_host_buffers_too(tier):
+    torch = pytest.importorskip("torch")
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, torch.from_numpy(_pattern(12)))
+    dst = torch.zeros(SLOT, dtype=torch.uint8)
+    tier.read(s, dst)
+    assert np.array_equal(dst.numpy(), _pattern(12))
+
+
+def test_daemon_reports_the_emulated_hbm_tier(tmp_path):
+    """With no GPU the daemon's HBM tier runs emulated and says so everywhere a figure shows."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from daemon_util import start_daemon
+
+    d = start_daemon(tmp_path, "--hbm-capacity-bytes", "16MiB")
+    try:
+        out = json.loads(subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json", "--socket", d.socket_path],
+                                        capture_output=True, text=True, timeout=30).stdout)
+        assert out["hbm_emulated"] is True
+        hbm = [t for t in out["tiers"] if t["tier"] == "TIER_HBM"][0]
+        assert hbm["emulated"] is True and hbm["capacity_bytes"] == str(16 << 20) and "no CUDA device" in hbm["detail"]
+        text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+        assert "kvstore_hbm_emulated 1.0" in text and 'hbm_emulated="true"' in text
+        assert 'kvstore_tier_capacity_bytes{tier="hbm"} 1.6777216e+07' in text
+    finally:
+        assert d.stop() == 0
