@@ -27,6 +27,13 @@ class PrefetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFETCH_DONE: _ClassVar[PrefetchState]
     PREFETCH_PARTIAL: _ClassVar[PrefetchState]
     PREFETCH_FAILED: _ClassVar[PrefetchState]
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_RUNNING: _ClassVar[TransferState]
+    TRANSFER_DONE: _ClassVar[TransferState]
+    TRANSFER_FAILED: _ClassVar[TransferState]
+    TRANSFER_UNKNOWN: _ClassVar[TransferState]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -39,6 +46,10 @@ PREFETCH_RUNNING: PrefetchState
 PREFETCH_DONE: PrefetchState
 PREFETCH_PARTIAL: PrefetchState
 PREFETCH_FAILED: PrefetchState
+TRANSFER_RUNNING: TransferState
+TRANSFER_DONE: TransferState
+TRANSFER_FAILED: TransferState
+TRANSFER_UNKNOWN: TransferState
 
 class Layout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "block_tokens", "kv_lora_rank", "qk_rope_head_dim")
@@ -127,26 +138,30 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "parent")
+    __slots__ = ("session_id", "keys", "parent", "doorbell")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     parent: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    doorbell: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., doorbell: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "states", "expires_in_s")
+    __slots__ = ("lease_id", "offsets", "states", "expires_in_s", "doorbell_offset")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     states: bytes
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., states: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    doorbell_offset: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., states: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ..., doorbell_offset: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "lease_id", "keys")
@@ -376,18 +391,46 @@ class DropNamespaceResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "peer", "deadline_s", "pipelined")
+    __slots__ = ("session_id", "keys", "peer", "deadline_s", "pipelined", "lease_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     peer: str
     deadline_s: float
     pipelined: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., peer: _Optional[str] = ..., deadline_s: _Optional[float] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., peer: _Optional[str] = ..., deadline_s: _Optional[float] = ..., pipelined: _Optional[bool] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class AwaitTransferRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "wait_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    wait_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class AwaitTransferResponse(_message.Message):
+    __slots__ = ("state", "lease_id", "offsets", "doorbell_offset", "layers_ready", "detail")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_READY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    doorbell_offset: int
+    layers_ready: int
+    detail: str
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., doorbell_offset: _Optional[int] = ..., layers_ready: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("blocks", "bytes", "seconds")

@@ -104,6 +104,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.TransferRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.TransferResponse.FromString,
                 _registered_method=True)
+        self.AwaitTransfer = channel.unary_unary(
+                '/kvstore.v1.KVStore/AwaitTransfer',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -212,9 +217,19 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Transfer(self, request, context):
-        """Unary. Ships committed blocks of the session's namespace to a peer daemon's DRAM tier,
-        layer by layer. Returns when every block arrived and was verified, or fails with the first
-        error; slots reserved on either side are released on failure.
+        """Unary. Ships blocks of the session's namespace to a peer daemon's DRAM tier, layer by
+        layer: committed blocks, or (pipelined) the slots of a write lease as its doorbell rings.
+        Returns when every block arrived and was verified, or fails with the first error; slots
+        reserved on either side are released on failure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitTransfer(self, request, context):
+        """Unary. On the receiving daemon: pins the blocks a peer is shipping here (as soon as the
+        transfer starts, within `wait_s`) and returns their offsets and the transfer's doorbell,
+        so a decode worker can start on layer l as soon as it has arrived. UNKNOWN = nothing yet.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +307,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Transfer,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.TransferRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.TransferResponse.SerializeToString,
+            ),
+            'AwaitTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitTransfer,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -672,6 +692,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Transfer',
             kvstore_dot_v1_dot_kvstore__pb2.TransferRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/AwaitTransfer',
+            kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AwaitTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,
