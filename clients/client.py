@@ -19,6 +19,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from kvstore import doorbell
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, KVLayout
@@ -110,7 +111,20 @@ class WriteLease:
         self.client, self.keys, self.lease_id = client, keys, resp.lease_id
         self.states = resp.states
         self.offsets = list(resp.offsets)
+        self.doorbell = resp.doorbell_offset
         self.done = self.lease_id == 0
+
+    def ring(self, layers: int) -> None:
+        """Announce that the first ``layers`` layers of every reserved slot are written (a
+        shared-memory store: a pipelined Transfer ships them without any RPC)."""
+        if not self.doorbell:
+            raise RuntimeError("this lease has no doorbell: reserve(..., doorbell=True)")
+        doorbell.ring(self.client.arena.buf, self.doorbell, layers)
+
+    def layer_view(self, i: int, layer: int) -> np.ndarray | None:
+        """Layer ``layer`` of key i's slot: ``[2, block_tokens, row]`` bytes (MLA: ``[block_tokens, row]``)."""
+        v = self.view(i)
+        return None if v is None else _layer(v, self.client.layout, layer)
 
     def view(self, i: int) -> np.ndarray | None:
         if self.states[i] != RESERVED:
@@ -137,6 +151,55 @@ class WriteLease:
             self.commit()
         else:
             self.abort()
+
+
+def _layer(block: np.ndarray, layout: KVLayout, layer: int) -> np.ndarray:
+    c = layout.layer_chunk_bytes
+    chunk = block[layer * c:(layer + 1) * c]
+    if layout.kind is AttnKind.MLA:
+        return chunk.reshape(layout.block_tokens, -1)
+    return chunk.reshape(2, layout.block_tokens, -1)
+
+
+class IncomingTransfer:
+    """Blocks a peer is shipping here, pinned: ``wait_layer(l)`` returns once layer ``l`` of every
+    block has arrived and was verified (polling the transfer's shared-memory doorbell)."""
+
+    def __init__(self, client: "KVStoreClient", resp: pb.AwaitTransferResponse) -> None:
+        self.client, self.state = client, resp.state
+        self.lease_id, self.offsets, self.doorbell = resp.lease_id, list(resp.offsets), resp.doorbell_offset
+        self.detail = resp.detail
+
+    def layers_ready(self) -> int:
+        if not self.doorbell:
+            return self.client.layout.num_layers if self.state == pb.TRANSFER_DONE else 0
+        layers, state = doorbell.read(self.client.arena.buf, self.doorbell)
+        if state == doorbell.FAILED:
+            raise KVStoreError(grpc.StatusCode.ABORTED, "the incoming transfer failed; recompute")
+        return layers
+
+    def wait_layer(self, layer: int, timeout_s: float = 30.0) -> None:
+        deadline, pause = time.monotonic() + timeout_s, 20e-6
+        while self.layers_ready() <= layer:
+            if time.monotonic() > deadline:
+                raise KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"layer {layer} did not arrive in {timeout_s} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def layer_view(self, i: int, layer: int) -> np.ndarray:
+        L = self.client.layout
+        return _layer(self.client.arena.view(self.offsets[i], L.block_bytes), L, layer)
+
+    def release(self) -> None:
+        if self.lease_id:
+            lid, self.lease_id = self.lease_id, 0
+            self.client._call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
+
+    def __enter__(self) -> "IncomingTransfer":
+        return self
+
+    def __exit__(self, *_):
+        self.release()
 
 
 class ReadLease:
@@ -167,6 +230,17 @@ class ReadLease:
 
     def __exit__(self, *_):
         self.release()
+
+
+class _Future:
+    def __init__(self, f: grpc.Future) -> None:
+        self._f = f
+
+    def result(self):
+        try:
+            return self._f.result()
+        except grpc.RpcError as e:
+            raise KVStoreError(e.code(), e.details() or "") from None
 
 
 class KVStoreClient:
@@ -272,11 +346,12 @@ class KVStoreClient:
         return self.lookup_keys(self.keys(token_ids)).hit_blocks * self.layout.block_tokens
 
     # --- leases -----------------------------------------------------------------------------
-    def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0) -> WriteLease:
+    def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0,
+                doorbell: bool = False) -> WriteLease:
         """Reserve slots for ``keys``. While the daemon answers RESOURCE_EXHAUSTED because blocks
         are still being demoted to NVMe, retry with backoff for at most ``retry_s`` seconds."""
         self._need_session()
-        req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent)
+        req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell)
         deadline, pause = time.monotonic() + retry_s, 0.002
         while True:
             try:
@@ -374,6 +449,25 @@ class KVStoreClient:
         if L.kind is AttnKind.MLA:
             return (L.num_layers, L.block_tokens, L.bytes_per_token_layer)
         return (L.num_layers, 2, L.block_tokens, L.bytes_per_token_layer // 2)
+
+    def transfer(self, keys: Sequence[bytes], peer: str, deadline_s: float = 0.0, lease: WriteLease | None = None,
+                 wait: bool = True):
+        """Ship blocks to the daemon at ``peer`` (its transport listener, host:port). With
+        ``lease`` (reserved with ``doorbell=True``) the transfer is pipelined: layer l goes as
+        soon as :meth:`WriteLease.ring` announces it. ``wait=False`` returns a future (needed for
+        pipelining: ring the layers, then call ``.result()``)."""
+        req = pb.TransferRequest(session_id=self.session_id, keys=pack(keys), peer=peer, deadline_s=deadline_s,
+                                 pipelined=lease is not None, lease_id=lease.lease_id if lease else 0)
+        timeout = (deadline_s or 60.0) + self.timeout_s
+        if wait:
+            return self._call("Transfer", req, timeout_s=timeout)
+        return _Future(self.stub.Transfer.future(req, timeout=timeout))
+
+    def await_transfer(self, keys: Sequence[bytes], wait_s: float = 10.0) -> IncomingTransfer:
+        """On the receiving node: pin the blocks a peer is shipping here and follow their layers."""
+        r = self._call("AwaitTransfer", pb.AwaitTransferRequest(session_id=self.session_id, keys=pack(keys),
+                                                               wait_s=wait_s), timeout_s=wait_s + self.timeout_s)
+        return IncomingTransfer(self, r)
 
     def prefetch(self, keys: Sequence[bytes], deadline_s: float = 0.0) -> int:
         """Start promoting ``keys`` into DRAM; returns a handle for :meth:`prefetch_status`."""

@@ -38,6 +38,7 @@ class Lease:
     session: "Session"
     blocks: list[Block]
     expires: float
+    doorbell: int = 0  # arena offset of the lease's layer doorbell (write leases that asked)
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +94,7 @@ class Core:
         self.waiting_for_demotion = False
         self.demoting = 0  # blocks whose DRAM slot is being copied to NVMe right now
         self.demand_bytes = 0  # room the last reservation refused for demotion needed
+        self.doorbells = None  # kvstore.doorbell.Doorbells, set by the daemon
 
     # --- sessions --------------------------------------------------------------------------
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
@@ -160,7 +162,8 @@ class Core:
         b.tick = self.tick
 
     # --- write path ------------------------------------------------------------------------
-    def reserve(self, s: Session, packed: bytes, parent: bytes) -> tuple[Lease | None, list[int], bytes]:
+    def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
+                ) -> tuple[Lease | None, list[int], bytes]:
         keys = self._keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
@@ -209,6 +212,8 @@ class Core:
             raise
         self.demand_bytes = 0
         self.waiting_for_demotion = False
+        if doorbell and self.doorbells is not None:
+            lease.doorbell = self.doorbells.alloc()
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
         self._lease_gauge()
@@ -341,13 +346,16 @@ class Core:
         n = 0
         for b in lease.blocks:
             if b.state is BlockState.RESERVED:
-                self.dram.free(b.ns_id, b.offset)
+                if b.ref_cnt == 0:  # a reader of the incoming slot frees it when it lets go
+                    self.dram.free(b.ns_id, b.offset)
                 self._forget(b)
                 n += 1
         lease.blocks = []
         return n
 
     def _end_lease(self, lease: Lease) -> None:
+        if lease.doorbell and self.leases.get(lease.id) is lease:
+            self.doorbells.release(lease.doorbell)
         self.leases.pop(lease.id, None)
         lease.session.leases.pop(lease.id, None)
         self._lease_gauge()
@@ -384,6 +392,19 @@ class Core:
         s.leases[lease.id] = lease
         self._lease_gauge()
         return lease, blocks
+
+    def pin(self, s: Session, blocks: list[Block]) -> Lease:
+        """A read lease over blocks in any state (a decode worker reading slots that a transfer
+        is still filling); their slots outlive a failed transfer until the lease ends."""
+        lease = Lease(next(self._lease_ids), LeaseKind.READ, s, list(blocks), self.clock() + self.lease_ttl_s)
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.lru(b.tier, b.ns_id).discard(b)
+            b.ref_cnt += 1
+        self.leases[lease.id] = lease
+        s.leases[lease.id] = lease
+        self._lease_gauge()
+        return lease
 
     def release(self, s: Session, lease_id: int) -> None:
         self._unpin(self._lease(s, lease_id, LeaseKind.READ))

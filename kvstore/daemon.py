@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore import __version__
+from kvstore import __version__, doorbell
 from kvstore.config import Config
 from kvstore.core import Core
 from kvstore.errors import Code, KVError
@@ -98,13 +98,14 @@ class Daemon:
         _prepare_socket_path(self.socket_path)
         dram_bytes = cfg.resolved_dram_bytes()
         log.info("creating %.2f GiB DRAM arena (prefault=%s)", dram_bytes / 2**30, cfg.dram.prefault)
-        try:
-            self.arena = Arena(dram_bytes, prefault=cfg.dram.prefault)
+        try:  # the doorbell cells live just past the slots
+            self.arena = Arena(dram_bytes + doorbell.REGION_BYTES, prefault=cfg.dram.prefault)
         except OSError as e:
             raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
-        self.dram = DramTier(self.arena, cfg.dram.extent_bytes)
+        self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
         self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s,
                          max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
+        self.core.doorbells = doorbell.Doorbells(self.arena.buf, dram_bytes)
         self.policy = LoadPolicy()
         self.server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
@@ -143,7 +144,10 @@ class Daemon:
     def prefetch_status(self, session, handle: int, wait_s: float):
         raise KVError(Code.NOT_FOUND, f"prefetch {handle}: unknown handle")
 
-    def transfer(self, session, keys, peer: str, deadline_s: float, pipelined: bool):
+    def transfer(self, session, keys, peer: str, deadline_s: float, pipelined: bool, lease_id: int = 0):
+        raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
+
+    def await_transfer(self, session, keys, wait_s: float):
         raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
 
     # --- stats ------------------------------------------------------------------------------

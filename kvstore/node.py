@@ -20,9 +20,22 @@ class NodeDaemon(Daemon):
     nvme_error = ""
     hbm = None
 
+    transfers = None
+
     def start_extras(self) -> None:
         self._start_hbm()
         self._start_nvme()
+        if self.cfg.transport.listen:
+            from kvstore.transfer import TransferService
+
+            try:
+                self.transfers = TransferService(self)
+                self.transfer_address = self.transfers.start()
+            except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
+                from kvstore.daemon import StartupError
+
+                raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
+                                   f"listener on {self.cfg.transport.listen}: {e}") from None
 
     def _start_hbm(self) -> None:
         if not self.cfg.hbm.capacity_bytes:
@@ -66,6 +79,8 @@ class NodeDaemon(Daemon):
         self.tiering.start()
 
     def stop_extras(self, grace_s: float) -> None:
+        if self.transfers is not None:
+            self.transfers.stop(grace_s)
         if self.tiering is not None:
             self.tiering.close(grace_s)
         if self.hbm is not None:
@@ -115,6 +130,16 @@ class NodeDaemon(Daemon):
         if self.tiering is None:
             return super().prefetch(session, keys, target, deadline_s)
         return self.tiering.prefetch(session, keys, deadline_s)
+
+    def transfer(self, session, keys, peer: str, deadline_s: float, pipelined: bool, lease_id: int = 0):
+        if self.transfers is None:
+            return super().transfer(session, keys, peer, deadline_s, pipelined)
+        return self.transfers.transfer(session, keys, peer, deadline_s, pipelined, lease_id)
+
+    def await_transfer(self, session, keys, wait_s: float):
+        if self.transfers is None:
+            return super().await_transfer(session, keys, wait_s)
+        return self.transfers.await_transfer(session, keys, wait_s)
 
     def prefetch_status(self, session, handle: int, wait_s: float):
         if self.tiering is None:

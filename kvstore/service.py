@@ -113,9 +113,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Reserve(self, req, context):
         with self.core.lock:
             s = self._session(req.session_id)
-            lease, offsets, states = self.core.reserve(s, req.keys, req.parent)
+            lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
         return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
-                                  expires_in_s=self.core.lease_ttl_s if lease else 0.0)
+                                  expires_in_s=self.core.lease_ttl_s if lease else 0.0,
+                                  doorbell_offset=lease.doorbell if lease else 0)
 
     @rpc
     def Commit(self, req, context):
@@ -196,8 +197,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("peer: host:port of the peer's transfer listener is required")
         if req.deadline_s < 0:
             raise invalid("deadline_s: must be >= 0")
-        blocks, nbytes, secs = self.d.transfer(s, keys, req.peer, req.deadline_s, req.pipelined)
+        if req.pipelined and not req.lease_id:
+            raise invalid("lease_id: a pipelined transfer names the write lease whose doorbell it follows")
+        blocks, nbytes, secs = self.d.transfer(s, keys, req.peer, req.deadline_s, req.pipelined, req.lease_id)
         return pb.TransferResponse(blocks=blocks, bytes=nbytes, seconds=secs)
+
+    @rpc
+    def AwaitTransfer(self, req, context):
+        if req.wait_s < 0:
+            raise invalid("wait_s: must be >= 0")
+        with self.core.lock:
+            s = self._session(req.session_id)
+            keys = self.core._keys(req.keys)
+        if not keys:
+            raise invalid("keys: name the blocks being shipped here")
+        return self.d.await_transfer(s, keys, min(req.wait_s, 300.0))
 
     @rpc
     def Stats(self, req, context):

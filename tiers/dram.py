@@ -15,9 +15,10 @@ from kvstore.tiers.base import ExtentAllocator, TierKind, TierStats, Transfer
 class DramTier:
     kind = TierKind.DRAM
 
-    def __init__(self, arena: Arena, extent_bytes: int) -> None:
+    def __init__(self, arena: Arena, extent_bytes: int, capacity_bytes: int | None = None) -> None:
+        """Slots come from the first ``capacity_bytes`` of the arena (default: all of it)."""
         self.arena = arena
-        self.alloc = ExtentAllocator(arena.size_bytes, extent_bytes)
+        self.alloc = ExtentAllocator(capacity_bytes or arena.size_bytes, extent_bytes)
         self.blocks = 0
 
     @property

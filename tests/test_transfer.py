@@ -1,0 +1,196 @@
+"""Prefill daemon A -> decode daemon B through the real transfer listener (TCP and UCX)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from daemon_util import free_port, start_daemon
+from kvstore.clients import KVStoreClient, KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.transport import ucx_available
+
+LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
+BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}"))]
+
+
+def pair(tmp_path, backend, env_a=None):
+    pa, pb_ = free_port(), free_port()
+    a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", backend,
+                     name="a", env=env_a)
+    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", backend, name="b")
+    return a, b, f"127.0.0.1:{pb_}"
+
+
+def clients(a, b):
+    ca, cb = KVStoreClient(a.socket_path), KVStoreClient(b.socket_path)
+    ca.register(LAYOUT, "disagg-model")
+    cb.register(LAYOUT, "disagg-model")
+    return ca, cb
+
+
+def kv_for(tokens, seed=0):
+    return np.random.default_rng(seed).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
+
+
+def dram_used(c):
+    return c.stats().tiers[0].used_bytes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_arrive_bit_exact(tmp_path, backend):
+    a, b, peer_b = pair(tmp_path, backend)
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(10 * 16 + 5))
+        kv = kv_for(tokens)
+        ca.put(tokens, kv)
+        r = ca.transfer(ca.keys(tokens), peer_b, deadline_s=20)
+        assert r.blocks == 10 and r.bytes == 10 * LAYOUT.block_bytes
+        assert cb.lookup(tokens) == 160
+        out = np.zeros_like(kv)
+        assert cb.get(tokens, out) == 160
+        assert out[:, :, :160].tobytes() == kv[:, :, :160].tobytes()
+        # Shipping again is harmless: B already holds them and keeps exactly one copy.
+        ca.transfer(ca.keys(tokens), peer_b, deadline_s=20)
+        assert cb.stats().tiers[0].blocks == 10
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipelined_layers_follow_the_doorbell(tmp_path, backend):
+    a, b, peer_b = pair(tmp_path, backend)
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(4 * 16))
+        kv = kv_for(tokens, 1)
+        keys = ca.keys(tokens)
+        src = kv.view(np.uint8).reshape(LAYOUT.num_layers, 2, len(tokens), -1)
+        w = ca.reserve(keys, doorbell=True)
+        assert w.doorbell
+        fut = ca.transfer(keys, peer_b, deadline_s=20, lease=w, wait=False)
+        inc = cb.await_transfer(keys, wait_s=10)
+        assert inc.lease_id and len(inc.offsets) == 4 and inc.layers_ready() == 0
+        for layer in range(LAYOUT.num_layers):  # "compute" layer l, write it, ring
+            for i in range(4):
+                w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+            time.sleep(0.02)
+            assert inc.layers_ready() <= layer  # nothing arrives before it is announced
+            w.ring(layer + 1)
+            inc.wait_layer(layer, timeout_s=10)  # the decode side starts on layer l now
+            for i in range(4):
+                assert inc.layer_view(i, layer).tobytes() == src[layer, :, i * 16:(i + 1) * 16].tobytes()
+        w.commit()
+        r = fut.result()
+        assert r.blocks == 4
+        inc.release()
+        out = np.zeros_like(kv)
+        assert cb.get(tokens, out) == 64 and out.tobytes() == kv.tobytes()
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+def test_prefill_daemon_killed_mid_transfer(tmp_path):
+    a, b, peer_b = pair(tmp_path, "tcp")
+    try:
+        ca, cb = clients(a, b)
+        base = dram_used(cb)
+        tokens = list(range(8 * 16))
+        keys = ca.keys(tokens)
+        w = ca.reserve(keys, doorbell=True)
+        fut = ca.transfer(keys, peer_b, deadline_s=5, lease=w, wait=False)
+        inc = cb.await_transfer(keys, wait_s=10)
+        w.ring(2)  # two layers go out, then the prefill node dies
+        inc.wait_layer(1, timeout_s=10)
+        t0 = time.monotonic()
+        a.kill()
+        with pytest.raises(KVStoreError) as e:
+            inc.wait_layer(LAYOUT.num_layers - 1, timeout_s=10)
+        assert "failed" in e.value.message
+        assert time.monotonic() - t0 < 6  # within the transfer's deadline
+        with pytest.raises(KVStoreError):
+            fut.result()
+        inc.release()
+        deadline = time.monotonic() + 5
+        while dram_used(cb) != base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dram_used(cb) == base  # every reserved slot released
+        assert cb.lookup(tokens) == 0
+        st = cb.stats()
+        assert st.counters["kvstore_transfer_failures_total"] >= 1
+        cb.close()
+    finally:
+        b.stop()
+
+
+def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
+    a, b, peer_b = pair(tmp_path, "tcp", env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "5"})
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(4 * 16))
+        ca.put(tokens, kv_for(tokens, 2))
+        base = dram_used(cb)
+        with pytest.raises(KVStoreError) as e:
+            ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
+        assert "checksum" in e.value.message.lower()
+        assert cb.lookup(tokens) == 0 and dram_used(cb) == base
+        assert cb.stats().counters["kvstore_transfer_failures_total"] == 1
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+def test_transfers_work_again_after_the_peer_restarts(tmp_path):
+    a, b, peer_b = pair(tmp_path, "tcp")
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(3 * 16))
+        ca.put(tokens, kv_for(tokens, 3))
+        ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
+        cb.close()
+        assert b.stop() == 0
+        with pytest.raises(KVStoreError):
+            ca.transfer(ca.keys(tokens), peer_b, deadline_s=3)  # peer down: a clear failure
+        b = start_daemon(tmp_path / "b", *b.args[b.args.index("--transport-listen"):b.args.index("--transport-listen") + 4],
+                         name="b2")
+        cb = KVStoreClient(b.socket_path)
+        cb.register(LAYOUT, "disagg-model")
+        assert cb.lookup(tokens) == 0  # DRAM only: the restart emptied it
+        assert ca.transfer(ca.keys(tokens), peer_b, deadline_s=10).blocks == 3
+        assert cb.lookup(tokens) == 48
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+def test_bad_transfer_requests(tmp_path):
+    a, b, peer_b = pair(tmp_path, "tcp")
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(2 * 16))
+        with pytest.raises(KVStoreError, match="no committed block"):
+            ca.transfer(ca.keys(tokens), peer_b)
+        ca.put(tokens, kv_for(tokens))
+        with pytest.raises(KVStoreError, match="peer"):
+            ca.transfer(ca.keys(tokens), "not-an-address")
+        with pytest.raises(KVStoreError) as e:
+            ca.transfer(ca.keys(tokens), f"127.0.0.1:{free_port()}", deadline_s=2)
+        assert e.value.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        w = ca.reserve(ca.keys(list(range(100, 132))))
+        with pytest.raises(KVStoreError, match="doorbell"):
+            ca.transfer(w.keys, peer_b, lease=w)
+        w.abort()
+        r = cb.await_transfer(ca.keys([7] * 16), wait_s=0.2)
+        assert r.state == 3  # UNKNOWN: nothing is coming
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
