@@ -54,7 +54,7 @@ class TransferConfig:
     max_chunk_bytes: int = 256 * MiB      # larger chunks are refused (PROTOCOL_ERROR)
     max_blocks: int = 65536               # keys in one transfer
     max_meta_bytes: int = 64 * 1024
-    max_inflight_bytes: int = 256 * MiB   # UCX sender: payload bytes posted but not yet completed
+    max_inflight_bytes: int = 64 * MiB    # UCX sender: payload bytes posted, not completed (>= 1 chunk)
     auth_token: bytes = b""               # both sides must hold the same token ("" = none)
     ucx_progress: UcxProgress = UcxProgress.BLOCKING
     tcp_keepalive_s: int = 5              # dead-host detection where no FIN/RST ever arrives
@@ -68,8 +68,8 @@ class TransferConfig:
         for name in ("connect_timeout_s", "default_deadline_s", "max_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_chunk_bytes <= 0 or self.max_inflight_bytes < self.max_chunk_bytes:
-            raise ValueError("max_inflight_bytes: must be >= max_chunk_bytes > 0")
+        if self.max_chunk_bytes <= 0 or self.max_inflight_bytes <= 0:
+            raise ValueError("max_chunk_bytes, max_inflight_bytes: must be > 0")
         if len(self.auth_token) > 256:
             raise ValueError("auth_token: at most 256 bytes")
 

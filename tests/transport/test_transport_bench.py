@@ -1,0 +1,22 @@
+"""`kvstore bench transfer` runs end to end (tiny sizes: a smoke test, not a measurement)."""
+
+from __future__ import annotations
+
+import json
+
+from kvstore.transport import bench
+
+
+def test_bench_runs_and_reports_json(backend, capsys):
+    rc = bench.main(["--backend", backend, "--sizes", "64KiB", "--total-mib", "1", "--latency-samples", "5",
+                     "--layers", "4", "--blocks", "2", "--pipeline-chunk", "64KiB", "--compute-ratio", "1.0",
+                     "--verify", "--json"] + (["--no-raw"] if backend == "ucx" else []))
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    (point,) = doc["points"]
+    assert point["backend"] == backend and point["chunk_bytes"] == 65536 and point["gbps"] > 0
+    assert point["lat_p50_us"] <= point["lat_p99_us"]
+    if backend == "tcp":
+        assert point["raw"]["gbps"] > 0 and point["ratio"] > 0
+    (pipe,) = doc["pipelined"]
+    assert pipe["layers"] == 4 and 0 <= pipe["hidden_fraction"] <= 1

@@ -1,0 +1,224 @@
+"""Same-run raw references for ``kvstore bench transfer``: what the machine gives without our
+protocol (no frames, no checksums, no sink), measured the same way as the transport.
+
+* raw TCP: ``sendall`` of each message, ``recv_into(..., MSG_WAITALL)`` into one buffer;
+* raw ucxx: tagged send/recv on the low-level ucxx API, blocking progress, receives posted ahead;
+* ``ucx_perftest -t tag_bw`` from the libucx wheel, when its binary is there.
+
+Throughput: ``n`` messages back to back, bytes / (first send .. receiver's last arrival). The
+memory touched matches the transport benchmark (4 source buffers, a receive ring of the sink's
+size), so cache effects do not favour either side.
+Latency: paced, one message in flight; receiver's arrival minus sender's submit, both on
+CLOCK_MONOTONIC (one host). Every function returns ``{"gbps", "lat_p50_us", "lat_p99_us"}``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from . import ucx_env
+
+
+def percentiles(samples_s: list[float]) -> tuple[float, float]:
+    """(p50, p99) of samples in seconds, returned in microseconds."""
+    if not samples_s:
+        return float("nan"), float("nan")
+    a = np.asarray(samples_s) * 1e6
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def _result(nbytes: int, seconds: float, lat: list[float]) -> dict:
+    p50, p99 = percentiles(lat)
+    return {"gbps": nbytes / seconds / 1e9, "lat_p50_us": p50, "lat_p99_us": p99}
+
+
+# -- raw TCP -------------------------------------------------------------------------------------
+
+_WARM = 8  # untimed messages first: connection ramp-up, page faults, UCX wireup
+SOURCES = 4  # distinct source buffers the sender cycles through (as bench.py does)
+
+
+def _ring(ring_bytes: int, size: int) -> list[memoryview]:
+    """Receive slots cycling through ``ring_bytes``, faulted in: the same memory footprint as
+    the transport benchmark's sink, so neither side gets to stay in cache and the other not."""
+    ring = np.ones(max(ring_bytes, size), dtype=np.uint8)
+    return [memoryview(ring[i * size:(i + 1) * size]) for i in range(ring.nbytes // size)]
+
+
+def _tcp_rx(conn, size: int, n: int, n_lat: int, ring_bytes: int) -> None:
+    ls = socket.create_server(("127.0.0.1", 0))
+    conn.send(ls.getsockname()[1])
+    s, _ = ls.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    slots = _ring(ring_bytes, size)
+    for i in range(_WARM + n + n_lat):
+        buf = slots[i % len(slots)]
+        got = 0
+        while got < size:
+            got += s.recv_into(buf[got:], size - got, socket.MSG_WAITALL) or _eof()
+        if i == _WARM - 1 or i == _WARM + n - 1 or i >= _WARM + n:
+            conn.send(time.monotonic())
+    s.close()
+
+
+def _eof() -> int:
+    raise ConnectionError("raw TCP sender went away")
+
+
+def _sources(size: int) -> list[memoryview]:
+    """``SOURCES`` distinct source buffers, cycled like the transport benchmark's."""
+    return [memoryview(np.full(size, 7, dtype=np.uint8)) for _ in range(SOURCES)]
+
+
+def raw_tcp(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20) -> dict:
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_tcp_rx, args=(child, size, n, n_lat, ring_bytes), daemon=True)
+    p.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", parent.recv()))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        src = _sources(size)
+        for i in range(_WARM):
+            s.sendall(src[i % SOURCES])
+        parent.recv()
+        t0 = time.monotonic()
+        for i in range(n):
+            s.sendall(src[i % SOURCES])
+        seconds = parent.recv() - t0
+        lat = []
+        for i in range(n_lat):
+            t = time.monotonic()
+            s.sendall(src[i % SOURCES])
+            lat.append(parent.recv() - t)
+        s.close()
+        return _result(size * n, seconds, lat)
+    finally:
+        p.join(timeout=10)
+        p.kill()
+
+
+# -- raw ucxx ------------------------------------------------------------------------------------
+
+def _wait(worker, reqs) -> None:
+    while not all(r.completed for r in reqs):
+        worker.progress_worker_event(100)
+    for r in reqs:
+        r.check_error()
+
+
+def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int) -> None:
+    api, Array = ucx_env.load()
+    ctx = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+    w = api.UCXWorker(ctx)
+    w.init_blocking_progress_mode()
+    eps: list = []
+    lst = api.UCXListener.create(worker=w, port=0, cb_func=lambda cr: eps.append(
+        lst.create_endpoint_from_conn_request(cr, True)))
+    conn.send(lst.port)
+    while not eps:
+        w.progress_worker_event(100)
+    ep = eps[0]
+    ring = [Array(m) for m in _ring(ring_bytes, size)]
+    depth = min(depth, len(ring))
+    tag = api.UCXXTag(1)
+    for count in (_WARM, n):
+        posted = [ep.tag_recv(ring[i % len(ring)], tag) for i in range(min(depth, count))]
+        for i in range(count):  # keep `depth` receives posted ahead, like the transport's receiver
+            _wait(w, [posted[0]])
+            posted.pop(0)
+            if i + depth < count:
+                posted.append(ep.tag_recv(ring[(i + depth) % len(ring)], tag))
+        conn.send(time.monotonic())
+    for _ in range(n_lat):
+        _wait(w, [ep.tag_recv(ring[0], tag)])
+        conn.send(time.monotonic())
+    conn.recv()  # hold the endpoint until the sender is done
+
+
+def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, depth: int = 4) -> dict:
+    api, Array = ucx_env.load()
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_ucx_rx, args=(child, size, n, n_lat, depth, ring_bytes), daemon=True)
+    p.start()
+    try:
+        uctx = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+        w = api.UCXWorker(uctx)
+        w.init_blocking_progress_mode()
+        ep = api.UCXEndpoint.create(w, "127.0.0.1", parent.recv(), True)
+        src, tag = [Array(m) for m in _sources(size)], api.UCXXTag(1)
+        data = src[0]
+        for count in (_WARM, n):
+            t0 = time.monotonic()
+            reqs = []
+            for i in range(count):
+                reqs.append(ep.tag_send(src[i % SOURCES], tag))
+                if len(reqs) >= depth:
+                    _wait(w, [reqs.pop(0)])
+            _wait(w, reqs)
+            while not parent.poll():
+                w.progress_worker_event(10)
+            seconds = parent.recv() - t0
+        lat = []
+        for _ in range(n_lat):
+            t = time.monotonic()
+            req = ep.tag_send(data, tag)
+            while not parent.poll():
+                w.progress_worker_event(1)
+            lat.append(parent.recv() - t)
+            _wait(w, [req])
+        parent.send("done")
+        ep.close_blocking()
+        return _result(size * n, seconds, lat)
+    finally:
+        p.join(timeout=10)
+        p.kill()
+
+
+# -- ucx_perftest --------------------------------------------------------------------------------
+
+def perftest_binary() -> str | None:
+    """Path of ``ucx_perftest`` shipped in the libucx wheel, if any."""
+    try:
+        import libucx
+    except ImportError:
+        return None
+    hits = glob.glob(os.path.join(os.path.dirname(libucx.__file__), "bin", "ucx_perftest"))
+    return hits[0] if hits else None
+
+
+def perftest(size: int, n: int, port: int = 0) -> dict | None:
+    """``ucx_perftest -t tag_bw -e`` (error handling on, as the transport runs) over loopback.
+    Busy-polls (perftest's default), so it is an upper bound for blocking progress."""
+    binary = perftest_binary()
+    if binary is None:
+        return None
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(os.path.dirname(binary)), "lib"),
+               **{k: os.environ.get(k, v) for k, v in ucx_env.UCX_DEFAULTS.items()})
+    port = port or 20000 + os.getpid() % 20000
+    srv = subprocess.Popen([binary, "-p", str(port), "-e"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):  # the server needs a moment to listen
+            time.sleep(0.1)
+            cli = subprocess.run([binary, "127.0.0.1", "-p", str(port), "-e", "-t", "tag_bw", "-s", str(size),
+                                  "-n", str(n)], env=env, capture_output=True, text=True, timeout=120)
+            m = re.search(r"^Final:\s+(.*)$", cli.stdout, re.M)
+            if m:
+                cols = m.group(1).split()  # iters, lat 50%, avg, overall (us), bw avg, overall (MB/s), ...
+                return {"gbps": float(cols[5]) * 2**20 / 1e9, "lat_p50_us": float(cols[1]),
+                        "lat_p99_us": float("nan")}
+            if "Connection refused" not in cli.stderr + cli.stdout:
+                sys.stderr.write(cli.stderr[-500:])
+                return None
+        return None
+    finally:
+        srv.kill()
+        srv.wait()

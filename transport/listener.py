@@ -1,0 +1,56 @@
+"""The transfer listener a daemon runs beside its gRPC server: accepts peers and feeds every
+incoming transfer into a :class:`~kvstore.transport.sink.Sink`.
+
+    listener = Listener(config, sink)
+    host, port = listener.start()      # binds; port 0 in the config picks a free one
+    ...
+    listener.stop()                    # running transfers end with SHUTDOWN, slots released
+
+It runs on its own threads (TCP: one per connection; UCX: one progress thread), never on the
+gRPC server's threads or event loop.
+"""
+
+from __future__ import annotations
+
+from .config import Backend, TransferConfig, format_peer
+from .sink import Sink
+
+
+class Listener:
+    def __init__(self, config: TransferConfig, sink: Sink) -> None:
+        self.config = config
+        self.sink = sink
+        self._server = None
+
+    def start(self) -> tuple[str, int]:
+        """Bind and start serving; returns the (host, port) peers should dial."""
+        if self._server is not None:
+            raise RuntimeError("listener already started")
+        if self.config.backend is Backend.UCX:
+            from .ucx import UcxServer
+            self._server = UcxServer(self.config, self.sink)
+        else:
+            from .tcp import TcpServer
+            self._server = TcpServer(self.config, self.sink)
+        return self._server.host, self._server.port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the running listener (what a Sender's ``open`` takes as ``peer``)."""
+        if self._server is None:
+            raise RuntimeError("listener not started")
+        return format_peer(self._server.host, self._server.port)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting and end every running transfer with SHUTDOWN. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(timeout_s)
+
+    def __enter__(self) -> "Listener":
+        if self._server is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

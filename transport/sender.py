@@ -1,0 +1,254 @@
+"""Sending side: a :class:`Sender` per daemon holds idle connections per peer; ``open`` starts
+one transfer on one connection and returns an :class:`OutboundTransfer` to feed chunks into.
+
+Chunks are queued and put on the wire by the backend's I/O thread in submission order, so the
+caller can hand over layer ``l`` as soon as it is committed while earlier layers are still in
+flight: that is the whole of layer pipelining on this side. ``send`` hashes the chunk (xxh3
+releases the GIL, so this overlaps the wire) and queues it.
+
+Buffers handed to ``send`` must stay alive and unchanged until ``finish`` or ``abort`` returns;
+on return (success or failure) the transport no longer reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from .config import Backend, TransferConfig, parse_peer
+from .protocol import (KEY_BYTES, Frame, FrameType, TransferError, TransferHeader, TransferStatus,
+                       checksum, parse_status, status_frame)
+
+log = logging.getLogger("kvstore.transport")
+
+# Test hook: given a CHUNK frame and its payload, return the bytes to put on the wire instead.
+Tamper = Callable[[Frame, memoryview], "bytes | memoryview"]
+
+
+class Channel(Protocol):
+    """One connection to a peer, used by one transfer at a time (backend-specific)."""
+
+    def call(self, frame: Frame, data: bytes, deadline: float) -> tuple[Frame, bytes]:
+        """Queue a control frame behind every posted chunk and wait for the peer's next frame."""
+    def post_chunk(self, frame: Frame, payload, wire) -> None:
+        """Queue a CHUNK frame (carrying the checksum of ``payload``) and put ``wire`` on the
+        wire: the same buffer as ``payload`` unless a test tampers with it. Returns at once."""
+    def abort(self, frame: Frame, data: bytes) -> None:
+        """Drop queued chunks, send ``frame`` (ABORT) best-effort within ~0.5 s, then close."""
+    def error(self) -> TransferError | None:
+        """The failure seen by the I/O side (ERROR frame, lost peer, deadline), if any."""
+    def alive(self) -> bool: ...
+    def set_deadline(self, deadline: float | None) -> None: ...
+    def close(self) -> None:
+        """Tear down; on return no posted buffer is read any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    transfer_id: int
+    chunks: int
+    bytes: int
+    seconds: float  # open() to the receiver's verdict
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class OutboundTransfer:
+    """One running transfer. Not thread-safe: feed it from one thread (the doorbell watcher)."""
+
+    def __init__(self, sender: "Sender", channel: Channel, header: TransferHeader, key: tuple,
+                 deadline: float, t_open: float) -> None:
+        self._sender, self._channel, self.header, self._pool_key = sender, channel, header, key
+        self.deadline = deadline
+        self._t_open = t_open
+        self._seq = 0
+        self._sent = bytearray(header.n_chunks)
+        self._state = "open"  # -> "done" | "failed"
+        self.submit_times: list[float] | None = None  # monotonic per seq, when a benchmark sets a list
+
+    @property
+    def transfer_id(self) -> int:
+        return self.header.transfer_id
+
+    def send(self, block: int, layer: int, buf) -> None:
+        """Queue layer ``layer`` of block ``block`` (``header.chunk_bytes`` bytes, C-contiguous).
+        Raises TransferError at once if the transfer has already failed."""
+        self._check_open()
+        h = self.header
+        if not (0 <= block < len(h.keys) and 0 <= layer < h.n_layers):
+            raise ValueError(f"chunk (block {block}, layer {layer}) outside {len(h.keys)} x {h.n_layers}")
+        if self._sent[block * h.n_layers + layer]:
+            raise ValueError(f"chunk (block {block}, layer {layer}) already sent")
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes != h.chunk_bytes:
+            raise ValueError(f"chunk of {mv.nbytes} bytes, transfer declared {h.chunk_bytes}")
+        err = self._channel.error()
+        if err is not None:
+            self._fail(err)
+        # Hashed here, on the caller's thread, so it overlaps the I/O thread's work on earlier
+        # chunks (xxh3 releases the GIL) instead of stalling the wire.
+        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes, checksum(mv),
+                      h.keys[block])
+        tamper = self._sender.tamper
+        if self.submit_times is not None:
+            self.submit_times.append(time.monotonic())
+        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv)
+        self._sent[block * h.n_layers + layer] = 1
+        self._seq += 1
+
+    def send_layer(self, layer: int, bufs: Sequence) -> None:
+        """Queue layer ``layer`` of every block: ``bufs[b]`` is block ``b``'s chunk."""
+        if len(bufs) != len(self.header.keys):
+            raise ValueError(f"send_layer: {len(bufs)} buffers for {len(self.header.keys)} blocks")
+        for block, buf in enumerate(bufs):
+            self.send(block, layer, buf)
+
+    def finish(self) -> TransferResult:
+        """Wait (until the deadline) for the receiver to verify and commit every chunk."""
+        self._check_open()
+        try:
+            frame, data = self._channel.call(Frame(FrameType.END, self.transfer_id, seq=self._seq), b"",
+                                             self.deadline)
+        except TransferError as err:
+            self._fail(err)
+        err = parse_status(frame, data)
+        if err is not None or frame.type is not FrameType.RESULT:
+            self._fail(err or TransferError(TransferStatus.PROTOCOL_ERROR, f"got {frame.type.name} after END"))
+        self._state = "done"
+        self._sender._give_back(self._pool_key, self._channel)
+        h = self.header
+        return TransferResult(h.transfer_id, self._seq, self._seq * h.chunk_bytes, time.monotonic() - self._t_open)
+
+    def abort(self, reason: str = "aborted by caller") -> None:
+        """Give up: the receiver releases everything it reserved. Idempotent."""
+        if self._state != "open":
+            return
+        self._state = "failed"
+        self._channel.abort(*status_frame(FrameType.ABORT, self.transfer_id, TransferStatus.ABORTED, reason))
+
+    def __enter__(self) -> "OutboundTransfer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort(f"sender failed: {exc_type.__name__}")
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise TransferError(TransferStatus.ABORTED, f"transfer {self.transfer_id:#x} is already {self._state}",
+                                self.transfer_id)
+        if time.monotonic() >= self.deadline:
+            self._fail(TransferError(TransferStatus.DEADLINE_EXCEEDED, "transfer deadline passed on the sender"))
+
+    def _fail(self, err: TransferError):
+        """Close the connection, telling the receiver why if it can still hear (ABORT), and raise."""
+        self._state = "failed"
+        err.transfer_id = self.transfer_id
+        self._channel.abort(*status_frame(FrameType.ABORT, self.transfer_id, err.status, f"sender: {err.detail}"))
+        raise err
+
+
+class Sender:
+    """Opens transfers to peers ("host:port"), reusing idle connections. Thread-safe."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self._idle: dict[tuple[str, int], list[Channel]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.tamper: Tamper | None = None  # tests only: corrupt chunks on the wire
+        if config.backend is Backend.UCX:
+            from .ucx_sender import UcxConnector
+            self._connector = UcxConnector(config)
+        else:
+            from .tcp import TcpConnector
+            self._connector = TcpConnector(config)
+
+    def open(self, peer: str, keys: Sequence[bytes], n_layers: int, chunk_bytes: int, *,
+             deadline_s: float | None = None, meta: bytes = b"", transfer_id: int | None = None) -> OutboundTransfer:
+        """Start a transfer of ``len(keys) * n_layers`` chunks of ``chunk_bytes`` to ``peer``.
+
+        Blocks until the receiver accepted (it has reserved room for every chunk). Raises
+        TransferError: REFUSED, CONNECT_FAILED, PEER_LOST, DEADLINE_EXCEEDED, PROTOCOL_ERROR.
+        """
+        if self._closed:
+            raise TransferError(TransferStatus.SHUTDOWN, "sender is closed")
+        keys = tuple(bytes(k) for k in keys)
+        if not keys or any(len(k) != KEY_BYTES for k in keys):
+            raise ValueError(f"keys: need at least one, each {KEY_BYTES} bytes")
+        deadline_s = self.config.default_deadline_s if deadline_s is None else deadline_s
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
+        tid = transfer_id if transfer_id is not None else int.from_bytes(os.urandom(8), "little")
+        header = TransferHeader(tid, keys, n_layers, chunk_bytes, deadline_s, bytes(meta))
+        t0 = time.monotonic()
+        deadline = t0 + deadline_s
+        pool_key = parse_peer(peer)
+        manifest = header.encode()
+        for attempt in (0, 1):
+            try:
+                channel, reused = self._take(pool_key, deadline)
+            except TransferError as err:
+                err.transfer_id = tid
+                raise
+            channel.set_deadline(deadline)
+            try:
+                frame, data = channel.call(Frame(FrameType.BEGIN, tid, length=len(manifest)), manifest, deadline)
+            except TransferError as err:
+                channel.close()
+                # A pooled connection may predate a restart of the peer: one fresh try.
+                if reused and attempt == 0 and err.status is TransferStatus.PEER_LOST:
+                    log.info("pooled connection to %s was dead (%s); reconnecting", peer, err.detail)
+                    continue
+                err.transfer_id = tid
+                raise
+            err = parse_status(frame, data)
+            if err is not None or frame.type is not FrameType.ACCEPT:
+                channel.close()
+                err = err or TransferError(TransferStatus.PROTOCOL_ERROR, f"got {frame.type.name} after BEGIN")
+                err.transfer_id = tid
+                raise err
+            return OutboundTransfer(self, channel, header, pool_key, deadline, t0)
+        raise AssertionError("unreachable")
+
+    def _take(self, key: tuple[str, int], deadline: float) -> tuple[Channel, bool]:
+        with self._lock:
+            idle = self._idle.get(key, [])
+            while idle:
+                ch = idle.pop()
+                if ch.alive():
+                    return ch, True
+                ch.close()
+        timeout = min(self.config.connect_timeout_s, max(0.0, deadline - time.monotonic()))
+        return self._connector.connect(key[0], key[1], timeout), False
+
+    def _give_back(self, key: tuple[str, int], channel: Channel) -> None:
+        channel.set_deadline(None)
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(key, []).append(channel)
+                return
+        channel.close()
+
+    def close(self) -> None:
+        """Close idle connections and the backend; running transfers should be finished first."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for chans in idle.values():
+            for ch in chans:
+                ch.close()
+        self._connector.close()
+
+    def __enter__(self) -> "Sender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

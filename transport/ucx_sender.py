@@ -1,0 +1,202 @@
+"""UCX backend, sending side: connecting to a peer's listener and streaming chunks.
+
+Chunk payloads are posted as tagged sends without waiting for earlier ones to complete, up to
+``config.max_inflight_bytes`` in flight (UCX completes a rendezvous send only when the receiver
+has pulled its bytes, so the window bounds what the receiver must absorb at once).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from .config import TransferConfig, format_peer
+from .protocol import Frame, ProtocolError, TransferError, TransferStatus, parse_status
+from .ucx import _HELLO, _REPLY_MAX, _Conn, _hello, _parse_hello, _req_error, data_tag
+from .ucx_env import Engine
+
+log = logging.getLogger("kvstore.transport")
+
+
+class UcxChannel(_Conn):
+    """Client end of one UCX connection (see :class:`~kvstore.transport.sender.Channel`)."""
+
+    def __init__(self, connector: "UcxConnector", ep, peer: str) -> None:
+        super().__init__(connector.engine, ep, peer, _REPLY_MAX)
+        self.connector = connector
+        self.err: TransferError | None = None
+        self.queue: collections.deque = collections.deque()
+        self.inflight_bytes = 0
+        self.max_inflight = connector.config.max_inflight_bytes
+        self.waiting: Future | None = None
+        self.deadline: float | None = None
+
+    # -- any thread -----------------------------------------------------------------------------
+
+    def post_chunk(self, frame: Frame, payload, wire) -> None:
+        self.engine.call_soon(self._enqueue, ("chunk", frame, payload, wire))
+
+    def abort(self, frame: Frame, data: bytes) -> None:
+        def run() -> None:
+            self.queue.clear()  # queued chunks no longer matter
+            if self.err is None and not self.closed:
+                req = self.send_ctrl(frame, data)
+                self.engine.progress_until(lambda: req.completed, 0.5)
+            self._close()
+        if not self.closed:
+            self.engine.call(run, timeout_s=10.0)
+
+    def call(self, frame: Frame, data: bytes, deadline: float) -> tuple[Frame, bytes]:
+        fut: Future = Future()
+        self.engine.call_soon(self._enqueue, ("call", frame, data, fut))
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
+        except FutureTimeout:
+            raise TransferError(TransferStatus.DEADLINE_EXCEEDED, f"no answer from {self.peer} in time") from None
+
+    def error(self) -> TransferError | None:
+        return self.err
+
+    def alive(self) -> bool:
+        if self.err is not None or self.closed:
+            return False
+        try:
+            return bool(self.engine.call(lambda: self.ep.alive and self.err is None, timeout_s=2.0))
+        except Exception:
+            return False
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def close(self) -> None:
+        if not self.closed:
+            self.engine.call(self._close, timeout_s=10.0)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        if not self.closed:
+            self.teardown()  # returns once UCX no longer reads any caller buffer
+            self.lost(TransferError(TransferStatus.ABORTED, "connection closed"))
+            self.connector.channels.discard(self)
+
+    def _enqueue(self, item) -> None:
+        if self.err is not None or self.closed:
+            fut = item[3] if item[0] == "call" else None
+            if fut is not None and not fut.done():
+                fut.set_exception(self.err or TransferError(TransferStatus.ABORTED, "connection closed"))
+            return
+        self.queue.append(item)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self.queue and self.err is None:
+            kind, frame, data, extra = self.queue[0]
+            if kind == "chunk":  # frame carries the checksum of data (the source); extra: wire bytes
+                n = frame.length
+                if self.inflight_bytes and self.inflight_bytes + n > self.max_inflight:
+                    return  # resumed by the completion of an earlier payload
+                self.queue.popleft()
+                self.send_ctrl(frame)
+                req = self.ep.tag_send(self.engine.Array(extra), data_tag(self.api, self.peer_rx, frame.seq))
+                self.inflight_bytes += n
+                self.track(req, lambda r, n=n, _keep=extra: self._on_payload_sent(r, n), ordered=True)
+            else:
+                self.queue.popleft()
+                if kind == "call":
+                    self.waiting = extra
+                self.send_ctrl(frame, data)
+
+    def _on_payload_sent(self, req, n: int) -> None:
+        self.inflight_bytes -= n
+        err = _req_error(req, self.ep)
+        if err is not None:
+            return self.lost(err)
+        self._pump()
+
+    def on_frame(self, frame: Frame, data: bytes) -> None:
+        fut, self.waiting = self.waiting, None
+        if fut is not None:
+            fut.set_result((frame, data))
+        else:  # unsolicited: the receiver failed the transfer (ERROR) and is closing
+            self.lost(parse_status(frame, data) or ProtocolError(f"unexpected {frame.type.name} frame"))
+
+    def lost(self, err: TransferError) -> None:
+        if self.err is None:
+            self.err = err
+        self.queue.clear()
+        fut, self.waiting = self.waiting, None
+        if fut is not None and not fut.done():
+            fut.set_exception(self.err)
+
+    def tick(self, now: float) -> None:
+        if self.deadline is not None and now >= self.deadline and self.err is None:
+            self.lost(TransferError(TransferStatus.DEADLINE_EXCEEDED, f"transfer to {self.peer} past its deadline"))
+
+
+class UcxConnector:
+    """Opens UCX connections for a :class:`~kvstore.transport.Sender`; owns its engine."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self.engine = Engine(config, "sender")
+        self.channels: set[UcxChannel] = set()
+        self.engine.add_ticker(lambda now: [ch.tick(now) for ch in list(self.channels)])
+
+    def connect(self, host: str, port: int, timeout_s: float) -> UcxChannel:
+        peer = format_peer(host, port)
+        fut: Future = Future()
+        self.engine.call_soon(self._connect, host, port, peer, fut)
+        try:
+            return fut.result(timeout=max(timeout_s, 1e-3))
+        except FutureTimeout:
+            ch = getattr(fut, "channel", None)
+            if ch is not None:
+                ch.close()
+            raise TransferError(TransferStatus.CONNECT_FAILED, f"UCX handshake with {peer} timed out "
+                                f"after {timeout_s:.3g} s") from None
+
+    def _connect(self, host: str, port: int, peer: str, fut: Future) -> None:
+        api = self.engine.api
+        try:
+            ep = api.UCXEndpoint.create(self.engine.worker, host, port, True)
+        except Exception as exc:
+            fut.set_exception(TransferError(TransferStatus.CONNECT_FAILED, f"cannot reach {peer}: {exc}"))
+            return
+        ch = fut.channel = UcxChannel(self, ep, peer)
+        self.channels.add(ch)
+        hello, reply = _hello(ch.rx, self.config.auth_token), np.zeros(_HELLO.size, dtype=np.uint8)
+
+        def on_reply(req) -> None:
+            err = _req_error(req, ep)
+            try:
+                if err is not None:
+                    raise TransferError(TransferStatus.CONNECT_FAILED, f"cannot connect to {peer}: {err.detail}")
+                peer_rx, _, _ = _parse_hello(reply)
+                if peer_rx == 0:
+                    raise TransferError(TransferStatus.CONNECT_FAILED, f"{peer} refused the handshake (auth token)")
+            except TransferError as exc:
+                ch._close()
+                if not fut.done():
+                    fut.set_exception(exc)
+                return
+            ch.peer_rx = peer_rx
+            ch.post_ctrl_recv()
+            if not fut.done():
+                fut.set_result(ch)
+        ch.track(ep.stream_send(self.engine.Array(hello)), lambda r, _keep=hello: None)
+        ch.track(ep.stream_recv(self.engine.Array(reply)), on_reply)
+
+    def close(self) -> None:
+        def shut() -> None:
+            for ch in list(self.channels):
+                ch._close()
+        try:
+            self.engine.call(shut)
+        finally:
+            self.engine.stop()
