@@ -19,7 +19,6 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from kvstore import doorbell
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, KVLayout
@@ -27,17 +26,7 @@ from kvstore.tiers.arena import Arena, recv_fd
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-RESERVED, PRESENT, BUSY = 0, 1, 2
-
-
-class KVStoreError(RuntimeError):
-    """A request the daemon refused; ``code`` is the gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
+from kvstore.clients.leases import IncomingTransfer, KVStoreError, ReadLease, WriteLease, _Future
 
 def default_socket_path() -> str:
     return os.environ.get("KVSTORE_SERVER_SOCKET_PATH") or Config().resolved_socket_path()
@@ -101,146 +90,6 @@ class LookupResult:
     est_load_s: float
     est_recompute_s: float
     reason: str
-
-
-class WriteLease:
-    """Reserved slots; ``views[i]`` is key i's slot (None when already present or busy).
-    As a context manager it commits on success and aborts on an exception."""
-
-    def __init__(self, client: "KVStoreClient", keys: list[bytes], resp: pb.ReserveResponse) -> None:
-        self.client, self.keys, self.lease_id = client, keys, resp.lease_id
-        self.states = resp.states
-        self.offsets = list(resp.offsets)
-        self.doorbell = resp.doorbell_offset
-        self.done = self.lease_id == 0
-
-    def ring(self, layers: int) -> None:
-        """Announce that the first ``layers`` layers of every reserved slot are written (a
-        shared-memory store: a pipelined Transfer ships them without any RPC)."""
-        if not self.doorbell:
-            raise RuntimeError("this lease has no doorbell: reserve(..., doorbell=True)")
-        doorbell.ring(self.client.arena.buf, self.doorbell, layers)
-
-    def layer_view(self, i: int, layer: int) -> np.ndarray | None:
-        """Layer ``layer`` of key i's slot: ``[2, block_tokens, row]`` bytes (MLA: ``[block_tokens, row]``)."""
-        v = self.view(i)
-        return None if v is None else _layer(v, self.client.layout, layer)
-
-    def view(self, i: int) -> np.ndarray | None:
-        if self.states[i] != RESERVED:
-            return None
-        return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)
-
-    def commit(self) -> int:
-        if self.done:
-            return 0
-        self.done = True
-        return self.client._call("Commit", pb.CommitRequest(session_id=self.client.session_id,
-                                                            lease_id=self.lease_id)).committed
-
-    def abort(self) -> None:
-        if not self.done:
-            self.done = True
-            self.client._call("Abort", pb.AbortRequest(session_id=self.client.session_id, lease_id=self.lease_id))
-
-    def __enter__(self) -> "WriteLease":
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-
-def _layer(block: np.ndarray, layout: KVLayout, layer: int) -> np.ndarray:
-    c = layout.layer_chunk_bytes
-    chunk = block[layer * c:(layer + 1) * c]
-    if layout.kind is AttnKind.MLA:
-        return chunk.reshape(layout.block_tokens, -1)
-    return chunk.reshape(2, layout.block_tokens, -1)
-
-
-class IncomingTransfer:
-    """Blocks a peer is shipping here, pinned: ``wait_layer(l)`` returns once layer ``l`` of every
-    block has arrived and was verified (polling the transfer's shared-memory doorbell)."""
-
-    def __init__(self, client: "KVStoreClient", resp: pb.AwaitTransferResponse) -> None:
-        self.client, self.state = client, resp.state
-        self.lease_id, self.offsets, self.doorbell = resp.lease_id, list(resp.offsets), resp.doorbell_offset
-        self.detail = resp.detail
-
-    def layers_ready(self) -> int:
-        if not self.doorbell:
-            return self.client.layout.num_layers if self.state == pb.TRANSFER_DONE else 0
-        layers, state = doorbell.read(self.client.arena.buf, self.doorbell)
-        if state == doorbell.FAILED:
-            raise KVStoreError(grpc.StatusCode.ABORTED, "the incoming transfer failed; recompute")
-        return layers
-
-    def wait_layer(self, layer: int, timeout_s: float = 30.0) -> None:
-        deadline, pause = time.monotonic() + timeout_s, 20e-6
-        while self.layers_ready() <= layer:
-            if time.monotonic() > deadline:
-                raise KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"layer {layer} did not arrive in {timeout_s} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def layer_view(self, i: int, layer: int) -> np.ndarray:
-        L = self.client.layout
-        return _layer(self.client.arena.view(self.offsets[i], L.block_bytes), L, layer)
-
-    def release(self) -> None:
-        if self.lease_id:
-            lid, self.lease_id = self.lease_id, 0
-            self.client._call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
-
-    def __enter__(self) -> "IncomingTransfer":
-        return self
-
-    def __exit__(self, *_):
-        self.release()
-
-
-class ReadLease:
-    """Pinned blocks; ``view(i)`` reads block i in place. Released on context exit."""
-
-    def __init__(self, client: "KVStoreClient", resp: pb.AcquireResponse) -> None:
-        self.client, self.lease_id = client, resp.lease_id
-        self.offsets = list(resp.offsets)
-        self.count = resp.acquired
-
-    def view(self, i: int) -> np.ndarray:
-        return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)
-
-    def release(self, wait: bool = False) -> None:
-        """End the lease. By default the Release RPC is not waited for (it cannot fail in a way
-        the reader could act on; a lost release is reclaimed at the lease TTL)."""
-        if self.lease_id:
-            lid, self.lease_id = self.lease_id, 0
-            req = pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid)
-            if wait:
-                self.client._call("Release", req)
-            else:
-                self.client._pending.append(self.client.stub.Release.future(req, timeout=self.client.timeout_s))
-                self.client._reap()
-
-    def __enter__(self) -> "ReadLease":
-        return self
-
-    def __exit__(self, *_):
-        self.release()
-
-
-class _Future:
-    def __init__(self, f: grpc.Future) -> None:
-        self._f = f
-
-    def result(self):
-        try:
-            return self._f.result()
-        except grpc.RpcError as e:
-            raise KVStoreError(e.code(), e.details() or "") from None
 
 
 class KVStoreClient:

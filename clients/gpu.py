@@ -38,10 +38,9 @@ import torch
 from kvstore.tiers.hbm import PoolMapping, open_pool
 from kvstore.tiers.hbm_device import CudaEvent, EmuStream
 from kvstore.tiers.hbm_paged import KVMover, PagedKV, wait_events
+from kvstore.clients.leases import RESERVED  # WriteLease state of a slot this request must fill
 
 __all__ = ["GpuKVPath", "KVMover", "LoadHandle", "PagedKV", "PoolMapping", "StoreHandle", "open_pool", "wait_events"]
-
-RESERVED = 0  # WriteLease state of a slot this request must fill
 
 
 class StoreHandle:

@@ -42,12 +42,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvstore.clients.client import RESERVED, KVStoreClient, KVStoreError, LookupResult
+from kvstore.clients.client import KVStoreClient, KVStoreError, LookupResult
+from kvstore.clients.leases import RESERVED
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.modelcfg import ModelConfig, from_hf
 from kvstore.tiers.hbm_device import EmuEvent, EmuStream

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from kvstore.clients.client import RESERVED, KVStoreClient, KVStoreError, pack
+from kvstore.clients.client import KVStoreClient, KVStoreError, pack
+from kvstore.clients.leases import RESERVED
 from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf

@@ -12,7 +12,6 @@ import time
 
 import grpc
 
-from kvstore import __version__
 from kvstore.core import Core
 from kvstore.errors import KVError, invalid
 from kvstore.keys import KEY_BYTES, Namespace
