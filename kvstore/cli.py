@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
-             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.transport.bench"}
+             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer"}
 
 
 def main(argv: list[str] | None = None) -> int:

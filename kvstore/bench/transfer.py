@@ -1,0 +1,137 @@
+"""``kvstore bench transfer``: the transport alone (``kvstore.transport.bench``: chunk sweep,
+per-chunk latency, raw TCP / ucxx / ucx_perftest references, pipelined overlap), or with
+``--daemons`` the whole path: two real daemons, blocks put into daemon A, the Transfer RPC
+timed until daemon B has verified and committed them, against a raw socket (or raw ucxx) of
+the same chunk size measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvstore.config import parse_size
+
+
+def _start(work: str, name: str, backend: str, port: int, dram: int):
+    from kvstore.clients import KVStoreClient
+
+    sock = os.path.join(work, f"{name}.sock")
+    log = open(os.path.join(work, f"{name}.log"), "wb")
+    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
+                          "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", "64MiB", "--metrics-port", "0",
+                          "--transport-listen", f"127.0.0.1:{port}", "--transport-backend", backend],
+                         stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise SystemExit(f"bench: daemon {name} exited with {p.returncode}; see {log.name}")
+        try:
+            KVStoreClient(sock, timeout_s=1).stats()
+            return p, sock
+        except Exception:
+            time.sleep(0.1)
+    p.kill()
+    raise SystemExit(f"bench: daemon {name} did not start within 120 s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def daemons(a) -> dict:
+    from kvstore.clients import KVStoreClient
+    from kvstore.layout import KVLayout
+    from kvstore.transport import bench_raw
+
+    sizes = [parse_size(s) for s in a.chunk_sizes.split(",")]
+    total = parse_size(a.total_bytes)
+    work = tempfile.mkdtemp(prefix="kvstore-bench-transfer-")
+    port_b = _free_port()
+    procs = []
+    rows = []
+    try:
+        pa, sa = _start(work, "a", a.backend, _free_port(), total + (256 << 20))
+        procs.append(pa)
+        pb_, sb = _start(work, "b", a.backend, port_b, total + (256 << 20))
+        procs.append(pb_)
+        ctx = multiprocessing.get_context("spawn")
+        for chunk in sizes:
+            heads = chunk // (2 * 16 * 128 * 2)
+            layout = KVLayout(8, heads, 128, "fp16", "mha", block_tokens=16)  # 8 layer chunks per block
+            n = max(1, total // layout.block_bytes)
+            ca, cb = KVStoreClient(sa, timeout_s=120), KVStoreClient(sb, timeout_s=120)
+            ca.register(layout, f"bench-{chunk}")
+            cb.register(layout, f"bench-{chunk}")
+            tokens = np.arange(n * 16)
+            kv = np.random.default_rng(chunk).integers(0, 2**16, layout.tensor_shape(len(tokens)), dtype=np.uint16).view(np.float16)
+            ca.put(tokens, kv)
+            keys = ca.keys(tokens)
+            times = []
+            for r in range(a.repeat + 1):  # the first round warms the connection up
+                t0 = time.perf_counter()
+                ca.transfer(keys, f"127.0.0.1:{port_b}", deadline_s=120)
+                if r:
+                    times.append(time.perf_counter() - t0)
+                if a.verify and r == a.repeat:
+                    out = np.zeros_like(kv)
+                    if cb.get(tokens, out) != len(tokens) or out.tobytes() != kv.tobytes():
+                        raise SystemExit(f"bench: --verify: daemon B's copy differs at chunk {chunk}")
+                cb.delete(keys)
+            ca.delete(keys)
+            ca.close()
+            cb.close()
+            nbytes = n * layout.block_bytes
+            ours = nbytes / statistics.median(times) / 1e9
+            count = max(8, nbytes // chunk)
+            raw = bench_raw.raw_tcp(ctx, chunk, count, 5) if a.backend == "tcp" else bench_raw.raw_ucxx(ctx, chunk, count, 5)
+            rows.append({"chunk_bytes": chunk, "blocks": n, "bytes": nbytes, "daemon_GBps": round(ours, 3),
+                         "raw_GBps": round(raw["gbps"], 3), "ratio": round(ours / raw["gbps"], 3),
+                         "verified": bool(a.verify)})
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+    return {"bench": "transfer-daemons", "backend": a.backend, "unit": "GB/s with GB = 10^9 bytes",
+            "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv", "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--daemons" not in argv:
+        from kvstore.transport.bench import main as transport_main
+
+        return transport_main(argv)
+    ap = argparse.ArgumentParser(prog="kvstore bench transfer --daemons", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--daemons", action="store_true", help="measure through two real daemons")
+    ap.add_argument("--backend", choices=("tcp", "ucx"), default="tcp")
+    ap.add_argument("--chunk-sizes", default="256KiB,1MiB,4MiB", help="layer chunk sizes (multiples of 8 KiB)")
+    ap.add_argument("--total-bytes", default="256MiB", help="bytes per Transfer")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--verify", action="store_true", help="compare daemon B's blocks with what A sent")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = daemons(a)
+    if a.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"Transfer RPC daemon A -> daemon B over {a.backend}, against a {r['reference']} in the same run (GB = 10^9 bytes)")
+    print(f"{'chunk':>10} {'blocks':>7} {'daemon GB/s':>12} {'raw GB/s':>9} {'ratio':>6}")
+    for x in r["rows"]:
+        print(f"{x['chunk_bytes'] >> 10:>6} KiB {x['blocks']:>7} {x['daemon_GBps']:>12.2f} {x['raw_GBps']:>9.2f} {x['ratio']:>6.2f}")
+    return 0

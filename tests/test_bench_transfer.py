@@ -1,0 +1,18 @@
+"""`kvstore bench transfer --daemons` runs end to end on small sizes (figures go in notes)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_transfer_through_daemons_small():
+    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "transfer", "--daemons", "--json", "--verify",
+                        "--chunk-sizes", "64KiB", "--total-bytes", "8MiB", "--repeat", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr + p.stdout
+    r = json.loads(p.stdout)
+    assert r["backend"] == "tcp" and r["reference"] == "raw TCP socket"
+    (row,) = r["rows"]
+    assert row["chunk_bytes"] == 65536 and row["bytes"] == 8 << 20 and row["verified"] is True
+    assert row["daemon_GBps"] > 0 and row["raw_GBps"] > 0
+    assert abs(row["ratio"] - row["daemon_GBps"] / row["raw_GBps"]) < 0.01
