@@ -7,7 +7,7 @@ import sys
 
 def test_bench_transfer_through_daemons_small():
     p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "transfer", "--daemons", "--json", "--verify",
-                        "--chunk-sizes", "64KiB", "--total-bytes", "8MiB", "--repeat", "1"],
+                        "--chunk-sizes", "64KiB", "--total-bytes", "8MiB", "--repeat", "1", "--pipelined"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr + p.stdout
     r = json.loads(p.stdout)
@@ -16,3 +16,6 @@ def test_bench_transfer_through_daemons_small():
     assert row["chunk_bytes"] == 65536 and row["bytes"] == 8 << 20 and row["verified"] is True
     assert row["daemon_GBps"] > 0 and row["raw_GBps"] > 0
     assert abs(row["ratio"] - row["daemon_GBps"] / row["raw_GBps"]) < 0.01
+    pl = row["pipelined"]
+    assert pl["best_possible"] == round(1 - 1 / 32, 3) and pl["hidden_fraction"] <= pl["best_possible"] + 0.01
+    assert pl["wall_s"] > 0 and pl["transfer_alone_s"] > 0
