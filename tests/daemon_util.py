@@ -77,7 +77,7 @@ def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeo
 
 def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | None = None,
                  socket_path: str | None = None, metrics_port: int | None = None,
-                 name: str = "kvstore") -> DaemonProc:
+                 name: str = "kvstore", prefix: list[str] | None = None) -> DaemonProc:
     """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics port."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock = socket_path or str(workdir / f"{name}.sock")
@@ -88,6 +88,6 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | No
     log_path = workdir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen([*(prefix or []), *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
     wait_serving(sock, proc, log_path)
     return DaemonProc(proc, sock, port, log_path, args)

@@ -194,3 +194,57 @@ def test_bad_transfer_requests(tmp_path):
         cb.close()
     finally:
         assert a.stop() == 0 and b.stop() == 0
+
+
+@pytest.fixture
+def two_netns():
+    """Two network namespaces joined by a veth pair (10.232.N.1 <-> .2), made here when we may."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("netns: needs root and iproute2's `ip`")
+    sfx = f"{os.getpid() % 100000}"
+    ns_a, ns_b, net = f"kvd-a-{sfx}", f"kvd-b-{sfx}", f"10.232.{os.getpid() % 250}"
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+    try:
+        ip("netns", "add", ns_a)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"netns: cannot create a network namespace here: {e.stderr.strip()}")
+    try:
+        ip("netns", "add", ns_b)
+        ip("link", "add", f"kda{sfx}", "type", "veth", "peer", "name", f"kdb{sfx}")
+        ip("link", "set", f"kda{sfx}", "netns", ns_a)
+        ip("link", "set", f"kdb{sfx}", "netns", ns_b)
+        for ns, dev, addr in ((ns_a, f"kda{sfx}", f"{net}.1"), (ns_b, f"kdb{sfx}", f"{net}.2")):
+            ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield (ns_a, f"{net}.1"), (ns_b, f"{net}.2")
+    finally:
+        for ns in (ns_a, ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def test_daemons_in_separate_network_namespaces(tmp_path, two_netns):
+    (ns_a, addr_a), (ns_b, addr_b) = two_netns
+    a = start_daemon(tmp_path / "a", "--transport-listen", f"{addr_a}:7470", name="a", prefix=["ip", "netns", "exec", ns_a])
+    b = start_daemon(tmp_path / "b", "--transport-listen", f"{addr_b}:7470", name="b", prefix=["ip", "netns", "exec", ns_b])
+    try:
+        ca, cb = clients(a, b)  # control over each daemon's unix socket; data crosses the veth
+        tokens = list(range(6 * 16))
+        kv = kv_for(tokens, 4)
+        ca.put(tokens, kv)
+        assert ca.transfer(ca.keys(tokens), f"{addr_b}:7470", deadline_s=20).blocks == 6
+        out = np.zeros_like(kv)
+        assert cb.get(tokens, out) == 96 and out.tobytes() == kv.tobytes()
+        with pytest.raises(KVStoreError):
+            ca.transfer(ca.keys(tokens), "127.0.0.1:7470", deadline_s=2)  # B is not on A's loopback
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
