@@ -216,7 +216,6 @@ class Core:
             lease.doorbell = self.doorbells.alloc()
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
-        self._lease_gauge()
         return lease, offsets, bytes(states)
 
     def _allocate(self, ns: NsState) -> int | None:
@@ -358,7 +357,6 @@ class Core:
             self.doorbells.release(lease.doorbell)
         self.leases.pop(lease.id, None)
         lease.session.leases.pop(lease.id, None)
-        self._lease_gauge()
 
     # --- read path -------------------------------------------------------------------------
     def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
@@ -390,7 +388,6 @@ class Core:
             b.last_access = now
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
-        self._lease_gauge()
         return lease, blocks
 
     def pin(self, s: Session, blocks: list[Block]) -> Lease:
@@ -403,7 +400,6 @@ class Core:
             b.ref_cnt += 1
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
-        self._lease_gauge()
         return lease
 
     def release(self, s: Session, lease_id: int) -> None:
@@ -487,20 +483,4 @@ class Core:
         if len(matches) > 1:
             raise invalid(f"namespace {ns_id_hex}: prefix matches {len(matches)} namespaces; give more digits")
         return self._delete_all(list(matches[0].blocks.values()))
-
-    # --- stats -----------------------------------------------------------------------------
-    def _lease_gauge(self) -> None:
-        if self.metrics:
-            r = sum(1 for lease in self.leases.values() if lease.kind == LeaseKind.READ)
-            self.metrics.leases_active.labels(kind="read").set(r)
-            self.metrics.leases_active.labels(kind="write").set(len(self.leases) - r)
-
-    def ns_usage(self, st: NsState) -> dict[str, tuple[int, int]]:
-        out: dict[str, list[int]] = {}
-        for b in st.blocks.values():
-            if b.state is BlockState.COMMITTED:
-                c = out.setdefault(b.tier.name.lower(), [0, 0])
-                c[0] += 1
-                c[1] += st.block_bytes
-        return {k: (v[0], v[1]) for k, v in out.items()}
 

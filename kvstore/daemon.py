@@ -27,6 +27,7 @@ from kvstore import __version__, doorbell
 from kvstore.config import Config
 from kvstore.core import Core
 from kvstore.errors import Code, KVError
+from kvstore.index import BlockState
 from kvstore.metrics import Metrics
 from kvstore.policy import LoadPolicy, PrefillCostModel
 from kvstore.service import KVStoreService
@@ -156,6 +157,10 @@ class Daemon:
 
     def refresh_gauges(self) -> None:
         m = self.metrics
+        with self.core.lock:
+            reads = sum(1 for lease in self.core.leases.values() if lease.kind == "read")
+            m.leases_active.labels(kind="read").set(reads)
+            m.leases_active.labels(kind="write").set(len(self.core.leases) - reads)
         for st in self.tier_stats():
             name = st.kind.name.lower()
             m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
@@ -172,7 +177,7 @@ class Daemon:
             tiers = self.tier_stats()
             nss = []
             for st in self.core.namespaces.values():
-                usage = self.core.ns_usage(st)
+                usage = _ns_usage(st)
                 nss.append(pb.NamespaceStats(
                     namespace_id=st.id, model_id=st.ns.model_id, block_bytes=st.block_bytes,
                     blocks_by_tier={k: v[0] for k, v in usage.items()},
@@ -352,6 +357,17 @@ class Daemon:
 
     def stop_extras(self, grace_s: float) -> None:
         """Flush and stop what start_extras started."""
+
+
+def _ns_usage(st) -> dict[str, tuple[int, int]]:
+    """(blocks, bytes) per tier of one namespace's committed blocks."""
+    out: dict[str, list[int]] = {}
+    for b in st.blocks.values():
+        if b.state is BlockState.COMMITTED:
+            c = out.setdefault(b.tier.name.lower(), [0, 0])
+            c[0] += 1
+            c[1] += st.block_bytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _sd_notify(state: str) -> None:
