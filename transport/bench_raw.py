@@ -9,7 +9,9 @@ Throughput: ``n`` messages back to back, bytes / (first send .. receiver's last 
 memory touched matches the transport benchmark (4 source buffers, a receive ring of the sink's
 size), so cache effects do not favour either side.
 Latency: paced, one message in flight; receiver's arrival minus sender's submit, both on
-CLOCK_MONOTONIC (one host). Every function returns ``{"gbps", "lat_p50_us", "lat_p99_us"}``.
+CLOCK_MONOTONIC (one host). The raw functions return ``{"gbps", "lat_p50_us", "lat_p99_us"}``;
+``perftest`` returns ``{"gbps", "overhead_p50_us"}`` and varies a lot between runs below 16 MiB
+here, so raw ucxx is the reference the ratios are judged against.
 """
 
 from __future__ import annotations
@@ -213,8 +215,8 @@ def perftest(size: int, n: int, port: int = 0) -> dict | None:
             m = re.search(r"^Final:\s+(.*)$", cli.stdout, re.M)
             if m:
                 cols = m.group(1).split()  # iters, lat 50%, avg, overall (us), bw avg, overall (MB/s), ...
-                return {"gbps": float(cols[5]) * 2**20 / 1e9, "lat_p50_us": float(cols[1]),
-                        "lat_p99_us": float("nan")}
+                # perftest's "latency" columns in bandwidth mode are per-message posting overhead
+                return {"gbps": float(cols[5]) * 2**20 / 1e9, "overhead_p50_us": float(cols[1])}
             if "Connection refused" not in cli.stderr + cli.stdout:
                 sys.stderr.write(cli.stderr[-500:])
                 return None

@@ -23,7 +23,8 @@ class Listener:
         self._server = None
 
     def start(self) -> tuple[str, int]:
-        """Bind and start serving; returns the (host, port) peers should dial."""
+        """Bind and start serving; returns the (host, port) peers should dial. Raises OSError
+        (naming the address) when the port cannot be listened on."""
         if self._server is not None:
             raise RuntimeError("listener already started")
         if self.config.backend is Backend.UCX:

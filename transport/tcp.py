@@ -298,8 +298,13 @@ class TcpServer:
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port
-        self._lsock.bind((config.host, config.port))
-        self._lsock.listen(64)
+        try:
+            self._lsock.bind((config.host, config.port))
+            self._lsock.listen(64)
+        except OSError as exc:
+            self._lsock.close()
+            raise OSError(exc.errno, f"transfer listener cannot listen on "
+                                     f"{format_peer(config.host, config.port)}: {exc.strerror}") from None
         self.host, self.port = self._lsock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []

@@ -172,3 +172,11 @@ def test_listener_stop_ends_running_transfers_with_shutdown(config, sink, sender
     with pytest.raises(TransferError):
         tx.send(1, 0, data[1, 0])
         tx.finish()
+
+
+def test_a_busy_port_is_a_clear_error(config, listener, sink):
+    from kvstore.transport import Listener
+    port = int(listener.address.rsplit(":", 1)[1])
+    other = Listener(TransferConfig(backend=config.backend, port=port), sink)
+    with pytest.raises(OSError, match=f"cannot listen on .*{port}"):
+        other.start()

@@ -156,3 +156,31 @@ def test_hung_sender_fails_the_receiver_at_its_deadline(backend, listener, sink)
         peer.kill()
     assert result is not None and result[0] is TransferStatus.DEADLINE_EXCEEDED, result
     assert sink.reserved_slots == 0
+
+
+def test_large_chunks_are_verified_too(config, sender):
+    """Chunks >= 1 MiB take the UCX receiver's off-thread verification path."""
+    from kvstore.transport import Listener, MemorySink
+    sink = MemorySink(slot_bytes=1 << 20, n_slots=8)
+    lst = Listener(config, sink)
+    lst.start()
+    try:
+        keys, data = make_payload(15, blocks=2, layers=2, chunk=1 << 20)
+        sender.tamper = flip_one_bit(2)
+        tx = sender.open(lst.address, keys, 2, 1 << 20)
+        with pytest.raises(TransferError) as ei:
+            for layer in range(2):
+                tx.send_layer(layer, [data[0, layer], data[1, layer]])
+            tx.finish()
+        assert ei.value.status is TransferStatus.CHECKSUM_MISMATCH
+        assert sink.wait_result(tx.transfer_id, 10)[0] is TransferStatus.CHECKSUM_MISMATCH
+        sender.tamper = None
+        tx = sender.open(lst.address, keys, 2, 1 << 20)
+        for layer in range(2):
+            tx.send_layer(layer, [data[0, layer], data[1, layer]])
+        tx.finish()
+        assert all(sink.data[(tx.transfer_id, keys[b], layer)] == data[b, layer].tobytes()
+                   for b in range(2) for layer in range(2))
+    finally:
+        lst.stop()
+    assert sink.reserved_slots == 0
