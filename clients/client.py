@@ -238,7 +238,7 @@ class KVStoreClient:
         # Batches are pipelined: the copy into batch k+1 overlaps the Commit of batch k (which,
         # with durable commits, waits for NVMe). At most two commits are in flight.
         stored = 0
-        step = max(1, self._batch() // 2)
+        step = self._batch()
         pending: list[grpc.Future] = []
         try:
             for start in range(0, len(keys), step):

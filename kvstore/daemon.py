@@ -31,7 +31,7 @@ from kvstore.index import BlockState
 from kvstore.metrics import Metrics
 from kvstore.policy import LoadPolicy, PrefillCostModel
 from kvstore.service import KVStoreService
-from kvstore.tiers.arena import Arena, send_fd
+from kvstore.tiers.arena import SHMEM_THP, Arena, send_fd, shmem_thp_mode
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
 from kvstore.v1 import kvstore_pb2 as pb
@@ -98,7 +98,10 @@ class Daemon:
         self.hbm_emulated = False
         _prepare_socket_path(self.socket_path)
         dram_bytes = cfg.resolved_dram_bytes()
-        log.info("creating %.2f GiB DRAM arena (prefault=%s)", dram_bytes / 2**30, cfg.dram.prefault)
+        thp = shmem_thp_mode()
+        log.info("creating %.2f GiB DRAM arena (prefault=%s, shared-memory huge pages: %s%s)", dram_bytes / 2**30,
+                 cfg.dram.prefault, thp, "" if thp in ("advise", "always", "within_size", "force") else
+                 "; set advise in " + SHMEM_THP + " for ~25% faster copies")
         try:  # the doorbell cells live just past the slots
             self.arena = Arena(dram_bytes + doorbell.REGION_BYTES, prefault=cfg.dram.prefault)
         except OSError as e:
