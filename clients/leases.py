@@ -109,7 +109,7 @@ class IncomingTransfer:
             if time.monotonic() > deadline:
                 raise KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"layer {layer} did not arrive in {timeout_s} s")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 2e-4)
 
     def layer_view(self, i: int, layer: int) -> np.ndarray:
         L = self.client.layout

@@ -261,7 +261,7 @@ class TransferService:
             if lease_id not in self.core.leases and self.core.doorbells.layers(bell) < layers:
                 raise TransferError(TransferStatus.ABORTED, f"write lease {lease_id} ended before layer {layers - 1} was written")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 2e-4)
 
     # --- receiving --------------------------------------------------------------------------
     def await_transfer(self, s: Session, keys: list[bytes], wait_s: float):
