@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
+from kvstore.bench import start_daemon
 from kvstore.config import parse_size
 
 GB = 1e9  # bandwidths are reported in GB/s, GB = 10^9 bytes
@@ -117,29 +115,6 @@ def bench_lookup(sock: str, counts: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def _start_daemon(dram_bytes: int, workdir: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(workdir, "bench.sock")
-    log = open(os.path.join(workdir, "daemon.log"), "wb")
-    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
-                          "--dram-capacity-bytes", str(dram_bytes), "--dram-extent-bytes", "64MiB",
-                          "--metrics-port", "0"], stdout=log, stderr=subprocess.STDOUT)
-    from kvstore.clients.client import KVStoreClient
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"bench: daemon exited with {p.returncode}; see {log.name}")
-        if os.path.exists(sock):
-            try:
-                KVStoreClient(sock, timeout_s=1).stats()
-                return p, sock
-            except Exception:
-                pass
-        time.sleep(0.1)
-    p.kill()
-    raise SystemExit("bench: daemon did not start within 120 s")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvstore bench store", description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", help="use a running daemon instead of starting one")
@@ -158,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = a.socket
     if not sock:
         need = max(total + 2 * max(sizes), max(counts) * 4096 * 2) + (128 << 20)
-        proc, sock = _start_daemon(((need >> 26) + 1) << 26, tmp.name)
+        proc, sock = start_daemon(tmp.name, "bench", "--dram-capacity-bytes", str(((need >> 26) + 1) << 26),
+                                  "--dram-extent-bytes", "64MiB")
     try:
         rows = [bench_size(sock, s, max(total, s), a.reps) for s in sizes]
         lookups = bench_lookup(sock, counts, a.lookup_reps)

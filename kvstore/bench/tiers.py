@@ -14,13 +14,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from kvstore.bench import start_daemon
 from kvstore.config import parse_size
 
 
@@ -30,29 +30,6 @@ def _reference(path: str, rw: str, block: int, total: int, depth: int) -> tuple[
     if shutil.which("fio"):
         return max(run_fio(path, rw, block, total, depth, e) for e in FIO_ENGINES), "fio (best of libaio, psync)"
     return run_python_reference(path, rw, block, total, depth), "python O_DIRECT loop (fio not installed)"
-
-
-def _daemon(workdir: str, dram: int, nvme_dir: str, nvme_bytes: int, extent: int):
-    sock = os.path.join(workdir, "bench.sock")
-    log = open(os.path.join(workdir, "daemon.log"), "wb")
-    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
-                          "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent),
-                          "--metrics-port", "0", "--nvme-dir", nvme_dir, "--nvme-capacity-bytes", str(nvme_bytes),
-                          "--nvme-file-bytes", str(nvme_bytes), "--nvme-durable-commit", "true"],
-                         stdout=log, stderr=subprocess.STDOUT)
-    from kvstore.clients import KVStoreClient
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"bench: daemon exited with {p.returncode}; see {log.name}")
-        try:
-            KVStoreClient(sock, timeout_s=1).stats()
-            return p, sock
-        except Exception:
-            time.sleep(0.1)
-    p.kill()
-    raise SystemExit("bench: daemon did not start within 120 s")
 
 
 def run(a) -> dict:
@@ -77,7 +54,11 @@ def run(a) -> dict:
         fio_w, ref_name = _reference(ref_file, "write", block, total, a.depth)
         fio_r, _ = _reference(ref_file, "read", block, total, a.depth)
         os.unlink(ref_file)
-        proc, sock = _daemon(work, dram + 4 * extent, os.path.join(work, "nvme"), 2 * total + 8 * extent, extent)
+        nvme = str(2 * total + 8 * extent)
+        proc, sock = start_daemon(work, "bench", "--dram-capacity-bytes", str(dram + 4 * extent),
+                                  "--dram-extent-bytes", str(extent), "--nvme-dir", os.path.join(work, "nvme"),
+                                  "--nvme-capacity-bytes", nvme, "--nvme-file-bytes", nvme,
+                                  "--nvme-durable-commit", "true")
         c = KVStoreClient(sock, timeout_s=120)
         c.register(layout, "bench-tiers")
         tokens = np.arange(n * 16)

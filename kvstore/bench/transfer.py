@@ -10,39 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from kvstore.bench import start_daemon
 from kvstore.config import parse_size
-
-
-def _start(work: str, name: str, backend: str, port: int, dram: int, extent: int):
-    from kvstore.clients import KVStoreClient
-
-    sock = os.path.join(work, f"{name}.sock")
-    log = open(os.path.join(work, f"{name}.log"), "wb")
-    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
-                          "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--metrics-port", "0",
-                          "--transport-listen", f"127.0.0.1:{port}", "--transport-backend", backend],
-                         stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"bench: daemon {name} exited with {p.returncode}; see {log.name}")
-        try:
-            KVStoreClient(sock, timeout_s=1).stats()
-            return p, sock
-        except Exception:
-            time.sleep(0.1)
-    p.kill()
-    raise SystemExit(f"bench: daemon {name} did not start within 120 s")
 
 
 def _free_port() -> int:
@@ -67,9 +44,10 @@ def daemons(a) -> dict:
     try:
         extent = max(64 << 20, -(-a.layers * max(sizes) // (64 << 20)) * (64 << 20))
         dram = 2 * total + 2 * extent
-        pa, sa = _start(work, "a", a.backend, _free_port(), dram, extent)
+        common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend)
+        pa, sa = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
         procs.append(pa)
-        pb_, sb = _start(work, "b", a.backend, port_b, dram, extent)
+        pb_, sb = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
         procs.append(pb_)
         ctx = multiprocessing.get_context("spawn")
         for chunk in sizes:
