@@ -22,7 +22,7 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, KVLayout
-from kvstore.tiers.arena import Arena, recv_fd
+from kvstore.tiers.arena import Arena, recv_fd, recv_header
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -173,6 +173,41 @@ class KVStoreClient:
             s.sendall(resp.session_id)
             fd, size = recv_fd(s)
         self.arena = Arena(size, fd=fd, prefault=False)
+
+    def map_hbm_pool(self):
+        """Map the daemon's HBM pool in this process (``kvstore.tiers.hbm.PoolMapping``; its
+        ``mem`` is a uint8 tensor). ReadLease.hbm_offsets says where each pinned block's HBM copy
+        is. Raises KVStoreError when the daemon has no HBM tier."""
+        import json
+
+        from kvstore.tiers.hbm import open_pool
+
+        self._need_session()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(self.timeout_s)
+            s.connect(self.info.arena_socket)
+            s.sendall(self.session_id + b"H")
+            try:
+                fd, size = recv_header(s)
+            except ConnectionError:
+                raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes)") from None
+            body = b""
+            while len(body) < size:
+                chunk = s.recv(size - len(body))
+                if not chunk:
+                    break
+                body += chunk
+        handle = json.loads(body)
+        if fd is not None and fd >= 0:
+            handle["fd"] = fd
+        for k in ("handle", "ref_counter_handle", "event_handle"):
+            if isinstance(handle.get(k), str):
+                handle[k] = bytes.fromhex(handle[k])
+        try:
+            return open_pool(handle)
+        finally:
+            if handle.get("fd") is not None:
+                os.close(handle["fd"])
 
     def keys(self, token_ids) -> list[BlockKey]:
         if self.namespace is None:

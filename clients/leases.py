@@ -134,6 +134,7 @@ class ReadLease:
         self.client, self.lease_id = client, resp.lease_id
         self.offsets = list(resp.offsets)
         self.count = resp.acquired
+        self.hbm_offsets = list(resp.hbm_offsets)  # per block: its copy in the HBM pool, or -1
 
     def view(self, i: int) -> np.ndarray:
         return self.client.arena.view(self.offsets[i], self.client.layout.block_bytes)

@@ -101,6 +101,7 @@ class HbmConfig:
     capacity_bytes: int = field(default=0, metadata={"help": "HBM pool size (bytes); 0 = HBM tier off"})
     device: str = field(default="auto", metadata={"help": "cuda device index, 'auto' (GPU if present, else emulated) or 'emulated'"})
     streams: int = field(default=2, metadata={"help": "copy streams of the HBM pool (half promote, half demote; >= 2)"})
+    admit_reads: int = field(default=2, metadata={"help": "a DRAM block read (acquired) this many times gets an HBM copy"})
 
 
 @dataclass
@@ -160,6 +161,7 @@ class Config:
         _check(n.admit_after_hits >= 0, "nvme.admit_after_hits", "must be >= 0")
         _check(self.hbm.capacity_bytes >= 0, "hbm.capacity_bytes", "must be >= 0")
         _check(self.hbm.streams >= 2, "hbm.streams", "must be >= 2")
+        _check(self.hbm.admit_reads >= 1, "hbm.admit_reads", "must be >= 1")
         _check(self.transport.backend in ("tcp", "ucx"), "transport.backend", "must be tcp or ucx")
         if self.transport.listen:
             _host_port("transport.listen", self.transport.listen)

@@ -95,6 +95,11 @@ class Core:
         self.demoting = 0  # blocks whose DRAM slot is being copied to NVMe right now
         self.demand_bytes = 0  # room the last reservation refused for demotion needed
         self.doorbells = None  # kvstore.doorbell.Doorbells, set by the daemon
+        # HBM residency (kvstore.hbm_cache): blocks read ``hot_after`` times queue up in ``hot``;
+        # ``on_dram_free`` is told when a block's DRAM copy goes.
+        self.hot_after = 0
+        self.hot: list[Block] = []
+        self.on_dram_free: Callable[[Block], None] | None = None
 
     # --- sessions --------------------------------------------------------------------------
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
@@ -265,6 +270,8 @@ class Core:
     def _drop_from_dram(self, b: Block, reason: str) -> None:
         kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
         self.lru(TierKind.DRAM, b.ns_id).discard(b)
+        if self.on_dram_free is not None:
+            self.on_dram_free(b)
         self.dram.free(b.ns_id, b.offset)
         if kept:
             b.tier, b.offset = TierKind.NVME, -1
@@ -380,8 +387,12 @@ class Core:
         lease = Lease(next(self._lease_ids), LeaseKind.READ, s, blocks, self.clock() + self.lease_ttl_s)
         lru = self.lru(TierKind.DRAM, s.ns.id)
         now = self.clock()
+        hot_after = self.hot_after
         for b in reversed(blocks):
             self.touch(b)
+            b.reads += 1
+            if b.reads == hot_after:
+                self.hot.append(b)
             if b.ref_cnt == 0:
                 lru.discard(b)
             b.ref_cnt += 1
@@ -418,6 +429,8 @@ class Core:
     def _free_dropped(self, b: Block) -> None:
         """A block deleted while pinned: its slot is freed when the last reader lets go."""
         if b.tier is TierKind.DRAM and b.offset >= 0:
+            if self.on_dram_free is not None:
+                self.on_dram_free(b)
             self.dram.free(b.ns_id, b.offset)
             b.offset = -1
 

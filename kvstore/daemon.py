@@ -295,6 +295,9 @@ class Daemon:
     def start_extras(self) -> None:
         """Extra listeners and tiers (TLS TCP, NVMe, transport); extended as they land."""
 
+    def hbm_handout(self, conn) -> None:
+        """Send the HBM pool's handle; without an HBM tier the connection just closes."""
+
     def _spawn(self, name: str, fn) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
         t.start()
@@ -326,10 +329,13 @@ class Daemon:
             with conn:
                 conn.settimeout(2.0)
                 try:
-                    sid = conn.recv(16)
+                    req = conn.recv(17)  # session id, then b"H" for the HBM pool's handle
+                    sid, what = req[:16], req[16:]
                     with self.core.lock:
                         known = sid in self.core.sessions
-                    if known:
+                    if known and what == b"H":
+                        self.hbm_handout(conn)
+                    elif known:
                         send_fd(conn, self.arena.fd, self.arena.size_bytes)
                 except OSError as e:
                     log.warning("arena handout failed: %s", e)

@@ -36,6 +36,8 @@ class Block:
     busy: bool = False  # its slot is under I/O (demotion, promotion): neither evicted nor deleted
     on_nvme: bool = False  # an NVMe copy exists (dropping the DRAM copy loses nothing)
     tick: int = 0  # recency: higher is more recent
+    reads: int = 0  # Acquires: what makes a block hot enough for HBM
+    hbm_slot: int = -1  # offset of its copy in the HBM pool, -1 = none
 
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)

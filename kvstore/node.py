@@ -51,6 +51,10 @@ class NodeDaemon(Daemon):
             raise StartupError(f"hbm: {e}") from None
         self.hbm.register_host(self.arena)
         self.hbm_emulated = self.hbm.emulated  # labels kvstore_info and every stats answer
+        from kvstore.hbm_cache import HbmCache
+
+        self.hbm_cache = HbmCache(self, self.hbm)
+        self.hbm_cache.start()
         st = self.hbm.stats()
         log.info("HBM tier: %.2f GiB on %s", st.capacity_bytes / 2**30,
                  "an EMULATED device (" + st.extra.get("reason", "") + ")" if self.hbm.emulated else "the GPU")
@@ -84,6 +88,7 @@ class NodeDaemon(Daemon):
         if self.tiering is not None:
             self.tiering.close(grace_s)
         if self.hbm is not None:
+            self.hbm_cache.close()
             self.hbm.close()
 
     def tier_stats(self) -> list[TierStats]:
@@ -111,6 +116,10 @@ class NodeDaemon(Daemon):
                 self.tiering.remember(session.ns)
             except OSError as e:
                 log.error("cannot record namespace for NVMe recovery: %s", e)
+
+    def hbm_handout(self, conn) -> None:
+        if self.hbm is not None:
+            self.hbm_cache.handout(conn)
 
     def after_commit(self, blocks) -> None:
         t = self.tiering

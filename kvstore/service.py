@@ -140,8 +140,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.d.make_resident(s, self.core._keys(req.keys), min(req.wait_s, 60.0))
         with self.core.lock:
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
+            hbm = [b.hbm_slot for b in blocks] if self.core.hot_after else []
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
-                                  acquired=len(blocks), expires_in_s=self.core.lease_ttl_s if lease else 0.0)
+                                  acquired=len(blocks), expires_in_s=self.core.lease_ttl_s if lease else 0.0,
+                                  hbm_offsets=hbm)
 
     @rpc
     def Release(self, req, context):

@@ -408,3 +408,59 @@ def test_daemon_reports_the_emulated_hbm_tier(tmp_path):
         assert 'kvstore_tier_capacity_bytes{tier="hbm"} 1.6777216e+07' in text
     finally:
         assert d.stop() == 0
+
+
+def test_daemon_keeps_hot_blocks_in_the_hbm_pool(tmp_path):
+    """Blocks read twice get an HBM copy (emulated device here); a worker maps the pool and
+    finds each block's bytes at the offset Acquire reports; DRAM eviction drops the copy too."""
+    import time
+
+    import numpy as np
+
+    from daemon_util import start_daemon
+    from kvstore.clients import KVStoreClient, KVStoreError
+    from kvstore.layout import KVLayout
+
+    d = start_daemon(tmp_path, "--hbm-capacity-bytes", "4MiB", "--hbm-admit-reads", "2", dram="16MiB")
+    try:
+        layout = KVLayout(4, 2, 64, "fp16")  # 32 KiB blocks: 128 fit the 4 MiB pool
+        c = KVStoreClient(d.socket_path)
+        c.register(layout, "hot")
+        tokens = list(range(8 * 16))
+        kv = np.random.default_rng(5).standard_normal(layout.tensor_shape(len(tokens))).astype(np.float16)
+        c.put(tokens, kv)
+        keys = c.keys(tokens)
+        with c.acquire(keys[:4]) as r:
+            assert r.hbm_offsets == [-1] * 4  # read once: not hot yet
+        with c.acquire(keys[:4]):
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with c.acquire(keys) as r:
+                if all(o >= 0 for o in r.hbm_offsets[:4]):
+                    break
+            time.sleep(0.05)
+        pool = c.map_hbm_pool()
+        with c.acquire(keys) as r:
+            assert all(o >= 0 for o in r.hbm_offsets[:4])
+            for i in range(4):
+                o = r.hbm_offsets[i]
+                assert pool.mem[o:o + layout.block_bytes].numpy().tobytes() == r.view(i).tobytes()
+        hbm = [t for t in c.stats().tiers if t.tier == 1][0]
+        assert hbm.emulated and hbm.blocks >= 4
+        assert c.delete(keys[:4]) == 4  # DRAM copy gone: HBM copy freed with it
+        assert [t for t in c.stats().tiers if t.tier == 1][0].used_bytes < hbm.used_bytes
+        pool.close()
+        c.close()
+        # A daemon without an HBM tier says so.
+    finally:
+        assert d.stop() == 0
+    d2 = start_daemon(tmp_path / "nohbm")
+    try:
+        c = KVStoreClient(d2.socket_path)
+        c.register(KVLayout(4, 2, 64, "fp16"), "x")
+        with pytest.raises(KVStoreError, match="no HBM tier"):
+            c.map_hbm_pool()
+        c.close()
+    finally:
+        assert d2.stop() == 0

@@ -86,13 +86,22 @@ def send_fd(sock: socket.socket, fd: int, size_bytes: int) -> None:
     sock.sendmsg([_HDR.pack(size_bytes)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 
 
-def recv_fd(sock: socket.socket) -> tuple[int, int]:
-    """Receive ``(fd, size_bytes)`` sent by :func:`send_fd`; raises ConnectionError if refused."""
+def recv_header(sock: socket.socket) -> tuple[int | None, int]:
+    """Receive ``(fd or None, size)``: an 8-byte little-endian size, with or without an fd
+    passed alongside; raises ConnectionError when the daemon closed instead (refused)."""
     fds = array.array("i")
     msg, ancdata, _flags, _addr = sock.recvmsg(_HDR.size, socket.CMSG_LEN(fds.itemsize))
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    if len(msg) != _HDR.size or not fds:
+    if len(msg) != _HDR.size:
+        raise ConnectionError("daemon refused the handout (unknown or expired session, or no such pool)")
+    return (fds[0] if fds else None), _HDR.unpack(msg)[0]
+
+
+def recv_fd(sock: socket.socket) -> tuple[int, int]:
+    """Receive ``(fd, size_bytes)`` sent by :func:`send_fd`; raises ConnectionError if refused."""
+    fd, size = recv_header(sock)
+    if fd is None:
         raise ConnectionError("daemon refused the arena handout (unknown or expired session)")
-    return fds[0], _HDR.unpack(msg)[0]
+    return fd, size

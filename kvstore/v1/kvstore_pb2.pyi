@@ -206,16 +206,18 @@ class AcquireRequest(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s")
+    __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s", "hbm_offsets")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    HBM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     acquired: int
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., acquired: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    hbm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., acquired: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., hbm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
