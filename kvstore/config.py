@@ -77,6 +77,7 @@ class DramConfig:
     max_auto_bytes: int = field(default=4 * 1024**3, metadata={"help": "cap on the automatic arena size (bytes)"})
     extent_bytes: int = field(default=64 * 1024**2, metadata={"help": "arena is carved into extents of this size; largest block a namespace may have (bytes)"})
     prefault: bool = field(default=True, metadata={"help": "touch every arena page at start (first-touch faults are ~50x slower than copies)"})
+    namespace_quota_bytes: int = field(default=0, metadata={"help": "most DRAM one namespace may hold; over it, it evicts its own blocks (bytes; 0 = no quota)"})
 
 
 @dataclass
@@ -92,6 +93,7 @@ class NvmeConfig:
     high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe"})
     low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
     admit_after_hits: int = field(default=0, metadata={"help": "admission: demote only blocks looked up at least this many times (0 = all)"})
+    namespace_quota_bytes: int = field(default=0, metadata={"help": "most NVMe space one namespace may hold; over it, its own least recent blocks go (bytes; 0 = no quota)"})
     durable_commit: bool = field(default=False, metadata={"help": "Commit returns only once the blocks are on NVMe (survive a crash); else they reach NVMe by demotion"})
     file_bytes: int = field(default=16 * 1024**3, metadata={"help": "size of each preallocated data file (bytes)"})
 
@@ -149,6 +151,8 @@ class Config:
                    "a TCP listener requires TLS: set server.tls_cert_file and server.tls_key_file")
             _host_port("server.tcp_listen", s.tcp_listen)
         _check(d.capacity_bytes >= 0, "dram.capacity_bytes", "must be >= 0")
+        _check(d.namespace_quota_bytes >= 0, "dram.namespace_quota_bytes", "must be >= 0")
+        _check(self.nvme.namespace_quota_bytes >= 0, "nvme.namespace_quota_bytes", "must be >= 0")
         _check(d.extent_bytes >= 4096 and d.extent_bytes % 4096 == 0, "dram.extent_bytes", "must be a positive multiple of 4096")
         _check(d.capacity_bytes == 0 or d.capacity_bytes >= d.extent_bytes, "dram.capacity_bytes",
                f"must be at least one extent ({d.extent_bytes} bytes)")

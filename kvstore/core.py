@@ -95,6 +95,8 @@ class Core:
         self.demoting = 0  # blocks whose DRAM slot is being copied to NVMe right now
         self.demand_bytes = 0  # room the last reservation refused for demotion needed
         self.doorbells = None  # kvstore.doorbell.Doorbells, set by the daemon
+        self.ns_quota_bytes = 0  # DRAM bytes one namespace may hold (0 = no quota)
+        self.quota_hit = False
         # HBM residency (kvstore.hbm_cache): blocks read ``hot_after`` times queue up in ``hot``;
         # ``on_dram_free`` is told when a block's DRAM copy goes.
         self.hot_after = 0
@@ -195,9 +197,14 @@ class Core:
         if not todo:
             return None, offsets, bytes(states)
         lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.lease_ttl_s)
+        self.quota_hit = False
         try:
             for i in todo:
                 off = self._allocate(ns)
+                if off is None and self.quota_hit:
+                    raise KVError(Code.RESOURCE_EXHAUSTED,
+                                  f"namespace quota of {self.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
+                                  "is reached and none of this namespace's blocks can be evicted")
                 if off is None and (self.waiting_for_demotion or self.demoting):
                     self.waiting_for_demotion = True
                     self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
@@ -224,6 +231,13 @@ class Core:
         return lease, offsets, bytes(states)
 
     def _allocate(self, ns: NsState) -> int | None:
+        quota = self.ns_quota_bytes
+        if quota:  # over its quota a namespace makes room among its own blocks only
+            stride = self.dram.slot_stride(ns.block_bytes)
+            while self.dram.ns_bytes.get(ns.id, 0) + stride > quota:
+                if not self._evict_one(ns, own_only=True):
+                    self.quota_hit = True
+                    return None
         off = self.dram.allocate(ns.id, ns.block_bytes)
         while off is None:
             if not self._evict_one(ns):
@@ -231,7 +245,7 @@ class Core:
             off = self.dram.allocate(ns.id, ns.block_bytes)
         return off
 
-    def _evict_one(self, ns: NsState) -> bool:
+    def _evict_one(self, ns: NsState, own_only: bool = False) -> bool:
         """Evict one DRAM block: this namespace's least recent leaf (its slots fit exactly),
         else the least recent leaf of the namespace whose LRU head is oldest, until one of
         that namespace's extents frees up."""
@@ -240,7 +254,7 @@ class Core:
         def leaf(b: Block) -> bool:
             return not b.busy and not b.has_kids_in(tier)
 
-        victim = self.pop_victim(tier, leaf, prefer_ns=ns.id)
+        victim = self.lru(tier, ns.id).pop_victim(leaf) if own_only else self.pop_victim(tier, leaf, prefer_ns=ns.id)
         if victim is None:
             return False
         if self.must_demote is not None and self.must_demote(victim):

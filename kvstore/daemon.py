@@ -110,6 +110,7 @@ class Daemon:
         self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s,
                          max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
         self.core.doorbells = doorbell.Doorbells(self.arena.buf, dram_bytes)
+        self.core.ns_quota_bytes = cfg.dram.namespace_quota_bytes
         self.policy = LoadPolicy()
         self.server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []

@@ -242,6 +242,7 @@ class Tiering:
                         self._release_dram(b)
             if no_space:
                 self._evict_nvme(len(moving))
+            self._enforce_nvme_quota({b.ns_id for b in moving})
             self._drive_prefetches()
             self.changed.notify_all()
         if batch is not None and batch.nbytes:
@@ -273,15 +274,15 @@ class Tiering:
         except Exception as e:  # noqa: BLE001
             log.error("NVMe delete failed: %s", e)
 
-    def _evict_nvme(self, count: int) -> None:
-        """Drop ``count`` least recent NVMe leaves to make room (under the lock)."""
+    def _evict_nvme(self, count: int, ns_id: bytes | None = None) -> None:
+        """Drop ``count`` least recent NVMe leaves (of ``ns_id`` only, if given) (under the lock)."""
         core, dropped = self.core, []
 
         def ok(b: Block) -> bool:
             return not b.busy and not any(k.on_nvme for k in b.kids)
 
         for _ in range(count):
-            b = core.pop_victim(NVME, ok)
+            b = core.lru(NVME, ns_id).pop_victim(ok) if ns_id else core.pop_victim(NVME, ok)
             if b is None:
                 break
             b.on_nvme = False
@@ -291,6 +292,18 @@ class Tiering:
             self.metrics.evictions.labels(tier="nvme", reason="capacity").inc()
         if dropped:
             self._delete_nvme(dropped)
+
+    def _enforce_nvme_quota(self, ns_ids) -> None:
+        """A namespace over ``nvme.namespace_quota_bytes`` drops its own least recent NVMe leaves."""
+        quota = self.cfg.namespace_quota_bytes
+        if not quota:
+            return
+        for ns_id in ns_ids:
+            st = self.core.namespaces.get(ns_id)
+            if st is not None:
+                over = len(self.core.lru(NVME, ns_id)) - quota // st.block_bytes
+                if over > 0:
+                    self._evict_nvme(over, ns_id)
 
     def _nvme_lost(self) -> None:
         """The tier disabled itself: forget blocks that only it held (never serve them)."""
@@ -323,6 +336,7 @@ class Tiering:
                 if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
+            self._enforce_nvme_quota({b.ns_id for b in todo})
         if items and (batch is None or batch.error is not None):
             raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
                                             f"{batch.error if batch else 'NVMe tier disabled'}")

@@ -135,3 +135,24 @@ def test_namespaces_are_isolated(env):
     assert e.value.code is Code.NOT_FOUND
     assert core.delete(other, b"".join(keys)) == (0, 0)
     assert len(core.lookup(s, b"".join(keys))[0]) == 2
+
+
+def test_namespace_quota_evicts_its_own_blocks_first(env):
+    core, s, clock = env
+    other = core.register(Namespace("other-model", LAYOUT))
+    b_keys = chain(20, 8)
+    put(core, other, b_keys)
+    core.ns_quota_bytes = 8 * LAYOUT.block_bytes  # 8 blocks of 8 KiB
+    a_keys = chain(21, 12)
+    for k in range(12):  # one block at a time, as a chain
+        put(core, s, [a_keys[k]], parent=a_keys[k - 1] if k else b"")
+    assert core.dram.ns_bytes[s.ns.id] == 8 * 8192
+    assert len(core.lookup(other, b"".join(b_keys))[0]) == 8  # the other namespace kept everything
+    # Leaves first: when a8 arrives the only leaf of the chain is its tip a7; a8 then commits as
+    # a root, and each later arrival finds the older leaf a6 (then a5, a4) less recent than a8+.
+    assert [a_keys.index(k) for k in core.evicted] == [7, 6, 5, 4]
+    lease, _ = core.acquire(s, b"".join(a_keys[:4] + a_keys[8:]), allow_partial=False)
+    with pytest.raises(KVError) as e:
+        core.reserve(s, b"".join(chain(22, 1)), b"")
+    assert e.value.code is Code.RESOURCE_EXHAUSTED and "namespace quota" in e.value.message
+    assert len(core.reserve(other, b"".join(chain(23, 1)), b"")[1]) == 1  # others are unaffected

@@ -194,3 +194,36 @@ def subprocess_stats(sock):
 
     return subprocess.run([sys.executable, "-m", "kvstore", "stats", "--socket", sock], capture_output=True,
                           text=True, timeout=30).stdout
+
+
+def test_per_namespace_nvme_quota(tmp_path):
+    """A namespace over nvme.namespace_quota_bytes loses its own least recent NVMe blocks; the
+    other namespace's blocks stay."""
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true",
+                                          "--nvme-namespace-quota-bytes", "8MiB"), dram=DRAM)  # 32 blocks
+    try:
+        a, b = KVStoreClient(d.socket_path), KVStoreClient(d.socket_path)
+        a.register(LAYOUT, "tenant-a")
+        b.register(LAYOUT, "tenant-b")
+        tb = list(range(5_000_000, 5_000_000 + 16 * 16))
+        b.put(tb, block_kv(tb))
+        ta = list(range(48 * 16))
+        a.put(ta, block_kv(ta))
+        rows = {r["model_id"]: r for r in json.loads(subprocess_ls(d.socket_path))}
+        assert rows["tenant-b"]["blocks"].get("nvme", 0) + rows["tenant-b"]["blocks"].get("dram", 0) == 16
+        out = np.zeros(LAYOUT.tensor_shape(len(tb)), np.float16)
+        assert b.get(tb, out) == len(tb) and out.tobytes() == block_kv(tb).tobytes()
+        nvme_a = [t for t in a.stats().tiers if t.tier == 3][0]
+        assert nvme_a.blocks <= 32 + 16  # tenant-a holds at most its 32-block quota on NVMe
+        a.close()
+        b.close()
+    finally:
+        assert d.stop() == 0
+
+
+def subprocess_ls(sock):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvstore", "ls", "--json", "--socket", sock], capture_output=True,
+                          text=True, timeout=30).stdout

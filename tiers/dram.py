@@ -20,6 +20,7 @@ class DramTier:
         self.arena = arena
         self.alloc = ExtentAllocator(capacity_bytes or arena.size_bytes, extent_bytes)
         self.blocks = 0
+        self.ns_bytes: dict[bytes, int] = {}  # slot bytes held per namespace (for quotas)
 
     @property
     def capacity_bytes(self) -> int:
@@ -40,6 +41,7 @@ class DramTier:
         off = self.alloc.allocate(ns_id, slot_bytes)
         if off is not None:
             self.blocks += 1
+            self.ns_bytes[ns_id] = self.ns_bytes.get(ns_id, 0) + self.alloc.slot_stride(slot_bytes)
         return off
 
     def free(self, ns_id: bytes, slot: int) -> None:
@@ -48,6 +50,7 @@ class DramTier:
             raise ValueError(f"slot at {slot} is not allocated to this namespace")
         self.alloc.free(ns_id, owner[1], slot)
         self.blocks -= 1
+        self.ns_bytes[ns_id] -= self.alloc.slot_stride(owner[1])
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
         return self.arena.view(slot, nbytes)
