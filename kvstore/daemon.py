@@ -396,13 +396,17 @@ def _sd_notify(state: str) -> None:
 
 def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_overrides: dict | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    d = daemon_cls(cfg, config_path, cli_overrides)
-    d.start()
+    # Handlers go in before anything serves: a SIGTERM that arrives while starting (the health
+    # service already says SERVING) must still mean a clean stop, not the default kill.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=d.reload, name="reload").start())
-    while not stop.wait(1.0):
+    d = daemon_cls(cfg, config_path, cli_overrides)
+    reload_ready = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: reload_ready.is_set() and threading.Thread(target=d.reload, name="reload").start())
+    d.start()
+    reload_ready.set()
+    while not stop.wait(0.2):
         pass
     d.stop()
     return 0
