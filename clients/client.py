@@ -23,7 +23,7 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, KVLayout
-from kvstore.tiers.arena import Arena, recv_fd, recv_header
+from kvstore.tiers.arena import Arena, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -91,21 +91,6 @@ class LookupResult:
     est_load_s: float
     est_recompute_s: float
     reason: str
-
-
-def _runs(offsets: Sequence[int], wanted: Sequence[bool], stride: int):
-    """``(first index, count)`` of each run of wanted slots that sit next to each other in the
-    arena, so a run moves in one copy instead of one per block."""
-    i, n = 0, len(wanted)
-    while i < n:
-        if not wanted[i]:
-            i += 1
-            continue
-        j = i + 1
-        while j < n and wanted[j] and offsets[j] == offsets[j - 1] + stride:
-            j += 1
-        yield i, j - i
-        i = j
 
 
 class KVStoreClient:
@@ -300,9 +285,9 @@ class KVStoreClient:
                 chunk = keys[start:start + step]
                 w = self.reserve(chunk, parent=keys[start - 1] if start else b"")
                 try:
-                    for i, n in _runs(w.offsets, [st == RESERVED for st in w.states], self._stride):
-                        t0 = (start + i) * bt
-                        self._copy(self._slots(w.offsets[i], n), self._blocks_of(src, t0, n))
+                    wanted = [o if st == RESERVED else None for o, st in zip(w.offsets, w.states)]
+                    for i, end, off in slot_runs(wanted, self._stride):
+                        self._copy(self._slots(off, end - i), self._blocks_of(src, (start + i) * bt, end - i))
                 except BaseException:
                     w.abort()
                     raise
@@ -338,9 +323,8 @@ class KVStoreClient:
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
             with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
-                for i, n in _runs(r.offsets, [True] * r.count, self._stride):
-                    t0 = (start + i) * bt
-                    self._copy(self._blocks_of(dst, t0, n), self._slots(r.offsets[i], n))
+                for i, end, off in slot_runs(r.offsets[:r.count], self._stride):
+                    self._copy(self._blocks_of(dst, (start + i) * bt, end - i), self._slots(off, end - i))
                 read += r.count
             if r.count < len(chunk):
                 break

@@ -51,6 +51,7 @@ from kvstore.clients.leases import RESERVED
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.modelcfg import ModelConfig, from_hf
 from kvstore.tiers.hbm_device import EmuEvent, EmuStream
+from kvstore.tiers.arena import slot_runs
 
 log = logging.getLogger("kvstore.hf")
 
@@ -163,20 +164,6 @@ class LoadPlan:
         return "recompute" if self.advised_blocks == 0 else "partial"
 
 
-def _runs(offsets: Sequence[int | None], stride: int):
-    """``(first, end, offset)`` of each run of blocks whose slots are adjacent in the arena."""
-    j, n = 0, len(offsets)
-    while j < n:
-        if offsets[j] is None:
-            j += 1
-            continue
-        k = j + 1
-        while k < n and offsets[k] is not None and offsets[k] == offsets[k - 1] + stride:
-            k += 1
-        yield j, k, offsets[j]
-        j = k
-
-
 # --- the cache --------------------------------------------------------------------------------
 
 class _PrefixLayer(DynamicLayer):
@@ -265,7 +252,7 @@ class KVStoreCache(DynamicCache):
         De = lay.head_dim * elem
         B = lay.block_bytes
         arena = self.adapter.arena_bytes()
-        runs = list(_runs(lease.offsets[:blocks], B))
+        runs = list(slot_runs(lease.offsets[:blocks], B))
         dtype = self.adapter.torch_dtype
         T = blocks * bt
 
@@ -367,7 +354,7 @@ class _PromptStore:
             for half, src in enumerate((k_src, v_src)):
                 src = src.to("cpu").contiguous().view(torch.uint8)  # [H, tokens, De]
                 s = src[:, first * bt:end].view(H, n, bt, De)
-                for a, b, off in _runs(self.offsets, B):
+                for a, b, off in slot_runs(self.offsets, B):
                     dst = arena[off:off + (b - a) * B].view(b - a, L, 2, bt, H, De)[:, l, half]  # [k, bt, H, De]
                     dst.copy_(s[:, a:b].permute(1, 2, 0, 3))
             cache.timings["store_copy_s"] += time.perf_counter() - t0

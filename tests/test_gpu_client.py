@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from kvstore.clients.gpu import GpuKVPath, KVMover, PagedKV  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
-from kvstore.tiers.hbm_paged import _runs  # noqa: E402
+from kvstore.tiers.arena import slot_runs as _runs  # noqa: E402
 
 LAYOUT = KVLayout(4, 2, 64, "fp16")  # 32 KiB blocks: adjacent slots, bulk DMA coalesces
 ODD = KVLayout(3, 1, 40, "fp16")  # 7680-byte blocks in 8 KiB slots: never adjacent

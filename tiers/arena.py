@@ -77,6 +77,21 @@ class Arena:
             pass
 
 
+def slot_runs(offsets, stride: int):
+    """``(first, end, offset)`` of each run of blocks whose slots sit next to each other in the
+    arena (``offsets[i]`` is None for a block to skip), so a run moves in one copy."""
+    j, n = 0, len(offsets)
+    while j < n:
+        if offsets[j] is None:
+            j += 1
+            continue
+        k = j + 1
+        while k < n and offsets[k] is not None and offsets[k] == offsets[k - 1] + stride:
+            k += 1
+        yield j, k, offsets[j]
+        j = k
+
+
 # --- fd passing -------------------------------------------------------------------------------
 
 _HDR = struct.Struct("<Q")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstore.layout import AttnKind, KVLayout
+from kvstore.tiers.arena import slot_runs
 from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin,
                                       choose_device, make_stream)
 
@@ -82,20 +83,6 @@ def _choice_for(device: torch.device) -> DeviceChoice:
         return DeviceChoice(DeviceKind.CUDA, device.index if device.index is not None else torch.cuda.current_device())
     why = choose_device("auto").reason or "CUDA is available but the caches are on the CPU"
     return DeviceChoice(DeviceKind.EMULATED, reason=f"kv caches are CPU tensors ({why})")
-
-
-def _runs(offsets: Sequence[int | None], block_bytes: int):
-    """``(first, end, offset)`` for each run of blocks whose slots are adjacent in the arena."""
-    j, n = 0, len(offsets)
-    while j < n:
-        if offsets[j] is None:
-            j += 1
-            continue
-        k = j + 1
-        while k < n and offsets[k] is not None and offsets[k] == offsets[k - 1] + block_bytes:
-            k += 1
-        yield j, k, offsets[j]
-        j = k
 
 
 def wait_events(events, timeout_s: float | None = None) -> bool:
@@ -209,7 +196,7 @@ class KVMover:
                 staged = torch.empty((j1 - j0, L, p.halves, bt, p.row), dtype=torch.uint8, device=p.device)
                 for l in range(L):
                     staged[:, l] = self._gather(l, rows[j0 * bt:j1 * bt], j1 - j0)
-                for a, b, off in _runs(offsets[j0:j1], B):
+                for a, b, off in slot_runs(offsets[j0:j1], B):
                     self.host[off:off + (b - a) * B].copy_(staged[a:b].view(-1), non_blocking=True)
 
         self.stream.submit(run)
@@ -224,7 +211,7 @@ class KVMover:
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):
                 staged = torch.empty((j1 - j0, L, p.halves, bt, p.row), dtype=torch.uint8, device=p.device)
-                for a, b, off in _runs(offsets[j0:j1], B):
+                for a, b, off in slot_runs(offsets[j0:j1], B):
                     staged[a:b].view(-1).copy_(self.host[off:off + (b - a) * B], non_blocking=True)
                 for l in range(L):
                     self._scatter(l, rows[j0 * bt:j1 * bt], staged[:, l])
