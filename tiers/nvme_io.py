@@ -66,18 +66,23 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, round_up(nbytes)), dtype=np.uint8)
 
 
+def _after(bufs: list, done: int) -> list:
+    """What is left of ``bufs`` once their first ``done`` bytes are through (short I/O)."""
+    rest = []
+    for b in bufs:
+        if done >= b.nbytes:
+            done -= b.nbytes
+        else:
+            rest.append(b[done:])
+            done = 0
+    return rest
+
+
 def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
     total = sum(b.nbytes for b in bufs)
     done = os.pwritev(fd, bufs, offset)
     while done < total:  # short write: continue buffer by buffer from where it stopped
-        skip, rest = done, []
-        for b in bufs:
-            if skip >= b.nbytes:
-                skip -= b.nbytes
-            else:
-                rest.append(b[skip:])
-                skip = 0
-        n = os.pwritev(fd, rest[:1], offset + done)
+        n = os.pwritev(fd, _after(bufs, done)[:1], offset + done)
         if n == 0:
             raise OSError(errno.EIO, "pwritev wrote 0 bytes")
         done += n
@@ -88,14 +93,7 @@ def _preadv_all(fd: int, bufs: list, offset: int) -> int:
     total = sum(b.nbytes for b in bufs)
     done = os.preadv(fd, bufs, offset)
     while 0 < done < total:
-        skip, rest = done, []
-        for b in bufs:
-            if skip >= b.nbytes:
-                skip -= b.nbytes
-            else:
-                rest.append(b[skip:])
-                skip = 0
-        n = os.preadv(fd, rest[:1], offset + done)
+        n = os.preadv(fd, _after(bufs, done)[:1], offset + done)
         if n == 0:
             break
         done += n
