@@ -1,6 +1,5 @@
 """Prefill daemon A -> decode daemon B through the real transfer listener (TCP and UCX)."""
 
-import threading
 import time
 
 import numpy as np
@@ -198,36 +197,10 @@ def test_bad_transfer_requests(tmp_path):
 
 @pytest.fixture
 def two_netns():
-    """Two network namespaces joined by a veth pair (10.232.N.1 <-> .2), made here when we may."""
-    import os
-    import shutil
-    import subprocess
+    from netns_util import veth_pair
 
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("netns: needs root and iproute2's `ip`")
-    sfx = f"{os.getpid() % 100000}"
-    ns_a, ns_b, net = f"kvd-a-{sfx}", f"kvd-b-{sfx}", f"10.232.{os.getpid() % 250}"
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-    try:
-        ip("netns", "add", ns_a)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"netns: cannot create a network namespace here: {e.stderr.strip()}")
-    try:
-        ip("netns", "add", ns_b)
-        ip("link", "add", f"kda{sfx}", "type", "veth", "peer", "name", f"kdb{sfx}")
-        ip("link", "set", f"kda{sfx}", "netns", ns_a)
-        ip("link", "set", f"kdb{sfx}", "netns", ns_b)
-        for ns, dev, addr in ((ns_a, f"kda{sfx}", f"{net}.1"), (ns_b, f"kdb{sfx}", f"{net}.2")):
-            ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield (ns_a, f"{net}.1"), (ns_b, f"{net}.2")
-    finally:
-        for ns in (ns_a, ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+    with veth_pair("kvd", 232) as pair:
+        yield pair
 
 
 def test_daemons_in_separate_network_namespaces(tmp_path, two_netns):

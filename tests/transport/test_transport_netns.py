@@ -5,49 +5,16 @@ Only the test's own addresses (10.231.N.1-2/30 inside its namespaces) are used."
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import pytest
 
 from conftest import Peer
-
-SUFFIX = f"{os.getpid() % 100000}"
-NS_A, NS_B = f"kvt-a-{SUFFIX}", f"kvt-b-{SUFFIX}"
-NET = f"10.231.{os.getpid() % 250}"
-ADDR_A, ADDR_B = f"{NET}.1", f"{NET}.2"
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+from netns_util import veth_pair
 
 
 @pytest.fixture(scope="module")
 def netns():
-    if shutil.which("ip") is None:
-        pytest.skip("netns test: the `ip` tool (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("netns test: needs root to create network namespaces")
-    try:
-        _ip("netns", "add", NS_A)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"netns test: cannot create a network namespace here: {exc.stderr.strip()}")
-    try:
-        _ip("netns", "add", NS_B)
-        _ip("link", "add", f"kva{SUFFIX}", "type", "veth", "peer", "name", f"kvb{SUFFIX}")
-        _ip("link", "set", f"kva{SUFFIX}", "netns", NS_A)
-        _ip("link", "set", f"kvb{SUFFIX}", "netns", NS_B)
-        for ns, dev, addr in ((NS_A, f"kva{SUFFIX}", ADDR_A), (NS_B, f"kvb{SUFFIX}", ADDR_B)):
-            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"netns test: cannot wire the namespaces: {exc.stderr.strip()}")
-    finally:
-        for ns in (NS_A, NS_B):  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+    with veth_pair("kvt", 231) as pair:
+        yield pair
 
 
 def in_ns(ns: str) -> list[str]:
@@ -55,6 +22,7 @@ def in_ns(ns: str) -> list[str]:
 
 
 def test_bit_exact_across_namespaces(netns, backend):
+    (NS_A, ADDR_A), (NS_B, ADDR_B) = netns
     recv = Peer("recv", "--backend", backend, "--host", ADDR_B, "--port", "0", prefix=in_ns(NS_B))
     try:
         address = recv.expect("LISTEN ")
@@ -74,6 +42,7 @@ def test_bit_exact_across_namespaces(netns, backend):
 
 
 def test_sender_killed_across_namespaces_releases_every_slot(netns, backend):
+    (NS_A, ADDR_A), (NS_B, ADDR_B) = netns
     recv = Peer("recv", "--backend", backend, "--host", ADDR_B, "--port", "0", prefix=in_ns(NS_B))
     try:
         address = recv.expect("LISTEN ")
