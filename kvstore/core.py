@@ -132,14 +132,12 @@ class Core(LeaseOps):
             if b is None or b.state is not committed:
                 break
             append(b)
-        now = self.clock()
         tick = self.tick + len(hits) + 1
         tiers = bytearray(len(hits))
         for i, b in enumerate(hits):  # root most recent: ancestors outlive their descendants
             tick -= 1
             b.tick = tick
             b.hits += 1
-            b.last_access = now
             tiers[i] = b.tier
         self.tick += len(hits)
         return hits, bytes(tiers)
@@ -307,7 +305,6 @@ class Core(LeaseOps):
         else:
             chosen = list(lease.blocks)
         ns = s.ns
-        now = self.clock()
         lru = self.lru(TierKind.DRAM, ns.id)
         for b in chosen:
             b.state = BlockState.COMMITTED
@@ -316,7 +313,6 @@ class Core(LeaseOps):
             if p is not None and p.state is BlockState.COMMITTED:
                 b.parent = p
                 p.kids.add(b)
-            b.last_access = now
         for b in reversed(chosen):  # leaf first, then each parent: ancestors stay more recent
             self.touch(b)
             lru.add(b)

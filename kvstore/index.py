@@ -31,7 +31,6 @@ class Block:
     kids: set = field(default_factory=set)  # committed child Blocks
     ref_cnt: int = 0
     hits: int = 0
-    last_access: float = 0.0
     lease_id: int = 0  # write lease while RESERVED
     busy: bool = False  # its slot is under I/O (demotion, promotion): neither evicted nor deleted
     on_nvme: bool = False  # an NVMe copy exists (dropping the DRAM copy loses nothing)

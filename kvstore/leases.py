@@ -72,7 +72,6 @@ class LeaseOps:
             return None, []
         lease = Lease(next(self._lease_ids), LeaseKind.READ, s, blocks, self.clock() + self.lease_ttl_s)
         lru = self.lru(TierKind.DRAM, s.ns.id)
-        now = self.clock()
         hot_after = self.hot_after
         for b in reversed(blocks):
             self.touch(b)
@@ -82,7 +81,6 @@ class LeaseOps:
             if b.ref_cnt == 0:
                 lru.discard(b)
             b.ref_cnt += 1
-            b.last_access = now
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
         return lease, blocks

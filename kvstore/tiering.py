@@ -88,7 +88,6 @@ class Tiering:
                     orphans.append(e.key)
                     continue
                 b = Block(e.key, e.ns_id, NVME, -1, state=BlockState.COMMITTED, parent_key=e.parent, on_nvme=True)
-                b.last_access = e.atime
                 st.blocks[e.key] = b
                 core.touch(b)
                 n += 1
