@@ -14,6 +14,7 @@ import itertools
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,6 +61,9 @@ class Core(LeaseOps):
     def __init__(self, dram: DramTier, *, lease_ttl_s: float, max_keys: int, metrics=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.RLock()
+        # Notified (under the lock) when blocks finish moving between tiers: demotions and
+        # durable writes free DRAM, promotions land.
+        self.changed = threading.Condition(self.lock)
         self.dram = dram
         self.lease_ttl_s = lease_ttl_s
         self.max_keys = max_keys
@@ -88,6 +92,7 @@ class Core(LeaseOps):
         self.hot_after = 0
         self.hot: list[Block] = []
         self.on_dram_free: Callable[[Block], None] | None = None
+        self._passes: dict[bytes, object] | None = None  # open DRAM victim streams (eviction_pass)
 
     # --- sessions --------------------------------------------------------------------------
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
@@ -183,26 +188,28 @@ class Core(LeaseOps):
         lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.lease_ttl_s)
         self.quota_hit = False
         try:
-            for i in todo:
-                off = self._allocate(ns)
-                if off is None and self.quota_hit:
-                    raise KVError(Code.RESOURCE_EXHAUSTED,
-                                  f"namespace quota of {self.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
-                                  "is reached and none of this namespace's blocks can be evicted")
-                if off is None and (self.waiting_for_demotion or self.demoting):
-                    self.waiting_for_demotion = True
-                    self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
-                    raise KVError(Code.RESOURCE_EXHAUSTED,
-                                  "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds")
-                if off is None:
-                    raise KVError(Code.RESOURCE_EXHAUSTED,
-                                  f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "
-                                  "every other block is pinned or being written; retry after releasing leases")
-                b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
-                          parent_key=keys[i - 1] if i else (parent or None))
-                ns.blocks[keys[i]] = b
-                lease.blocks.append(b)
-                offsets[i] = off
+            with self.eviction_pass():
+                for i in todo:
+                    off = self._allocate(ns)
+                    if off is None and self.quota_hit:
+                        raise KVError(Code.RESOURCE_EXHAUSTED,
+                                      f"namespace quota of {self.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
+                                      "is reached and none of this namespace's blocks can be evicted")
+                    if off is None and (self.waiting_for_demotion or self.demoting):
+                        self.waiting_for_demotion = True
+                        self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
+                        raise KVError(Code.RESOURCE_EXHAUSTED,
+                                      "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
+                                      transient=True)
+                    if off is None:
+                        raise KVError(Code.RESOURCE_EXHAUSTED,
+                                      f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "
+                                      "every other block is pinned or being written; retry after releasing leases")
+                    b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
+                              parent_key=keys[i - 1] if i else (parent or None))
+                    ns.blocks[keys[i]] = b
+                    lease.blocks.append(b)
+                    offsets[i] = off
         except KVError:
             self._free_reserved(lease)
             raise
@@ -229,16 +236,43 @@ class Core(LeaseOps):
             off = self.dram.allocate(ns.id, ns.block_bytes)
         return off
 
+    @contextmanager
+    def eviction_pass(self):
+        """Evictions inside (under one hold of the lock) share one pass over each namespace's
+        DRAM LRU (``Lru.victims``): making room for n blocks at the end of an m-block chain costs
+        O(m + n log m), where n single pops cost O(n m log m)."""
+        if self._passes is not None:
+            yield
+            return
+        self._passes = {}
+        try:
+            yield
+        finally:
+            streams, self._passes = self._passes, None
+            for g in streams.values():
+                g.close()
+
+    @staticmethod
+    def _dram_leaf(b: Block) -> bool:
+        return not b.busy and not b.has_kids_in(TierKind.DRAM)
+
+    def _dram_victim(self, ns_id: bytes) -> Block | None:
+        """Pop ``ns_id``'s least recent evictable DRAM leaf, from the open pass if there is one."""
+        if self._passes is None:
+            return self.lru(TierKind.DRAM, ns_id).pop_victim(self._dram_leaf)
+        g = self._passes.get(ns_id)
+        if g is None:
+            g = self._passes[ns_id] = self.lru(TierKind.DRAM, ns_id).victims(self._dram_leaf)
+        return next(g, None)
+
     def _evict_one(self, ns: NsState, own_only: bool = False) -> bool:
         """Evict one DRAM block: this namespace's least recent leaf (its slots fit exactly),
         else the least recent leaf of the namespace whose LRU head is oldest, until one of
         that namespace's extents frees up."""
         tier = TierKind.DRAM
-
-        def leaf(b: Block) -> bool:
-            return not b.busy and not b.has_kids_in(tier)
-
-        victim = self.lru(tier, ns.id).pop_victim(leaf) if own_only else self.pop_victim(tier, leaf, prefer_ns=ns.id)
+        victim = self._dram_victim(ns.id)
+        if victim is None and not own_only:
+            victim = self.pop_victim(tier, self._dram_leaf, exclude=ns.id, take=self._dram_victim)
         if victim is None:
             return False
         if self.must_demote is not None and self.must_demote(victim):
@@ -250,17 +284,21 @@ class Core(LeaseOps):
         self._drop_from_dram(victim, "capacity")
         return True
 
-    def pop_victim(self, tier: TierKind, ok: Callable[[Block], bool], prefer_ns: bytes | None = None) -> Block | None:
+    def pop_victim(self, tier: TierKind, ok: Callable[[Block], bool], prefer_ns: bytes | None = None,
+                   exclude: bytes | None = None, take: Callable[[bytes], Block | None] | None = None
+                   ) -> Block | None:
         """Remove from ``tier``'s LRUs and return the least recent block with ``ok(block)``:
-        from ``prefer_ns`` first if given, else from the namespace whose oldest block is oldest."""
+        from ``prefer_ns`` first if given, else from the namespace (other than ``exclude``)
+        whose oldest block is oldest. ``take(ns_id)``, if given, does the popping."""
         if prefer_ns is not None:
             victim = self.lru(tier, prefer_ns).pop_victim(ok)
             if victim is not None:
                 return victim
+        skip = prefer_ns or exclude
         heads = [(lru.peek_tick(), ns_id) for (t, ns_id), lru in self._lrus.items()
-                 if t is tier and ns_id != prefer_ns and len(lru)]
+                 if t is tier and ns_id != skip and len(lru)]
         for _tick, ns_id in sorted(h for h in heads if h[0] is not None):
-            victim = self.lru(tier, ns_id).pop_victim(ok)
+            victim = take(ns_id) if take is not None else self.lru(tier, ns_id).pop_victim(ok)
             if victim is not None:
                 return victim
         return None

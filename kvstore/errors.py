@@ -19,12 +19,14 @@ class Code(enum.Enum):
 
 
 class KVError(Exception):
-    """A request the daemon refuses; ``message`` tells the user what to change."""
+    """A request the daemon refuses; ``message`` tells the user what to change. ``transient``:
+    the same request succeeds once background work (a demotion) ends, without any change."""
 
-    def __init__(self, code: Code, message: str) -> None:
+    def __init__(self, code: Code, message: str, transient: bool = False) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+        self.transient = transient
 
 
 def invalid(msg: str) -> KVError:

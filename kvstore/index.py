@@ -112,6 +112,43 @@ class Lru:
             self._file(b)
         return victim
 
+    def victims(self, ok):
+        """Yield the least recent block with ``ok(block)`` true, then the next, and so on: a run
+        of evictions in one pass over the heap. ``pop_victim`` in a loop re-files every refused
+        block on every call, which on a long chain (only its tail is a leaf) costs O(n) per
+        eviction. Here a refused block is looked at again only when a yielded victim was its
+        child: dropping a leaf is what turns its parent into one. Valid while nothing but the
+        caller's handling of the yielded victims changes the tier (one hold of the core lock);
+        refused blocks go back on the heap when the generator closes."""
+        refused: dict[int, tuple[int, Block]] = {}  # id(block) -> (seq, block): still members
+        ready: list[tuple[int, int, Block]] = []  # refused blocks that turned ok
+        live = self._live
+        try:
+            while True:
+                b = self._top()
+                if ready and (b is None or ready[0][:2] < (b.tick, live[id(b)])):
+                    _tick, seq, v = heapq.heappop(ready)
+                    if live.get(id(v)) != seq:
+                        continue  # discarded meanwhile
+                else:
+                    if b is None:
+                        return
+                    heapq.heappop(self._heap)
+                    if not ok(b):
+                        refused[id(b)] = (live[id(b)], b)
+                        continue
+                    v = b
+                del live[id(v)]
+                parent = v.parent
+                yield v
+                if parent is not None and id(parent) in refused and ok(parent):
+                    seq, _ = refused.pop(id(parent))
+                    heapq.heappush(ready, (parent.tick, seq, parent))
+        finally:
+            for seq, b in [*refused.values(), *((seq, b) for _t, seq, b in ready)]:
+                if live.get(id(b)) == seq:
+                    heapq.heappush(self._heap, (b.tick, seq, b))
+
     def order(self) -> list[Block]:
         """Live blocks, least recent first (for tests and `kvstore ls`)."""
         return sorted((b for _, seq, b in self._heap if self._live.get(id(b)) == seq), key=lambda b: b.tick)

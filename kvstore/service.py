@@ -20,6 +20,8 @@ from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+RESERVE_WAIT_S = 0.5  # longest a Reserve waits in the daemon for demotions to free DRAM
+
 log = logging.getLogger("kvstore.service")
 
 
@@ -110,9 +112,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def Reserve(self, req, context):
+        # DRAM full of blocks still being demoted: wait here, woken when a demotion lands,
+        # rather than have the client poll (the client retries past this bound).
+        deadline = time.monotonic() + min(RESERVE_WAIT_S, context.time_remaining() or RESERVE_WAIT_S)
         with self.core.lock:
-            s = self._session(req.session_id)
-            lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
+            while True:
+                s = self._session(req.session_id)  # again after a wait: it may have closed
+                try:
+                    lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
+                    break
+                except KVError as e:
+                    left = deadline - time.monotonic()
+                    if not e.transient or left <= 0:
+                        raise
+                    self.core.changed.wait(min(left, 0.02))
         return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
                                   expires_in_s=self.core.lease_ttl_s if lease else 0.0,
                                   doorbell_offset=lease.doorbell if lease else 0)

@@ -53,7 +53,7 @@ class Tiering:
         self.metrics = daemon.metrics
         self.kick = threading.Event()
         self.stopping = threading.Event()
-        self.changed = threading.Condition(self.core.lock)  # notified when promotions land
+        self.changed = self.core.changed  # notified when demotions, durable writes and promotions land
         self.prefetches: dict[int, Prefetch] = {}
         self.draining = False  # demoting: went over the high watermark, not yet under the low one
         self._ids = itertools.count(1)
@@ -336,6 +336,7 @@ class Tiering:
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
+            self.changed.notify_all()
         if items and (batch is None or batch.error is not None):
             raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
                                             f"{batch.error if batch else 'NVMe tier disabled'}")
@@ -346,18 +347,19 @@ class Tiering:
         leading blocks are resident or on their way. Called under the lock."""
         core, want, slots = self.core, [], []
         n = 0
-        for k in keys:
-            b = st.blocks.get(k)
-            if b is None or b.state is not BlockState.COMMITTED:
-                break
-            n += 1
-            if b.tier is NVME and not b.busy:
-                off = core._allocate(st)
-                if off is None:
+        with core.eviction_pass():
+            for k in keys:
+                b = st.blocks.get(k)
+                if b is None or b.state is not BlockState.COMMITTED:
                     break
-                b.busy = True
-                want.append(b)
-                slots.append(off)
+                n += 1
+                if b.tier is NVME and not b.busy:
+                    off = core._allocate(st)
+                    if off is None:
+                        break
+                    b.busy = True
+                    want.append(b)
+                    slots.append(off)
         if want:
             dsts = [core.dram.view(off, st.block_bytes) for off in slots]
             t0 = time.perf_counter()

@@ -156,3 +156,102 @@ def test_namespace_quota_evicts_its_own_blocks_first(env):
         core.reserve(s, b"".join(chain(22, 1)), b"")
     assert e.value.code is Code.RESOURCE_EXHAUSTED and "namespace quota" in e.value.message
     assert len(core.reserve(other, b"".join(chain(23, 1)), b"")[1]) == 1  # others are unaffected
+
+
+def _forest(rng, n):
+    """``n`` DRAM blocks in random trees with random ticks, all in one Lru."""
+    from kvstore.index import Block, BlockState, Lru
+    from kvstore.tiers.base import TierKind
+
+    blocks, lru = [], Lru()
+    for i in range(n):
+        b = Block(bytes([i % 256, i // 256]), b"ns", TierKind.DRAM, i, state=BlockState.COMMITTED,
+                  tick=int(rng.integers(0, 10 * n)))
+        if blocks and rng.random() < 0.8:  # mostly chains: a child of a recent block
+            b.parent = blocks[int(rng.integers(max(0, i - 3), i))]
+            b.parent.kids.add(b)
+        b.busy = rng.random() < 0.05
+        blocks.append(b)
+        lru.add(b)
+    return blocks, lru
+
+
+def _drop(b):
+    b.tier = None  # leaves DRAM: no longer a cached child of its parent
+    if b.parent is not None:
+        b.parent.kids.discard(b)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_victim_stream_is_exact_leaves_first_lru_order(seed):
+    """Lru.victims yields what repeated brute-force "least recent leaf" picks would, while the
+    caller drops each victim; blocks it refused go back to the heap when it closes."""
+    import numpy as np
+
+    from kvstore.tiers.base import TierKind
+
+    rng = np.random.default_rng(seed)
+    blocks, lru = _forest(rng, 400)
+    calls = 0
+
+    def ok(b):
+        nonlocal calls
+        calls += 1
+        return not b.busy and not b.has_kids_in(TierKind.DRAM)
+
+    want_n = 150
+    stream = lru.victims(ok)
+    got = []
+    for _ in range(want_n):
+        expect = min((b for b in blocks if b.tier is TierKind.DRAM and b in lru and not b.busy
+                      and not b.has_kids_in(TierKind.DRAM)), key=lambda b: b.tick, default=None)
+        v = next(stream, None)
+        assert v is expect or (v is not None and expect is not None and v.tick == expect.tick)
+        if v is None:
+            break
+        got.append(v)
+        _drop(v)
+    stream.close()
+    assert len(got) == want_n
+    # One pass: each block is looked at about once, not once per eviction (400 x 150 = 60000).
+    assert calls < 3 * len(blocks)
+    # The refused blocks are back: the next plain pop finds the next leaf.
+    rest = [b for b in blocks if b.tier is TierKind.DRAM]
+    assert len(lru) == len(rest)
+    expect = min((b for b in rest if not b.busy and not b.has_kids_in(TierKind.DRAM)), key=lambda b: b.tick)
+    assert lru.pop_victim(lambda b: not b.busy and not b.has_kids_in(TierKind.DRAM)).tick == expect.tick
+
+
+def test_victim_stream_skips_blocks_discarded_meanwhile():
+    import numpy as np
+
+    from kvstore.tiers.base import TierKind
+
+    blocks, lru = _forest(np.random.default_rng(7), 50)
+    for b in blocks:
+        b.busy = False
+    ok = lambda b: not b.has_kids_in(TierKind.DRAM)  # noqa: E731
+    stream = lru.victims(ok)
+    first = next(stream)
+    _drop(first)
+    gone = [b for b in blocks if b in lru][:10]
+    for b in gone:
+        lru.discard(b)
+    seen = [v for v in stream]
+    assert not set(map(id, seen)) & set(map(id, gone))
+    assert len(lru) == 0 or all(not ok(b) for b in blocks if b in lru)
+
+
+def test_reserve_evicts_a_long_chain_tail_first_in_one_pass(env):
+    """Making room at the end of one long chain (only its tail is a leaf) evicts the tail
+    backwards, exactly as leaves-first LRU says, in one pass over the LRU."""
+    core, s, clock = env
+    a = chain(5, 32)  # fills the tier: 32 slots
+    put(core, s, a[:16])
+    put(core, s, a[16:], parent=a[15])
+    clock.t += 1
+    b = chain(6, 8)
+    put(core, s, b)
+    assert core.evicted == a[31:23:-1]
+    assert core._passes is None  # the pass closed with the reservation
+    assert len(core.lookup(s, b"".join(a))[0]) == 24

@@ -6,15 +6,19 @@ another user could open.
 from __future__ import annotations
 
 import array
+import ctypes
 import mmap
 import os
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MADV_POPULATE_READ = 22  # Linux 5.14+
+MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
 MADV_HUGEPAGE = 14
 SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
@@ -58,6 +62,27 @@ class Arena:
             step = mmap.PAGESIZE
             self.buf[::step] = 0  # one write per page faults it in
         self.prefault_s = time.perf_counter() - t0
+
+    def map_in_background(self, chunk_bytes: int = 256 << 20) -> threading.Event:
+        """Fill this mapping's page tables in a background thread (the pages themselves exist:
+        the daemon pre-faulted them) and return an Event set when done. A fresh mapping of a
+        shared arena faults on every 4 KiB page at first touch: copies into it run at ~3 GB/s
+        against ~12 GB/s once mapped; mapping ahead costs ~0.12 s per GiB here, off the
+        caller's path. madvise runs through ctypes, which releases the GIL."""
+        done = threading.Event()
+        base, size = self.buf.ctypes.data, self.size_bytes
+
+        def run() -> None:
+            try:
+                for off in range(0, size, chunk_bytes):
+                    if self.buf is None or _libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(
+                            min(chunk_bytes, size - off)), MADV_POPULATE_READ) != 0:
+                        break  # closed, or a kernel without MADV_POPULATE_READ: faults as usual
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kvstore-arena-map", daemon=True).start()
+        return done
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A zero-copy uint8 view of ``[offset, offset + nbytes)``."""
