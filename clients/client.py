@@ -34,6 +34,9 @@ def default_socket_path() -> str:
     return os.environ.get("KVSTORE_SERVER_SOCKET_PATH") or Config().resolved_socket_path()
 
 
+COMMIT_PIECE_BYTES = 32 << 20  # put() commits a reserved batch in pieces of about this size
+
+
 def pack(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
@@ -283,31 +286,46 @@ class KVStoreClient:
         bt = self.layout.block_tokens
         if src.shape[-2] < len(keys) * bt:
             raise ValueError(f"kv: holds {src.shape[-2]} tokens, fewer than the {len(keys) * bt} of full blocks")
-        # Batches are pipelined: the copy into batch k+1 overlaps the Commit of batch k (which,
-        # with durable commits, waits for NVMe). At most two commits are in flight.
+        # Each reserved batch is committed in pieces of about COMMIT_PIECE_BYTES as the copy
+        # goes, so with durable commits the daemon is writing NVMe while the rest of the batch
+        # is copied. Batches are pipelined: the Commits of batch k may still run while batch
+        # k+1 is reserved and copied; before batch k+2, batch k's Commits are settled.
         stored = 0
         step = self._batch()
-        pending: list[grpc.Future] = []
+        per = max(1, COMMIT_PIECE_BYTES // self.layout.block_bytes)
+        pending: list[list[grpc.Future]] = []  # per batch, the Commits in flight
         try:
             for start in range(0, len(keys), step):
                 chunk = keys[start:start + step]
                 w = self.reserve(chunk, parent=keys[start - 1] if start else b"")
+                futures: list[grpc.Future] = []
+                pending.append(futures)
                 try:
                     wanted = [o if st == RESERVED else None for o, st in zip(w.offsets, w.states)]
-                    for i, end, off in slot_runs(wanted, self._stride):
-                        self._copy(self._slots(off, end - i), self._blocks_of(src, (start + i) * bt, end - i))
+                    left = len(chunk) - wanted.count(None)
+                    for p0 in range(0, len(chunk), per):
+                        piece = wanted[p0:p0 + per]
+                        for i, end, off in slot_runs(piece, self._stride):
+                            self._copy(self._slots(off, end - i), self._blocks_of(src, (start + p0 + i) * bt, end - i))
+                        mine = [chunk[p0 + j] for j, o in enumerate(piece) if o is not None]
+                        if not mine:
+                            continue
+                        # Each Commit names its keys (they may reach the daemon in any order);
+                        # the lease ends with the last of them.
+                        futures.append(self.stub.Commit.future(pb.CommitRequest(
+                            session_id=self.session_id, lease_id=w.lease_id, keys=pack(mine)), timeout=self.timeout_s))
+                        left -= len(mine)
+                        w.done = left == 0
                 except BaseException:
                     w.abort()
                     raise
-                if not w.done:
-                    w.done = True
-                    pending.append(self.stub.Commit.future(
-                        pb.CommitRequest(session_id=self.session_id, lease_id=w.lease_id), timeout=self.timeout_s))
-                while len(pending) > 1:
-                    stored += self._committed(pending.pop(0))
+                while len(pending) > 2:
+                    for f in pending.pop(0):
+                        stored += self._committed(f)
         finally:
-            for f in pending:  # settle what is in flight even when raising
-                stored += self._committed(f)
+            for futures in pending:  # settle what is in flight even when raising
+                for f in futures:
+                    stored += self._committed(f)
         return stored
 
     @staticmethod

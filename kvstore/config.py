@@ -62,7 +62,7 @@ class ServerConfig:
     tls_key_file: str = field(default="", metadata={"help": "PEM server private key (required with tcp_listen)"})
     tls_client_ca_file: str = field(default="", metadata={"help": "PEM CA bundle; set to require client certificates (mutual TLS)"})
     auth_token: str = field(default="", metadata={"help": "bearer token TCP clients must send; empty = none"})
-    grpc_workers: int = field(default=8, metadata={"help": "gRPC server threads"})
+    grpc_workers: int = field(default=64, metadata={"help": "gRPC server threads (durable Commits hold one each while NVMe writes)"})
     max_keys_per_request: int = field(default=65536, metadata={"help": "most keys one RPC may carry (blocks)"})
     lease_ttl_s: float = field(default=30.0, metadata={"help": "lifetime of a write reservation or read pin without renewal (seconds)"})
     reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases are reclaimed (seconds)"})
@@ -96,6 +96,8 @@ class NvmeConfig:
     namespace_quota_bytes: int = field(default=0, metadata={"help": "most NVMe space one namespace may hold; over it, its own least recent blocks go (bytes; 0 = no quota)"})
     durable_commit: bool = field(default=False, metadata={"help": "Commit returns only once the blocks are on NVMe (survive a crash); else they reach NVMe by demotion"})
     file_bytes: int = field(default=16 * 1024**3, metadata={"help": "size of each preallocated data file (bytes)"})
+    io_threads: int = field(default=8, metadata={"help": "NVMe I/Os in flight (threads doing O_DIRECT reads and writes)"})
+    coalesce_bytes: int = field(default=1024**2, metadata={"help": "blocks in neighbouring slots move in one vectored I/O up to this size (bytes; 0 = off)"})
 
 
 @dataclass
@@ -163,6 +165,8 @@ class Config:
         _check(0 < n.low_watermark < n.high_watermark <= 1, "nvme.low_watermark", "need 0 < low_watermark < high_watermark <= 1")
         _check(n.capacity_bytes > 0, "nvme.capacity_bytes", "must be > 0")
         _check(n.admit_after_hits >= 0, "nvme.admit_after_hits", "must be >= 0")
+        _check(1 <= n.io_threads <= 256, "nvme.io_threads", "must be in [1, 256]")
+        _check(n.coalesce_bytes >= 0, "nvme.coalesce_bytes", "must be >= 0")
         _check(self.hbm.capacity_bytes >= 0, "hbm.capacity_bytes", "must be >= 0")
         _check(self.hbm.streams >= 2, "hbm.streams", "must be >= 2")
         _check(self.hbm.admit_reads >= 1, "hbm.admit_reads", "must be >= 1")

@@ -10,6 +10,7 @@ children in its tier goes first. A miss is a normal answer; failures are :class:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import threading
@@ -213,6 +214,12 @@ class Core(LeaseOps):
         except KVError:
             self._free_reserved(lease)
             raise
+        # Slots freed by evicting a chain tail-first come back highest first: hand them out in
+        # ascending order, so runs of neighbouring slots move in one copy (and one NVMe I/O).
+        for b, off in zip(lease.blocks, sorted(b.offset for b in lease.blocks)):
+            b.offset = off
+        for i, b in zip(todo, lease.blocks):
+            offsets[i] = b.offset
         self.demand_bytes = 0
         self.waiting_for_demotion = False
         if doorbell and self.doorbells is not None:
@@ -303,6 +310,32 @@ class Core(LeaseOps):
                 return victim
         return None
 
+    def victims(self, tier: TierKind, ok: Callable[[Block], bool]):
+        """Yield ``tier``'s blocks with ``ok(block)`` least recent first across namespaces, in
+        one pass (``Lru.victims`` per namespace, merged by recency). Each yielded block is off
+        its LRU, as with ``pop_victim``; close the generator (under the same hold of the lock)
+        to put back the ones looked at and not taken."""
+        streams, heads = {}, []
+        try:
+            for (t, ns_id), lru in list(self._lrus.items()):
+                if t is tier and len(lru):
+                    streams[ns_id] = lru.victims(ok)
+                    b = next(streams[ns_id], None)
+                    if b is not None:
+                        heads.append((b.tick, ns_id, b))
+            heapq.heapify(heads)
+            while heads:
+                _tick, ns_id, b = heapq.heappop(heads)
+                yield b
+                nxt = next(streams[ns_id], None)  # after the caller dealt with b
+                if nxt is not None:
+                    heapq.heappush(heads, (nxt.tick, ns_id, nxt))
+        finally:
+            for _tick, ns_id, b in heads:  # fetched, not taken: back on their LRU
+                self.lru(tier, ns_id).add(b)
+            for g in streams.values():
+                g.close()
+
     def _drop_from_dram(self, b: Block, reason: str) -> None:
         kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
         self.lru(TierKind.DRAM, b.ns_id).discard(b)
@@ -347,10 +380,17 @@ class Core(LeaseOps):
         for b in chosen:
             b.state = BlockState.COMMITTED
             b.lease_id = 0
+        for b in chosen:
             p = ns.blocks.get(b.parent_key) if b.parent_key else None
             if p is not None and p.state is BlockState.COMMITTED:
                 b.parent = p
                 p.kids.add(b)
+            elif p is not None and p.lease_id == lease.id:
+                lease.orphans[p.key] = b  # its parent is in a piece of this lease not committed yet
+            kid = lease.orphans.pop(b.key, None)
+            if kid is not None and kid.state is BlockState.COMMITTED and ns.blocks.get(kid.key) is kid:
+                kid.parent = b
+                b.kids.add(kid)
         for b in reversed(chosen):  # leaf first, then each parent: ancestors stay more recent
             self.touch(b)
             lru.add(b)

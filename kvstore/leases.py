@@ -7,7 +7,7 @@ held); it only splits the core's code by responsibility.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import Code, KVError, not_found
@@ -31,6 +31,10 @@ class Lease:
     blocks: list[Block]
     expires: float
     doorbell: int = 0  # arena offset of the lease's layer doorbell (write leases that asked)
+    # Write leases committed in pieces: a committed block whose chain parent is still reserved
+    # under this lease, by that parent's key; linked when the parent commits (pieces of one
+    # lease may commit in any order).
+    orphans: dict = field(default_factory=dict)
 
 
 class LeaseOps:

@@ -70,7 +70,8 @@ class NodeDaemon(Daemon):
         cap = n.capacity_bytes // extent * extent
         file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
         try:
-            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent),
+            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
+                                       io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
                             metrics=self.metrics)
         except (NvmeError, OSError, ValueError) as e:
             # The daemon keeps serving from DRAM; stats and metrics show the tier disabled and why.

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 
 from kvstore.core import Core, NsState
@@ -173,13 +174,15 @@ class Tiering:
         def ok(b: Block) -> bool:
             return not b.busy and all(k.tier is not DRAM or id(k) in chosen for k in b.kids)
 
-        while got < want_bytes:
-            b = core.pop_victim(DRAM, ok)
-            if b is None:
-                break
-            picked.append(b)
-            chosen.add(id(b))
-            got += core.dram.slot_stride(core.namespaces[b.ns_id].block_bytes)
+        if want_bytes <= 0:
+            return picked
+        with closing(core.victims(DRAM, ok)) as stream:
+            for b in stream:
+                picked.append(b)
+                chosen.add(id(b))
+                got += core.dram.slot_stride(core.namespaces[b.ns_id].block_bytes)
+                if got >= want_bytes:
+                    break
         return picked
 
     def _demote_round(self) -> bool:
@@ -280,15 +283,14 @@ class Tiering:
         def ok(b: Block) -> bool:
             return not b.busy and not any(k.on_nvme for k in b.kids)
 
-        for _ in range(count):
-            b = core.lru(NVME, ns_id).pop_victim(ok) if ns_id else core.pop_victim(NVME, ok)
-            if b is None:
-                break
-            b.on_nvme = False
-            dropped.append(b.key)
-            if b.tier is NVME:
-                core._forget(b)
-            self.metrics.evictions.labels(tier="nvme", reason="capacity").inc()
+        stream = core.lru(NVME, ns_id).victims(ok) if ns_id else core.victims(NVME, ok)
+        with closing(stream):
+            for b in itertools.islice(stream, count):
+                b.on_nvme = False
+                dropped.append(b.key)
+                if b.tier is NVME:
+                    core._forget(b)
+                self.metrics.evictions.labels(tier="nvme", reason="capacity").inc()
         if dropped:
             self._delete_nvme(dropped)
 

@@ -255,3 +255,55 @@ def test_reserve_evicts_a_long_chain_tail_first_in_one_pass(env):
     assert core.evicted == a[31:23:-1]
     assert core._passes is None  # the pass closed with the reservation
     assert len(core.lookup(s, b"".join(a))[0]) == 24
+
+
+def test_pieces_of_one_lease_commit_in_any_order_and_keep_the_chain(env):
+    """put() commits a reservation in pieces that may reach the daemon out of order: the
+    chain links are the same as for one Commit, so eviction stays leaves-first."""
+    core, s, clock = env
+    a = chain(7, 12)
+    lease, offsets, _ = core.reserve(s, b"".join(a), b"")
+    core.commit(s, lease.id, b"".join(a[8:]))  # the last piece first
+    core.commit(s, lease.id, b"".join(a[:4]))
+    assert lease.id in core.leases  # a[4:8] still reserved
+    core.commit(s, lease.id, b"".join(a[4:8]))
+    assert lease.id not in core.leases  # the last piece ends the lease
+    blocks = [s.ns.blocks[k] for k in a]
+    for parent, kid in zip(blocks, blocks[1:]):
+        assert kid.parent is parent and kid in parent.kids
+    assert not lease.orphans
+    # Only the tail is a leaf: filling the tier evicts a11, a10, ... in that order.
+    clock.t += 1
+    put(core, s, chain(8, 24))
+    assert core.evicted[:4] == [a[11], a[10], a[9], a[8]]
+
+
+def test_slots_freed_tail_first_are_handed_out_in_ascending_order(env):
+    core, s, clock = env
+    a = chain(9, 32)
+    put(core, s, a)  # the tier is full
+    offsets = put(core, s, chain(10, 8))  # evicts a31..a24, which free their slots highest first
+    stride = core.dram.slot_stride(LAYOUT.block_bytes)
+    assert offsets == sorted(offsets)
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [stride] * 7
+
+
+def test_core_victims_merges_namespaces_by_recency(env):
+    core, s, clock = env
+    from kvstore.tiers.base import TierKind
+
+    s2 = core.register(Namespace("m2", LAYOUT))
+    order = []
+    for i in range(6):  # alternate single-block chains between the two namespaces
+        sess = s if i % 2 == 0 else s2
+        k = chain(20 + i, 1)
+        put(core, sess, k)
+        order.append(k[0])
+        clock.t += 1
+    ok = lambda b: not b.busy and not b.has_kids_in(TierKind.DRAM)  # noqa: E731
+    g = core.victims(TierKind.DRAM, ok)
+    got = [next(g).key for _ in range(3)]
+    g.close()
+    assert got == order[:3]
+    # The ones not taken, and the heads fetched but not taken, are back on their LRUs.
+    assert len(core.lru(TierKind.DRAM, s.ns.id)) + len(core.lru(TierKind.DRAM, s2.ns.id)) == 3
