@@ -473,4 +473,21 @@ class Tiering:
         self.stopping.set()
         self.kick.set()
         self.thread.join(grace_s)
+        self._save_recency()
         self.nvme.close()
+
+    def _save_recency(self) -> None:
+        """Give every NVMe block an access time in the order of its recency here (lookups and
+        reads of its DRAM copy included), so the next start rebuilds the same LRU order rather
+        than the order of NVMe writes and reads alone. The times are spaced by 1 us up to now."""
+        if not self.nvme.enabled:
+            return
+        with self.core.lock:
+            blocks = sorted((b for st in self.core.namespaces.values() for b in st.blocks.values() if b.on_nvme),
+                            key=lambda b: b.tick)
+        now = time.time()
+        try:
+            for i, b in enumerate(blocks):
+                self.nvme.touch((b.key,), now - (len(blocks) - i) * 1e-6)
+        except Exception as e:  # noqa: BLE001 - the index keeps write times; nothing is lost
+            log.error("NVMe access times not saved: %s", e)

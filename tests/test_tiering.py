@@ -227,3 +227,38 @@ def subprocess_ls(sock):
 
     return subprocess.run([sys.executable, "-m", "kvstore", "ls", "--json", "--socket", sock], capture_output=True,
                           text=True, timeout=30).stdout
+
+
+def test_graceful_restart_keeps_the_lru_order_of_lookups(tmp_path):
+    """Recency earned by lookups of DRAM copies survives a graceful restart: the index's access
+    times follow the daemon's LRU, not only the order blocks were written to NVMe."""
+    from kvstore.tiers.nvme_index import BlockRecord, NvmeIndex
+
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "recency")
+        first, second = list(range(16 * 4)), list(range(900_000, 900_000 + 16 * 4))
+        assert c.put(first, block_kv(first)) == 4
+        time.sleep(0.05)
+        assert c.put(second, block_kv(second)) == 4  # written later: newer on NVMe
+        assert c.lookup(first) == len(first)  # but `first` was used last
+        keys_first, keys_second = c.keys(first), c.keys(second)
+        c.close()
+    finally:
+        assert d.stop() == 0
+    idx = NvmeIndex(str(tmp_path / "nvme" / "index"), 64 << 20, durable=False)
+    try:
+        atime = {k: BlockRecord.unpack(k, raw).atime for k, raw in idx.scan()}
+    finally:
+        idx.close()
+    assert max(atime[k] for k in keys_second) < min(atime[k] for k in keys_first)
+    # The restarted daemon serves them all.
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "recency")
+        assert c.lookup(first) == len(first) and c.lookup(second) == len(second)
+        c.close()
+    finally:
+        assert d.stop() == 0
