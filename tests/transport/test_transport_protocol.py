@@ -82,3 +82,32 @@ def test_config_validation_and_peer_parsing():
     for bad in ("10.0.0.2", "host:", ":80", "h:99999"):
         with pytest.raises(ValueError, match="host:port"):
             parse_peer(bad)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, (512 << 10) + 7, 3 << 20])
+def test_tcp_receiver_hashes_in_pieces_to_the_senders_checksum(nbytes):
+    """The TCP receiver hashes each piece as it lands; the digest is the one-shot xxh3 the
+    sender put in the frame, and a flipped byte changes it."""
+    import socket
+    import threading
+
+    from kvstore.transport.tcp import recv_hashed
+
+    payload = os.urandom(nbytes)
+    a, b = socket.socketpair()
+    try:
+        t = threading.Thread(target=a.sendall, args=(payload,))
+        t.start()
+        buf = bytearray(nbytes)
+        got = recv_hashed(b, memoryview(buf), None)
+        t.join()
+        assert bytes(buf) == payload and got == checksum(payload)
+        bad = bytearray(payload)
+        bad[nbytes // 2] ^= 1
+        t = threading.Thread(target=a.sendall, args=(bytes(bad),))
+        t.start()
+        assert recv_hashed(b, memoryview(buf), None) != checksum(payload)
+        t.join()
+    finally:
+        a.close()
+        b.close()
