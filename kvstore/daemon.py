@@ -140,6 +140,11 @@ class Daemon:
     def after_commit(self, blocks) -> None:
         pass
 
+    @property
+    def durable_commit(self) -> bool:
+        """Commits wait for a lower tier (see NodeDaemon)."""
+        return False
+
     def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
         pass
 

@@ -122,6 +122,10 @@ class NodeDaemon(Daemon):
         if self.hbm is not None:
             self.hbm_cache.handout(conn)
 
+    @property
+    def durable_commit(self) -> bool:
+        return self.tiering is not None and self.tiering.nvme.enabled and self.cfg.nvme.durable_commit
+
     def after_commit(self, blocks) -> None:
         t = self.tiering
         if t is None:

@@ -93,7 +93,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             session_id=s.id, namespace_id=ns.root, arena_socket=self.d.arena_socket,
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
             layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.lease_ttl_s,
-            max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated)
+            max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated,
+            durable_commit=self.d.durable_commit)
 
     @rpc
     def Lookup(self, req, context):

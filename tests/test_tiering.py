@@ -173,10 +173,11 @@ def test_prefetch_with_an_impossible_deadline_returns_partial_in_time(tmp_path):
 def test_unusable_nvme_directory_disables_the_tier_and_dram_keeps_serving(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    d = start_daemon(tmp_path, *nvme_args(blocker / "nvme"), dram=DRAM)
+    d = start_daemon(tmp_path, *nvme_args(blocker / "nvme", "--nvme-durable-commit", "true"), dram=DRAM)
     try:
         c = KVStoreClient(d.socket_path)
         c.register(LAYOUT, "m")
+        assert c.info.durable_commit is False  # asked for, but there is no NVMe tier to wait for
         toks = list(range(32))
         assert c.put(toks, block_kv(toks)) == 2
         nv = {t.tier: t for t in c.stats().tiers}[3]
@@ -238,6 +239,7 @@ def test_graceful_restart_keeps_the_lru_order_of_lookups(tmp_path):
     try:
         c = KVStoreClient(d.socket_path)
         c.register(LAYOUT, "recency")
+        assert c.info.durable_commit is True
         first, second = list(range(16 * 4)), list(range(900_000, 900_000 + 16 * 4))
         assert c.put(first, block_kv(first)) == 4
         time.sleep(0.05)

@@ -92,7 +92,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_world: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., model_params: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated")
+    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RegisterResponse(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_COMMIT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_id: bytes
     arena_socket: str
@@ -111,7 +112,8 @@ class RegisterResponse(_message.Message):
     lease_ttl_s: float
     max_keys_per_request: int
     hbm_emulated: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ...) -> None: ...
+    durable_commit: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "keys")
