@@ -3,16 +3,13 @@ private kvstore daemon started as a child process."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvstore.local import LocalDaemon
+from kvstore.local import start_daemon as _start
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,50 +61,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class LocalDaemon:
-    proc: subprocess.Popen
-    socket_path: str
-    log_path: Path
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
 def start_daemon(workdir: Path, *flags: str, name: str = "kvstore", dram: str = "256MiB",
                  timeout_s: float = 60.0) -> LocalDaemon:
-    """Run ``python -m kvstore serve`` on a private socket under ``workdir`` (metrics off) and
-    wait until it answers its health check."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    sock = str(workdir / f"{name}.sock")
-    log_path = workdir / f"{name}.log"
-    args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock, "--dram-capacity-bytes", dram,
-            "--dram-extent-bytes", "4MiB", "--metrics-port", "0", *flags]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
-        if os.path.exists(sock):
-            try:
-                with grpc.insecure_channel(f"unix:{sock}") as ch:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return LocalDaemon(proc, sock, log_path)
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"daemon not serving after {timeout_s} s:\n{log_path.read_text()}")
+    """Run ``python -m kvstore serve`` on a private socket under ``workdir`` (metrics off) with
+    a ``dram`` DRAM tier and wait until it answers its health check."""
+    return _start(workdir, name, "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", *flags,
+                  timeout_s=timeout_s)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvstore.bench import start_daemon
+from kvstore.local import start_daemon
 from kvstore.config import parse_size
 
 GB = 1e9  # bandwidths are reported in GB/s, GB = 10^9 bytes
@@ -136,20 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     total = parse_size(a.total_bytes)
     counts = [int(x) for x in a.lookup_keys.split(",")]
-    proc = None
+    d = None
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-")
     sock = a.socket
     if not sock:
         need = max(total + 2 * max(sizes), max(counts) * 4096 * 2) + (128 << 20)
-        proc, sock = start_daemon(tmp.name, "bench", "--dram-capacity-bytes", str(((need >> 26) + 1) << 26),
-                                  "--dram-extent-bytes", "64MiB")
+        d = start_daemon(tmp.name, "bench", "--dram-capacity-bytes", str(((need >> 26) + 1) << 26),
+                         "--dram-extent-bytes", "64MiB")
+        sock = d.socket_path
     try:
         rows = [bench_size(sock, s, max(total, s), a.reps) for s in sizes]
         lookups = bench_lookup(sock, counts, a.lookup_reps)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if d is not None:
+            d.stop()
         tmp.cleanup()
     report = {"bench": "store", "unit": "GB/s with GB = 10^9 bytes; ratios are to same-run numpy memcpy",
               "sizes": rows, "lookup": lookups}

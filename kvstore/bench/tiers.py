@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from kvstore.bench import start_daemon
+from kvstore.local import start_daemon
 from kvstore.config import parse_size
 
 
@@ -51,13 +51,13 @@ def _daemon_round(work: str, layout, block: int, n: int, promotions: int) -> dic
     dram = max(8 * block, (total // 2) // block * block)  # the read set is the other half: NVMe only
     extent = max(4 << 20, block)
     nvme = str(2 * total + 8 * extent)
-    proc = None
+    d = None
     try:
-        proc, sock = start_daemon(work, "bench", "--dram-capacity-bytes", str(dram + 4 * extent),
+        d = start_daemon(work, "bench", "--dram-capacity-bytes", str(dram + 4 * extent),
                                   "--dram-extent-bytes", str(extent), "--nvme-dir", os.path.join(work, "nvme"),
                                   "--nvme-capacity-bytes", nvme, "--nvme-file-bytes", nvme,
                                   "--nvme-durable-commit", "true")
-        c = KVStoreClient(sock, timeout_s=120)
+        c = KVStoreClient(d.socket_path, timeout_s=120)
         c.register(layout, "bench-tiers")
         c.arena_mapped.wait(60)  # steady state: the client's page tables are filled (warm-up)
         tokens = np.arange(n * 16)
@@ -83,9 +83,8 @@ def _daemon_round(work: str, layout, block: int, n: int, promotions: int) -> dic
                 lat.append(time.perf_counter() - t0)
         c.close()
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if d is not None:
+            d.stop()
         shutil.rmtree(os.path.join(work, "nvme"), ignore_errors=True)
     return {"write_GBps": total / write_s / 1e9, "read_GBps": cold // 16 * block / read_s / 1e9,
             "read_blocks": cold // 16, "verified": verified, "promotion_s": lat}

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from kvstore.bench import start_daemon
+from kvstore.local import start_daemon
 from kvstore.config import parse_size
 
 
@@ -45,10 +45,11 @@ def daemons(a) -> dict:
         extent = max(64 << 20, -(-a.layers * max(sizes) // (64 << 20)) * (64 << 20))
         dram = 2 * total + 2 * extent
         common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend)
-        pa, sa = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
-        procs.append(pa)
-        pb_, sb = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
-        procs.append(pb_)
+        da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
+        procs.append(da)
+        db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
+        procs.append(db)
+        sa, sb = da.socket_path, db.socket_path
         ctx = multiprocessing.get_context("spawn")
         for chunk in sizes:
             heads = chunk // (2 * 16 * 128 * 2)
@@ -85,9 +86,8 @@ def daemons(a) -> dict:
                          "raw_GBps": round(raw["gbps"], 3), "ratio": round(ours / raw["gbps"], 3),
                          "verified": bool(a.verify), "pipelined": hidden})
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(30)
+        for d in procs:
+            d.stop(30)
         shutil.rmtree(work, ignore_errors=True)
     return {"bench": "transfer-daemons", "backend": a.backend, "unit": "GB/s with GB = 10^9 bytes",
             "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv", "rows": rows}

@@ -1,0 +1,65 @@
+"""A private kvstore daemon run as a child process: what the benchmarks and the examples start.
+
+``start_daemon(workdir, "name", *flags)`` runs ``python -m kvstore serve`` on a unix socket in
+``workdir`` (metrics off, log in ``workdir/<name>.log``) and returns once it answers its health
+check; ``LocalDaemon.stop()`` sends SIGTERM (a graceful shutdown) and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class LocalDaemon:
+    proc: subprocess.Popen
+    socket_path: str
+    log_path: Path
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait up to ``timeout_s`` (then SIGKILL); the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float = 120.0) -> LocalDaemon:
+    """Start ``kvstore serve`` with ``flags``; raises RuntimeError (with the log) if it exits or
+    is not serving within ``timeout_s``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    sock = str(workdir / f"{name}.sock")
+    log_path = workdir / f"{name}.log"
+    args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock, "--metrics-port", "0", *flags]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon {name} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if os.path.exists(sock):
+            try:
+                with grpc.insecure_channel(f"unix:{sock}") as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return LocalDaemon(proc, sock, log_path)
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"daemon {name} not serving after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
