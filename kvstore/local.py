@@ -34,12 +34,33 @@ class LocalDaemon:
         return self.proc.returncode
 
 
-def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float = 120.0) -> LocalDaemon:
-    """Start ``kvstore serve`` with ``flags``; raises RuntimeError (with the log) if it exits or
-    is not serving within ``timeout_s``."""
+def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
+    """Return once the daemon on ``socket_path`` answers its health check as SERVING; raise
+    RuntimeError (with the end of its log) if ``proc`` exits or ``timeout_s`` passes first."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if os.path.exists(socket_path):
+            try:
+                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"daemon not serving after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float = 120.0) -> LocalDaemon:
+    """Start ``kvstore serve`` with ``flags``; raises RuntimeError (with the log) if it exits or
+    is not serving within ``timeout_s``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     sock = str(workdir / f"{name}.sock")
@@ -47,19 +68,5 @@ def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float =
     args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock, "--metrics-port", "0", *flags]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon {name} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        if os.path.exists(sock):
-            try:
-                with grpc.insecure_channel(f"unix:{sock}") as ch:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return LocalDaemon(proc, sock, log_path)
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"daemon {name} not serving after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+    wait_serving(sock, proc, log_path, timeout_s)
+    return LocalDaemon(proc, sock, log_path)

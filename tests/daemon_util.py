@@ -7,12 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvstore.local import wait_serving
 
 
 def free_port() -> int:
@@ -55,24 +53,6 @@ class DaemonProc:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
-
-
-def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
-        if os.path.exists(socket_path):
-            try:
-                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"daemon not serving after {timeout_s} s:\n{log_path.read_text()}")
 
 
 def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | None = None,

@@ -69,7 +69,6 @@ def test_lookup_stops_at_first_miss(client_factory):
     c = client_factory()
     bt = c.layout.block_tokens
     tokens = list(range(8 * bt))
-    kv = _kv(c.layout, len(tokens), 2)
     keys = c.keys(tokens)
     # Store blocks 0-2 and 4-7; block 3 is missing, so only 3 leading blocks hit.
     for i in [0, 1, 2, 4, 5, 6, 7]:

@@ -4,12 +4,10 @@ prefetch deadlines, a broken NVMe directory."""
 import json
 import multiprocessing as mp
 import os
-import signal
 import time
 import urllib.request
 
 import numpy as np
-import pytest
 
 from daemon_util import start_daemon
 from kvstore.clients import KVStoreClient
@@ -114,7 +112,6 @@ def test_flipped_byte_is_detected_and_never_served(tmp_path):
     t = NvmeTier(NvmeConfig(dir=str(nv), capacity_bytes=256 << 20, file_bytes=128 << 20, extent_bytes=4 << 20))
     entries = {e.key: e for e in t.entries()}
     t.close()
-    keys = KVStoreClient.__new__(KVStoreClient)
     from kvstore.keys import Namespace, chain_keys
 
     ks = chain_keys(Namespace("flip", LAYOUT).root, toks, 16)
