@@ -286,16 +286,18 @@ class KVStoreClient:
         bt = self.layout.block_tokens
         if src.shape[-2] < len(keys) * bt:
             raise ValueError(f"kv: holds {src.shape[-2]} tokens, fewer than the {len(keys) * bt} of full blocks")
-        # Each reserved batch is committed in pieces of about COMMIT_PIECE_BYTES as the copy
-        # goes, so with durable commits the daemon is writing NVMe while the rest of the batch
-        # is copied. Batches are pipelined: the Commits of batch k may still run while batch
-        # k+1 is reserved and copied; before batch k+2, batch k's Commits are settled.
+        # With durable commits each reserved batch is committed in pieces of about
+        # COMMIT_PIECE_BYTES as the copy goes, so the daemon is writing NVMe while the rest of
+        # the batch is copied (without them a Commit is quick, and one per batch is cheaper).
+        # Batches are pipelined: the Commits of batch k may still run while batch k+1 is
+        # reserved and copied; before batch k+2, batch k's Commits are settled.
         stored = 0
         step = self._batch()
-        per = max(1, COMMIT_PIECE_BYTES // self.layout.block_bytes)
+        durable = self.info.durable_commit
+        per = max(1, COMMIT_PIECE_BYTES // self.layout.block_bytes) if durable else step
         # With durable commits the daemon's NVMe writes run while we copy: a second copy thread
         # took the core they need (durable writes measured 1.5-1.9 GB/s with it, 2.0-2.3 without).
-        threads = 1 if self.info.durable_commit else 2
+        threads = 1 if durable else 2
         pending: list[list[grpc.Future]] = []  # per batch, the Commits in flight
         try:
             for start in range(0, len(keys), step):
