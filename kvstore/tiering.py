@@ -485,9 +485,8 @@ class Tiering:
         with self.core.lock:
             blocks = sorted((b for st in self.core.namespaces.values() for b in st.blocks.values() if b.on_nvme),
                             key=lambda b: b.tick)
-        now = time.time()
+        now, n = time.time(), len(blocks)
         try:
-            for i, b in enumerate(blocks):
-                self.nvme.touch((b.key,), now - (len(blocks) - i) * 1e-6)
+            self.nvme.set_atimes((b.key, now - (n - i) * 1e-6) for i, b in enumerate(blocks))
         except Exception as e:  # noqa: BLE001 - the index keeps write times; nothing is lost
             log.error("NVMe access times not saved: %s", e)

@@ -226,8 +226,12 @@ class NvmeTier(SlotApi):
         """Set access times (Unix seconds, default now) in memory; they reach the index with the
         next commit, within ``atime_flush_s``, or at :meth:`flush` / :meth:`close`."""
         t = self._clock() if when is None else when
+        self.set_atimes((k, t) for k in keys)
+
+    def set_atimes(self, pairs: Iterable[tuple[bytes, float]]) -> None:
+        """Like :meth:`touch`, with an access time per key (``(key, Unix seconds)`` pairs)."""
         with self._lock:
-            for k in keys:
+            for k, t in pairs:
                 if k in self._by_key:
                     self._dirty_atime[k] = t
 
