@@ -261,3 +261,27 @@ def test_graceful_restart_keeps_the_lru_order_of_lookups(tmp_path):
         c.close()
     finally:
         assert d.stop() == 0
+
+
+def test_reserve_waits_in_the_daemon_while_demotion_makes_room(tmp_path):
+    """DRAM full of blocks only DRAM holds: a Reserve that asks for room waits in the daemon
+    until the demoter has moved enough to NVMe, so even a client that never retries gets it."""
+    d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-high-watermark", "1.0",
+                                          "--nvme-low-watermark", "0.9"), dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "wait")
+        for s in range(8):  # 8 x 16 blocks = the whole DRAM tier; high watermark 1.0: no demotion yet
+            toks = list(range(s * 100_000, s * 100_000 + 16 * 16))
+            assert c.put(toks, block_kv(toks)) == 16
+        assert {t.tier: t for t in c.stats().tiers}[3].blocks == 0
+        new = c.keys(list(range(9_000_000, 9_000_000 + 16 * 16)))
+        t0 = time.monotonic()
+        w = c.reserve(new, retry_s=0)  # the client does not retry: only the daemon's wait helps
+        assert time.monotonic() - t0 < 5
+        assert sum(1 for o in w.offsets if o is not None) == 16
+        w.abort()
+        assert {t.tier: t for t in c.stats().tiers}[3].blocks >= 16  # demoted to make the room
+        c.close()
+    finally:
+        assert d.stop() == 0
