@@ -10,6 +10,7 @@ The KV the "attention" writes is the real KV of a tiny Llama (HF), so the loaded
 fed back to the model: greedy generation from them must equal plain generation."""
 
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,12 +214,22 @@ def models():
     return {dt: build_llama("tiny", dt, seed=0) for dt in ("fp32", "bf16")}
 
 
-def producer_run(model, socket_path, prompt, table, req_id="A"):
-    """A producer engine prefills ``prompt`` in one step and saves its full blocks."""
+@contextmanager
+def connector(model, socket_path):
+    """A scheduler-side connector and a worker-side engine on one vLLM config; both closed after."""
     cfg = vllm_config(model, socket_path)
     sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
     eng = Engine(cfg, model)
     try:
+        yield sched, eng
+    finally:
+        eng.close()
+        sched.shutdown()
+
+
+def producer_run(model, socket_path, prompt, table, req_id="A"):
+    """A producer engine prefills ``prompt`` in one step and saves its full blocks."""
+    with connector(model, socket_path) as (sched, eng):
         assert sched.get_num_new_matched_tokens(Request(req_id, prompt), 0) == (0, False)
         sched.update_state_after_alloc(Request(req_id, prompt), KVCacheBlocks((table,)), 0)
         meta = sched.build_connector_meta(new_req(req_id, prompt, table, 0, len(prompt)))
@@ -227,9 +238,6 @@ def producer_run(model, socket_path, prompt, table, req_id="A"):
         eng.step(meta, [(table, kv, 0, len(prompt))])
         assert sched.request_finished(Request(req_id, prompt), table) == (False, None)
         return kv
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 # --- tests ------------------------------------------------------------------------------------
@@ -250,11 +258,8 @@ def test_save_then_load_matches_plain_generation(daemon, models, dtype):
     probe.close()
 
     # A second engine (its own paged cache, other physical blocks) serves the same system prompt.
-    cfg = vllm_config(model, daemon.socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
     table = [23, 5, 17, 2, 11, 8, 20, 14]  # 8 blocks for 121 tokens
-    try:
+    with connector(model, daemon.socket_path) as (sched, eng):
         req = Request("B", prompt_b)
         assert sched.get_num_new_matched_tokens(req, 0) == (96, False)  # 6 shared blocks
         sched.update_state_after_alloc(req, KVCacheBlocks((table,)), 96)
@@ -272,20 +277,14 @@ def test_save_then_load_matches_plain_generation(daemon, models, dtype):
         assert generate_from(model, prompt_b, loaded, 96, 10) == plain_generate(model, prompt_b, 10)
         # the block saved in this step is now a hit as well
         assert sched.get_num_new_matched_tokens(Request("C", prompt_b), 0) == (112, False)
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 def test_local_prefix_hit_loads_only_the_remaining_blocks(daemon, models):
     model = models["fp32"]
     prompt = SYSTEM + TURN_B
     kv_a = producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    cfg = vllm_config(model, daemon.socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
     table = list(range(10, 18))
-    try:
+    with connector(model, daemon.socket_path) as (sched, eng):
         # vLLM's own prefix cache already holds the first 2 blocks (32 tokens).
         assert sched.get_num_new_matched_tokens(Request("B", prompt), 32) == (64, False)
         sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((table,)), 64)
@@ -298,19 +297,13 @@ def test_local_prefix_hit_loads_only_the_remaining_blocks(daemon, models):
             assert torch.equal(loaded[l][0][0, :, 32:], kv_a[l][0][:, 32:96])  # blocks 2..5 loaded
         # A misaligned local hit cannot continue a kvstore block: nothing to load.
         assert sched.get_num_new_matched_tokens(Request("D", prompt), 40) == (0, False)
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 def test_chunked_prefill_saves_blocks_as_they_fill(daemon, models):
     model = models["fp32"]
     prompt = SYSTEM + TURN_A  # 113 tokens
-    cfg = vllm_config(model, daemon.socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
     kv = reference_kv(model, prompt)
-    try:
+    with connector(model, daemon.socket_path) as (sched, eng):
         assert sched.get_num_new_matched_tokens(Request("A", prompt), 0) == (0, False)
         m1 = sched.build_connector_meta(new_req("A", prompt, list(range(5)), 0, 70))  # chunk 1: 70 tokens
         assert [(s.start, s.end) for s in m1.saves] == [(0, 4)]
@@ -323,19 +316,13 @@ def test_chunked_prefill_saves_blocks_as_they_fill(daemon, models):
         # decode steps fill no prompt block: nothing more to save
         out3 = SchedulerOutput([], {"A": 1}, CachedRequestData(["A"], [None], [113]))
         assert not sched.build_connector_meta(out3).saves
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 def test_preempted_request_reloads_into_its_new_blocks(daemon, models):
     model = models["fp32"]
     prompt = SYSTEM + TURN_B
     kv_a = producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    cfg = vllm_config(model, daemon.socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
-    try:
+    with connector(model, daemon.socket_path) as (sched, eng):
         first = list(range(8))
         assert sched.get_num_new_matched_tokens(Request("B", prompt), 0) == (96, False)
         sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((first,)), 96)
@@ -352,9 +339,6 @@ def test_preempted_request_reloads_into_its_new_blocks(daemon, models):
         eng.step(meta, [])
         loaded = eng.gather(table, 96)
         assert all(torch.equal(loaded[l][0][0], kv_a[l][0][:, :96]) for l in range(len(eng.names)))
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 def test_policy_recompute_answer_loads_nothing(daemon, models):
@@ -376,11 +360,8 @@ def test_blocks_evicted_before_the_load_are_reported(daemon, models):
     model = models["fp32"]
     prompt = SYSTEM + TURN_B
     producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    cfg = vllm_config(model, daemon.socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
     table = list(range(8, 16))
-    try:
+    with connector(model, daemon.socket_path) as (sched, eng):
         assert sched.get_num_new_matched_tokens(Request("B", prompt), 0) == (96, False)
         sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((table,)), 96)
         meta = sched.build_connector_meta(new_req("B", prompt, table, 96, len(prompt) - 96))
@@ -391,9 +372,6 @@ def test_blocks_evicted_before_the_load_are_reported(daemon, models):
         for n in eng.names:
             assert not (eng.caches[n][:, table[:4]] == SENTINEL).any()
             assert (eng.caches[n][:, table[4:6]] == SENTINEL).all()  # nothing from a failed read
-    finally:
-        eng.close()
-        sched.shutdown()
 
 
 def test_unknown_extra_config_key_is_named(daemon, models):
