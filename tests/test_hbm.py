@@ -248,11 +248,9 @@ def test_batched_promote_and_demote_count_bytes(tier):
     assert (st.extra["bytes_promoted"], st.extra["bytes_demoted"]) == (4 * SLOT, 4 * SLOT)
 
 
-def test_failed_write_never_serves_data(tier, monkeypatch):
-    s = tier.allocate(NS, SLOT)
-    tier.write(s, _pattern(1))
-    real = tier.pool.copy
-    calls = []
+def _fail_first_copy(tier, monkeypatch) -> None:
+    """The pool's next copy raises an injected DMA failure; later copies work."""
+    real, calls = tier.pool.copy, []
 
     def flaky(dst, src):
         calls.append(1)
@@ -261,6 +259,12 @@ def test_failed_write_never_serves_data(tier, monkeypatch):
         real(dst, src)
 
     monkeypatch.setattr(tier.pool, "copy", flaky)
+
+
+def test_failed_write_never_serves_data(tier, monkeypatch):
+    s = tier.allocate(NS, SLOT)
+    tier.write(s, _pattern(1))
+    _fail_first_copy(tier, monkeypatch)
     w = tier.write_async(s, _pattern(2))
     dst = np.full(SLOT, 7, np.uint8)
     r = tier.read_async(s, dst)  # another stream, reads what the failed write left
@@ -278,16 +282,7 @@ def test_failed_write_never_serves_data(tier, monkeypatch):
 
 def test_failed_write_fails_a_device_copy_on_the_same_stream(tier, monkeypatch):
     a, b = tier.allocate(NS, SLOT), tier.allocate(NS, SLOT)
-    real = tier.pool.copy
-    calls = []
-
-    def flaky(dst, src):
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError("injected DMA failure")
-        real(dst, src)
-
-    monkeypatch.setattr(tier.pool, "copy", flaky)
+    _fail_first_copy(tier, monkeypatch)
     gate = Gate()
     tier.promote_lanes[0].stream.submit(gate)
     w = tier.write_async(a, _pattern(1))
@@ -304,16 +299,7 @@ def test_failed_write_fails_a_device_copy_on_the_same_stream(tier, monkeypatch):
 def test_failed_read_does_not_fail_the_next_write(tier, monkeypatch):
     s = tier.allocate(NS, SLOT)
     tier.write(s, _pattern(1))
-    real = tier.pool.copy
-    calls = []
-
-    def flaky(dst, src):
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError("injected DMA failure")
-        real(dst, src)
-
-    monkeypatch.setattr(tier.pool, "copy", flaky)
+    _fail_first_copy(tier, monkeypatch)
     gate = Gate()
     tier.demote_lanes[0].stream.submit(gate)
     r = tier.read_async(s, np.zeros(SLOT, np.uint8))
