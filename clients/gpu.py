@@ -38,12 +38,12 @@ import torch
 from kvstore.tiers.hbm import PoolMapping, open_pool
 from kvstore.tiers.hbm_device import CudaEvent, EmuStream
 from kvstore.tiers.hbm_paged import KVMover, PagedKV, wait_events
-from kvstore.clients.leases import RESERVED  # WriteLease state of a slot this request must fill
+from kvstore.clients.leases import RESERVED, CommitOnExit  # RESERVED: WriteLease state of a slot to fill
 
 __all__ = ["GpuKVPath", "KVMover", "LoadHandle", "PagedKV", "PoolMapping", "StoreHandle", "open_pool", "wait_events"]
 
 
-class StoreHandle:
+class StoreHandle(CommitOnExit):
     """Reserved slots being filled from the paged cache. ``commit`` waits for the copies and
     then makes the blocks visible; a failed copy aborts the leases (nothing half-written is
     ever served). As a context manager it commits on success and aborts on an exception."""
@@ -113,15 +113,6 @@ class StoreHandle:
             pass
         for lease in self.leases:
             lease.abort()
-
-    def __enter__(self) -> "StoreHandle":
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class LoadHandle:

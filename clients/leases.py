@@ -4,7 +4,7 @@ shipping here. Each is a context manager; the data moves through zero-copy arena
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import grpc
 import numpy as np
@@ -28,7 +28,20 @@ class KVStoreError(RuntimeError):
         self.message = message
 
 
-class WriteLease:
+class CommitOnExit:
+    """As a context manager: ``commit()`` on success, ``abort()`` on an exception."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class WriteLease(CommitOnExit):
     """Reserved slots; ``views[i]`` is key i's slot (None when already present or busy).
     As a context manager it commits on success and aborts on an exception."""
 
@@ -67,16 +80,6 @@ class WriteLease:
         if not self.done:
             self.done = True
             self.client._call("Abort", pb.AbortRequest(session_id=self.client.session_id, lease_id=self.lease_id))
-
-    def __enter__(self) -> "WriteLease":
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
 
 def _layer(block: np.ndarray, layout: KVLayout, layer: int) -> np.ndarray:
     c = layout.layer_chunk_bytes
