@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from contextlib import closing
 from dataclasses import dataclass, field
 from kvstore.tiers.base import TierKind
 
@@ -96,21 +97,8 @@ class Lru:
     def pop_victim(self, ok) -> Block | None:
         """Remove and return the least recent block with ``ok(block)`` true (leaves first:
         the caller's ``ok`` refuses blocks with cached children)."""
-        skipped = []
-        victim = None
-        while True:
-            b = self._top()
-            if b is None:
-                break
-            heapq.heappop(self._heap)
-            del self._live[id(b)]
-            if ok(b):
-                victim = b
-                break
-            skipped.append(b)
-        for b in skipped:
-            self._file(b)
-        return victim
+        with closing(self.victims(ok)) as stream:
+            return next(stream, None)
 
     def victims(self, ok):
         """Yield the least recent block with ``ok(block)`` true, then the next, and so on: a run
