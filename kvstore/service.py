@@ -115,7 +115,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Reserve(self, req, context):
         # DRAM full of blocks still being demoted: wait here, woken when a demotion lands,
         # rather than have the client poll (the client retries past this bound).
-        deadline = time.monotonic() + min(RESERVE_WAIT_S, context.time_remaining() or RESERVE_WAIT_S)
+        deadline = None  # set at the first refusal: the common path pays nothing
         with self.core.lock:
             while True:
                 s = self._session(req.session_id)  # again after a wait: it may have closed
@@ -123,6 +123,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
                     break
                 except KVError as e:
+                    if deadline is None:
+                        budget = context.time_remaining()
+                        deadline = time.monotonic() + (RESERVE_WAIT_S if budget is None else min(RESERVE_WAIT_S, budget))
                     left = deadline - time.monotonic()
                     if not e.transient or left <= 0:
                         raise
