@@ -6,10 +6,14 @@ place first. A variable the operator already set always wins.
 
 The engine is the single thread that owns one UCX worker: every ucxx call of a Listener or a
 Sender happens there (ucxx's own "thread" progress mode measured 0.3-0.6 GB/s here against 5-9
-GB/s for progressing the worker ourselves). Other threads hand it work with :meth:`call_soon`,
-which wakes it through an eventfd it polls together with the worker's event fd (blocking
-mode) or spins past (polling mode). A helper thread, started on first use, runs work that must
-not stall progress (:meth:`offload`: checksums of large chunks).
+GB/s for progressing the worker ourselves). Other threads hand it work with :meth:`call_soon`.
+In blocking mode an idle engine sleeps inside ucxx's ``progress_worker_event`` (progress, arm,
+epoll_wait, all in C++ with the GIL released once), and ``call_soon`` wakes it through an eventfd
+added to ucxx's own epoll set; it writes that eventfd only while the engine sleeps. A large
+rendezvous wakes the engine many times per chunk, so what one wake costs in Python (GIL hand-offs,
+syscalls) is what the transport costs over raw UCX. In polling mode the engine spins instead. A
+helper thread, started on first use, runs work that must not stall progress (:meth:`offload`:
+checksums of large chunks).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import select
 import threading
 import time
@@ -86,9 +91,11 @@ class Engine:
         self.worker.init_blocking_progress_mode()
         self._polling = config.ucx_progress is UcxProgress.POLLING
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
-        self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+        # ucxx's epoll set (a dup of its fd: the same set, closed independently) also watches ours
+        self._epoll = select.epoll.fromfd(os.dup(self.worker.epoll_file_descriptor))
         self._epoll.register(self._efd, select.EPOLLIN)
+        self._sleeping = False  # the engine is (about to be) inside progress_worker_event
+        self._kicked = False    # call_soon wrote the eventfd since the engine last drained it
         self._calls: collections.deque = collections.deque()
         self._watches: list = []  # (request, callback) pairs, checked after every progress
         self._lanes: list[collections.deque] = []  # in-order requests: only heads are checked
@@ -98,8 +105,7 @@ class Engine:
         self._running = True
         self.loops = 0  # engine loop iterations, for profiling
         self._rx_ids = int.from_bytes(os.urandom(2), "little") << 8  # receive-tag prefixes of this worker
-        self._jobs: collections.deque = collections.deque()
-        self._jobs_cv = threading.Condition()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # None stops the helper
         self._helper: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvt-ucx {name}", daemon=True)
         self._thread.start()
@@ -108,7 +114,12 @@ class Engine:
 
     def call_soon(self, fn, *args) -> None:
         self._calls.append((fn, args))
-        os.eventfd_write(self._efd, 1)
+        # The engine sets _sleeping before it checks _calls for the last time, so either it sees
+        # this call or we see it asleep. _kicked is set after the write: the engine drains the
+        # eventfd only once the write happened (a drain before it would leave it readable).
+        if self._sleeping:
+            os.eventfd_write(self._efd, 1)
+            self._kicked = True
 
     def call(self, fn, *args, timeout_s: float = 10.0):
         """Run ``fn(*args)`` on the engine thread and return its result (or raise its error)."""
@@ -127,21 +138,17 @@ class Engine:
     def offload(self, fn, args: tuple, done) -> None:
         """Run ``fn(*args)`` on the helper thread, then ``done(result)`` on the engine thread,
         in submission order."""
-        with self._jobs_cv:
-            if self._helper is None:
-                self._helper = threading.Thread(target=self._help, name="kvt-ucx-verify", daemon=True)
-                self._helper.start()
-            self._jobs.append((fn, args, done))
-            self._jobs_cv.notify()
+        if self._helper is None:
+            self._helper = threading.Thread(target=self._help, name="kvt-ucx-verify", daemon=True)
+            self._helper.start()
+        self._jobs.put((fn, args, done))
 
     def _help(self) -> None:
         while True:
-            with self._jobs_cv:
-                while not self._jobs and self._running:
-                    self._jobs_cv.wait()
-                if not self._jobs:
-                    return
-                fn, args, done = self._jobs.popleft()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, done = job
             try:
                 result = fn(*args)
             except Exception as exc:
@@ -154,9 +161,8 @@ class Engine:
         if self._thread.is_alive():
             self.call_soon(halt)
             self._thread.join(timeout=timeout_s)
-        with self._jobs_cv:
-            self._running = False
-            self._jobs_cv.notify()
+        self._running = False
+        self._jobs.put(None)
         if self._helper is not None:
             self._helper.join(timeout=timeout_s)
         self._epoll.close()
@@ -234,31 +240,39 @@ class Engine:
         return True
 
     def _run(self) -> None:
+        worker, calls = self.worker, self._calls
+        tick_ms = int(self.TICK_S * 1000)
+        idle = False  # the last round did nothing: the next one may sleep
         while self._running:
             self.loops += 1
-            busy = False
-            while self._calls:
-                fn, args = self._calls.popleft()
-                busy = True
+            if idle and not self._polling:
+                self._sleeping = True
+                if not calls:
+                    # progress; if nothing moved, arm and epoll_wait (worker fd + our eventfd)
+                    worker.progress_worker_event(tick_ms)
+                self._sleeping = False
+            else:
+                worker.progress()
+            if self._kicked:
+                self._kicked = False
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
+            busy = bool(calls)
+            while calls:
+                fn, args = calls.popleft()
                 try:
                     fn(*args)
                 except Exception:
                     log.exception("UCX engine call failed")
-            self.worker.progress()
             busy = self._fire() or busy
             now = time.monotonic()
             if now >= self._next_tick:
                 self._next_tick = now + self.TICK_S
                 for fn in list(self._tickers):
                     fn(now)
-            if busy or self._polling or self._calls:
-                continue
-            if self.worker.arm():  # False: events pending, progress again before sleeping
-                self._epoll.poll(self.TICK_S)
-                try:
-                    os.eventfd_read(self._efd)
-                except BlockingIOError:
-                    pass
+            idle = not busy
         self._watches.clear()
         self._lanes.clear()
         self._ready.clear()

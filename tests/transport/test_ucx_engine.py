@@ -1,0 +1,95 @@
+"""The UCX progress engine's own contract: work handed over from other threads always wakes a
+sleeping engine (no lost wake-up), an idle engine sleeps instead of spinning, and offloaded
+work comes back on the engine thread in submission order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvstore.transport import TransferConfig, ucx_available
+from kvstore.transport.config import UcxProgress
+
+
+@pytest.fixture
+def engine_cls():
+    ok, why = ucx_available()
+    if not ok:
+        pytest.skip(why)
+    from kvstore.transport.ucx_env import Engine
+
+    class SlowTickEngine(Engine):
+        # Its timed wake-up is a minute away, so a call whose wake-up was lost would hang the
+        # caller past its 10 s timeout instead of being rescued by the next tick.
+        TICK_S = 60.0
+    return SlowTickEngine
+
+
+def test_calls_from_many_threads_always_wake_the_sleeping_engine(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx"), "test")
+    try:
+        ran_on: set[str] = set()
+
+        def hammer(n: int) -> None:
+            for i in range(n):
+                assert engine.call(lambda i=i: ran_on.add(threading.current_thread().name) or i,
+                                   timeout_s=10.0) == i
+                if i % 50 == 0:
+                    time.sleep(0.002)  # let the engine go back to sleep between bursts
+        threads = [threading.Thread(target=hammer, args=(400,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert ran_on == {engine._thread.name}
+    finally:
+        engine.stop()
+
+
+def test_an_idle_engine_sleeps_instead_of_spinning(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx"), "test")
+    try:
+        engine.call(lambda: None)
+        before = engine.loops
+        time.sleep(0.5)
+        # Asleep in epoll_wait: a handful of rounds at most (a spinning engine does ~10^5).
+        assert engine.loops - before < 20
+        assert engine.call(lambda: 42) == 42  # and it still wakes for work
+    finally:
+        engine.stop()
+
+
+def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.POLLING), "test")
+    try:
+        engine.call(lambda: None)
+        before = engine.loops
+        time.sleep(0.2)
+        assert engine.loops - before > 100
+        assert engine.call(lambda: 7) == 7
+    finally:
+        engine.stop()
+
+
+def test_offloaded_results_return_on_the_engine_thread_in_order(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx"), "test")
+    try:
+        got: list[tuple[int, str]] = []
+        done = threading.Event()
+
+        def submit() -> None:
+            for i in range(200):
+                engine.offload(lambda i=i: i * i, (), lambda r: got.append((r, threading.current_thread().name))
+                               or (len(got) == 200 and done.set()))
+        engine.call(submit)
+        assert done.wait(10.0), f"only {len(got)} of 200 offloaded results came back"
+        assert [r for r, _ in got] == [i * i for i in range(200)]
+        assert {name for _, name in got} == {engine._thread.name}
+        boom = threading.Event()
+        failures: list = []
+        engine.call(lambda: engine.offload(lambda: 1 / 0, (), lambda r: failures.append(r) or boom.set()))
+        assert boom.wait(10.0) and isinstance(failures[0], ZeroDivisionError)
+    finally:
+        engine.stop()
