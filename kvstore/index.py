@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from array import array
 from contextlib import closing
 from dataclasses import dataclass, field
 from kvstore.tiers.base import TierKind
@@ -38,6 +39,10 @@ class Block:
     tick: int = 0  # recency: higher is more recent
     reads: int = 0  # Acquires: what makes a block hot enough for HBM
     hbm_slot: int = -1  # offset of its copy in the HBM pool, -1 = none
+    # xxh3-64 of each layer chunk, recorded the first time a transfer hashed the committed block
+    # (the bytes never change while the key lives); later transfers send these instead of
+    # hashing again, and the receiver checks them, so memory that changed since is caught.
+    digests: "array | None" = None
 
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)

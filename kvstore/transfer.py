@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from kvstore import doorbell
@@ -29,11 +30,11 @@ from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierKind
 from kvstore.transport import (Listener, Sender, TransferConfig, TransferError, TransferHeader,
                                TransferStatus, parse_peer)
+from kvstore.transport.protocol import checksum
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.transfer")
-_FAIL_CODE = {TransferStatus.DEADLINE_EXCEEDED: Code.DEADLINE_EXCEEDED, TransferStatus.REFUSED: Code.RESOURCE_EXHAUSTED}
 
 
 def _ns_meta(ns: Namespace) -> bytes:
@@ -222,6 +223,10 @@ class TransferService:
         lay = st.ns.layout
         chunk = lay.layer_chunk_bytes
         buf = core.dram.arena.buf
+        # Committed blocks keep the digests their first transfer computed; the others are hashed
+        # now (pipelined blocks are still being written, so theirs are not kept).
+        known = [b.digests for b in blocks] if not bell else [None] * len(blocks)
+        fresh = {i: array("Q", bytes(8 * lay.num_layers)) for i, d in enumerate(known) if d is None and not bell}
         t0 = time.monotonic()
         try:
             tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=_ns_meta(st.ns))
@@ -229,20 +234,30 @@ class TransferService:
                 for layer in range(lay.num_layers):
                     if bell:
                         self._wait_bell(bell, layer + 1, tx.deadline, lease_id)
-                    tx.send_layer(layer, [buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk] for b in blocks])
+                    views = [buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk] for b in blocks]
+                    sums = [d[layer] if d is not None else checksum(v) for d, v in zip(known, views)]
+                    for i, got in fresh.items():
+                        got[layer] = sums[i]
+                    tx.send_layer(layer, views, sums)
                 result = tx.finish()
             except BaseException:
                 tx.abort("sender gave up")
                 raise
         except TransferError as e:
             self.metrics.transfer_failures.labels(reason=_reason(e.status)).inc()
-            raise KVError(_FAIL_CODE.get(e.status, Code.UNAVAILABLE), f"transfer to {peer}: {e}") from None
+            # the transport's table (docs/transport.md): DATA_LOSS for a corrupted chunk, etc.
+            raise KVError(Code(e.status.grpc_code), f"transfer to {peer}: {e}") from None
         finally:
             with core.lock:
                 for b in busy:
                     b.busy = False
                 if bell:
                     core.doorbells.release(bell)
+        with core.lock:  # the receiver verified every chunk against these: keep them
+            for i, sums in fresh.items():
+                b = blocks[i]
+                if b.state is BlockState.COMMITTED and b.digests is None:
+                    b.digests = sums
         secs = time.monotonic() - t0
         m = self.metrics
         m.transfer_bytes.labels(direction="send", backend=self.backend).inc(result.bytes)

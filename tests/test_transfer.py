@@ -137,7 +137,7 @@ def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
         base = dram_used(cb)
         with pytest.raises(KVStoreError) as e:
             ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
-        assert "checksum" in e.value.message.lower()
+        assert e.value.code.name == "DATA_LOSS" and "checksum" in e.value.message.lower()
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
         assert cb.stats().counters["kvstore_transfer_failures_total"] == 1
         ca.close()
@@ -145,6 +145,35 @@ def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
     finally:
         assert a.stop() == 0 and b.stop() == 0
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(tmp_path, backend):
+    """The first transfer of a committed block records its layer digests; later ones send them
+    instead of hashing again. So bytes that change in A's DRAM afterwards (a stray write, a bit
+    flip) fail the next transfer as DATA_LOSS rather than shipping the damage with a fresh hash."""
+    a, b, peer_b = pair(tmp_path, backend)
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(3 * 16))
+        kv = kv_for(tokens, 5)
+        ca.put(tokens, kv)
+        keys = ca.keys(tokens)
+        ca.transfer(keys, peer_b, deadline_s=20)
+        cb.delete(keys)
+        ca.transfer(keys, peer_b, deadline_s=20)  # the recorded digests match the bytes: fine
+        cb.delete(keys)
+        with ca.acquire(keys[1:2]) as lease:  # scribble on block 1, layer 2, in A's arena
+            ca.arena.view(lease.offsets[0] + 2 * LAYOUT.layer_chunk_bytes + 100, 1)[0] ^= 0x40
+        base = dram_used(cb)
+        with pytest.raises(KVStoreError) as e:
+            ca.transfer(keys, peer_b, deadline_s=20)
+        assert e.value.code.name == "DATA_LOSS" and "checksum" in e.value.message.lower()
+        assert cb.lookup(tokens) == 0 and dram_used(cb) == base
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
 
 def test_transfers_work_again_after_the_peer_restarts(tmp_path):
     a, b, peer_b = pair(tmp_path, "tcp")

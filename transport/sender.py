@@ -76,9 +76,14 @@ class OutboundTransfer:
     def transfer_id(self) -> int:
         return self.header.transfer_id
 
-    def send(self, block: int, layer: int, buf) -> None:
+    def send(self, block: int, layer: int, buf, digest: int | None = None) -> None:
         """Queue layer ``layer`` of block ``block`` (``header.chunk_bytes`` bytes, C-contiguous).
-        Raises TransferError at once if the transfer has already failed."""
+        Raises TransferError at once if the transfer has already failed.
+
+        ``digest``: the chunk's xxh3-64 when the caller already holds it (a daemon records each
+        layer chunk's digest once, when it first hashes or verifies the block), so the sender
+        skips hashing it again. The receiver checks the bytes against it: a digest that does not
+        match the bytes fails the transfer with CHECKSUM_MISMATCH and nothing is kept."""
         self._check_open()
         h = self.header
         if not (0 <= block < len(h.keys) and 0 <= layer < h.n_layers):
@@ -93,8 +98,8 @@ class OutboundTransfer:
             self._fail(err)
         # Hashed here, on the caller's thread, so it overlaps the I/O thread's work on earlier
         # chunks (xxh3 releases the GIL) instead of stalling the wire.
-        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes, checksum(mv),
-                      h.keys[block])
+        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes,
+                      checksum(mv) if digest is None else digest, h.keys[block])
         tamper = self._sender.tamper
         if self.submit_times is not None:
             self.submit_times.append(time.monotonic())
@@ -102,12 +107,14 @@ class OutboundTransfer:
         self._sent[block * h.n_layers + layer] = 1
         self._seq += 1
 
-    def send_layer(self, layer: int, bufs: Sequence) -> None:
-        """Queue layer ``layer`` of every block: ``bufs[b]`` is block ``b``'s chunk."""
-        if len(bufs) != len(self.header.keys):
-            raise ValueError(f"send_layer: {len(bufs)} buffers for {len(self.header.keys)} blocks")
+    def send_layer(self, layer: int, bufs: Sequence, digests: Sequence | None = None) -> None:
+        """Queue layer ``layer`` of every block: ``bufs[b]`` is block ``b``'s chunk, ``digests[b]``
+        its xxh3-64 if known (None: hash it here; see :meth:`send`)."""
+        if len(bufs) != len(self.header.keys) or (digests is not None and len(digests) != len(bufs)):
+            raise ValueError(f"send_layer: {len(bufs)} buffers / {len(digests) if digests is not None else '-'} "
+                             f"digests for {len(self.header.keys)} blocks")
         for block, buf in enumerate(bufs):
-            self.send(block, layer, buf)
+            self.send(block, layer, buf, None if digests is None else digests[block])
 
     def finish(self) -> TransferResult:
         """Wait (until the deadline) for the receiver to verify and commit every chunk."""

@@ -180,3 +180,29 @@ def test_a_busy_port_is_a_clear_error(config, listener, sink):
     other = Listener(TransferConfig(backend=config.backend, port=port), sink)
     with pytest.raises(OSError, match=f"cannot listen on .*{port}"):
         other.start()
+
+
+def test_known_digests_are_sent_as_given_and_checked_by_the_receiver(listener, sender, sink):
+    from kvstore.transport.protocol import checksum
+    keys, data = make_payload(21, blocks=3, layers=2, chunk=64 << 10)
+    digests = [[checksum(data[b, layer]) for b in range(3)] for layer in range(2)]
+    tx = sender.open(listener.address, keys, 2, 64 << 10)
+    for layer in range(2):
+        tx.send_layer(layer, [data[b, layer] for b in range(3)], digests[layer])
+    res = tx.finish()
+    assert sink.wait_result(res.transfer_id, 5) == (TransferStatus.OK, "")
+    assert all(sink.data[(res.transfer_id, keys[b], 1)] == data[b, 1].tobytes() for b in range(3))
+    # A digest that does not match the bytes (a stale record, memory corrupted since it was taken)
+    # fails the transfer as corruption: nothing is kept, no slot stays reserved.
+    tx = sender.open(listener.address, keys, 2, 64 << 10)
+    with pytest.raises(TransferError) as ei:
+        tx.send_layer(0, [data[b, 0] for b in range(3)], [digests[0][0], digests[0][1] ^ 1, digests[0][2]])
+        tx.send_layer(1, [data[b, 1] for b in range(3)], digests[1])
+        tx.finish()
+    assert ei.value.status is TransferStatus.CHECKSUM_MISMATCH
+    assert sink.wait_result(tx.transfer_id, 10)[0] is TransferStatus.CHECKSUM_MISMATCH
+    assert not any(k[0] == tx.transfer_id for k in sink.data)
+    assert sink.reserved_slots == 0
+    with pytest.raises(ValueError), sender.open(listener.address, keys, 2, 64 << 10) as tx:
+        tx.send_layer(0, [data[b, 0] for b in range(3)], [1, 2])  # two digests for three blocks
+    wait_for(lambda: sink.reserved_slots == 0, what="the aborted transfer's slots to be released")
