@@ -20,3 +20,11 @@ def test_bench_runs_and_reports_json(backend, capsys):
         assert point["raw"]["gbps"] > 0 and point["ratio"] > 0
     (pipe,) = doc["pipelined"]
     assert pipe["layers"] == 4 and 0 <= pipe["hidden_fraction"] <= 1
+
+
+def test_bench_with_known_digests_still_verifies_every_chunk(backend, capsys):
+    rc = bench.main(["--backend", backend, "--sizes", "64KiB", "--total-mib", "1", "--latency-samples", "5",
+                     "--layers", "0", "--no-raw", "--verify", "--known-digests", "--json"])
+    assert rc == 0  # --verify exits non-zero if any chunk landed different from what was sent
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["known_digests"] is True and doc["points"][0]["gbps"] > 0
