@@ -215,17 +215,19 @@ class Tiering:
                     b.busy = True
                     moving.append(b)
                     items.append((b.ns_id, b.key, b.parent_key, st.ns.layout.layer_chunk_bytes,
-                                  dram.view(b.offset, st.block_bytes)))
+                                  dram.view(b.offset, st.block_bytes), b.digests))
             core.demoting += len(moving)
         if not items:
             return True
         t0 = time.perf_counter()
         batch = self._put(items)
+        sums = batch.digests() if batch is not None else {}
         with core.lock:
             core.demoting -= len(moving)
             no_space = False
             for b in moving:
                 b.busy = False
+                _record_digests(b, sums)
                 outcome = batch.results.get(b.key) if batch else Outcome.FAILED
                 live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
                 if outcome in (Outcome.OK, Outcome.PRESENT) and live:
@@ -326,14 +328,16 @@ class Tiering:
                 b.busy = True
             core.demoting += len(todo)
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
-                      core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes)) for b in todo]
+                      core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes), b.digests) for b in todo]
         t0 = time.perf_counter()
         batch = self._put(items) if items else None
         log.debug("persisted %d blocks in %.4f s", len(items), time.perf_counter() - t0)
+        sums = batch.digests() if batch is not None else {}
         with core.lock:
             core.demoting -= len(todo)
             for b in todo:
                 b.busy = False
+                _record_digests(b, sums)
                 if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
@@ -378,6 +382,7 @@ class Tiering:
 
     def _promoted(self, st: NsState, blocks: list[Block], slots: list[int], batch, t0: float) -> None:
         core = self.core
+        sums = batch.digests()
         with core.lock:
             for b, off in zip(blocks, slots):
                 b.busy = False
@@ -385,6 +390,7 @@ class Tiering:
                 live = st.blocks.get(b.key) is b
                 if ok and live:
                     b.tier, b.offset = DRAM, off
+                    _record_digests(b, sums)
                     core.touch(b)
                     core.lru(DRAM, st.id).add(b)
                     self.metrics.promotions.labels(src="nvme", dst="dram").inc()
@@ -490,3 +496,10 @@ class Tiering:
             self.nvme.set_atimes((b.key, now - (n - i) * 1e-6) for i, b in enumerate(blocks))
         except Exception as e:  # noqa: BLE001 - the index keeps write times; nothing is lost
             log.error("NVMe access times not saved: %s", e)
+
+
+def _record_digests(b: Block, sums: dict) -> None:
+    """Keep the layer digests the NVMe tier wrote or verified for ``b`` (see ``Block.digests``)."""
+    got = sums.get(b.key)
+    if got is not None and b.digests is None and b.state is BlockState.COMMITTED:
+        b.digests = got

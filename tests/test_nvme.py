@@ -632,3 +632,25 @@ def test_closed_tier_refuses_work(tmp_path):
     with pytest.raises(NvmeDisabledError, match="closed"):
         t.put_many([(NS, key(9), None, 0, data(9))])
     t.close()
+
+
+def test_recorded_sums_are_stored_as_given_and_reported_back(tier):
+    from kvstore.tiers.nvme_io import chunk_sums
+    good = chunk_sums(data(0), BLOCK, CHUNK)
+    b = tier.put_many([(NS, key(0), None, CHUNK, data(0), list(good)),
+                       (NS, key(1), key(0), CHUNK, data(1))])
+    assert b.wait(30) and b.error is None
+    assert b.digests() == {key(0): good, key(1): chunk_sums(data(1), BLOCK, CHUNK)}
+    g, dsts = get(tier, [0, 1])
+    assert g.error is None and (dsts[0] == data(0)).all()
+    assert g.digests()[key(0)] == good  # read back and verified
+    # Sums recorded before the bytes changed are kept as given: the block reads back as
+    # corrupt (and is dropped) instead of being served under a checksum of the changed bytes.
+    stale = list(chunk_sums(data(2), BLOCK, CHUNK))
+    changed = data(2).copy()
+    changed[3 * CHUNK + 5] ^= 1
+    assert tier.put_many([(NS, key(2), None, CHUNK, changed, stale)]).wait(30)
+    g, _ = get(tier, [2])
+    assert g.results[key(2)] is Outcome.CORRUPT and key(2) not in g.digests()
+    with pytest.raises(ValueError, match="sums"):
+        tier.put_many([(NS, key(3), None, CHUNK, data(3), stale[:-1])])

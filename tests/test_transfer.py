@@ -14,10 +14,10 @@ LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
 BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}"))]
 
 
-def pair(tmp_path, backend, env_a=None):
+def pair(tmp_path, backend, env_a=None, args_a=()):
     pa, pb_ = free_port(), free_port()
     a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", backend,
-                     name="a", env=env_a)
+                     *args_a, name="a", env=env_a)
     b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", backend, name="b")
     return a, b, f"127.0.0.1:{pb_}"
 
@@ -170,6 +170,30 @@ def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(t
             ca.transfer(keys, peer_b, deadline_s=20)
         assert e.value.code.name == "DATA_LOSS" and "checksum" in e.value.message.lower()
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(tmp_path):
+    """A durable commit hashes every layer chunk on its way to NVMe; the block keeps those
+    digests, so even its first transfer does not hash again, and bytes changed in A's DRAM
+    after the commit are caught on arrival (DATA_LOSS) instead of shipped under a fresh hash."""
+    nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "32MiB",
+            "--nvme-durable-commit", "true")
+    a, b, peer_b = pair(tmp_path, "tcp", args_a=nvme)
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(2 * 16))
+        ca.put(tokens, kv_for(tokens, 6))
+        keys = ca.keys(tokens)
+        with ca.acquire(keys[:1]) as lease:
+            ca.arena.view(lease.offsets[0] + LAYOUT.layer_chunk_bytes + 7, 1)[0] ^= 0x01
+        with pytest.raises(KVStoreError) as e:
+            ca.transfer(keys, peer_b, deadline_s=20)
+        assert e.value.code.name == "DATA_LOSS" and "block 0, layer 1" in e.value.message
+        assert cb.lookup(tokens) == 0
         ca.close()
         cb.close()
     finally:

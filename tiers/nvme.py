@@ -30,6 +30,7 @@ import fcntl
 import logging
 import os
 import time
+from array import array
 from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
@@ -119,7 +120,8 @@ class NvmeTier(SlotApi):
         """
         jobs: list[Job] = []
         for it in items:
-            ns_id, key, parent, chunk_bytes, src = it
+            ns_id, key, parent, chunk_bytes, src, *rest = it
+            sums = rest[0] if rest else None
             key = check_key(key)
             if parent is not None:
                 parent = check_key(parent)
@@ -131,7 +133,12 @@ class NvmeTier(SlotApi):
             if not a.nbytes or not self._alloc.fits(a.nbytes):
                 raise ValueError(f"src: a block of {a.nbytes} bytes; must be 1 to extent_bytes="
                                  f"{self.config.extent_bytes}")
-            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1))
+            if sums is not None:
+                n = -(-a.nbytes // (chunk_bytes or a.nbytes))
+                if len(sums) != n:
+                    raise ValueError(f"sums: {len(sums)} checksums for {n} chunks of block {key.hex()[:16]}")
+                sums = array("Q", sums)
+            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1, sums))
         batch = NvmeBatch("put", [j.key for j in jobs], on_done)
         with self._lock:
             self._check_enabled()

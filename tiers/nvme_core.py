@@ -116,7 +116,8 @@ class NvmeCore:
             if self._disabled is not None:
                 raise self._disabled_error()
             for j in run:
-                j.sums = chunk_sums(j.buf, j.nbytes, j.chunk_bytes)
+                if j.sums is None:  # else: the caller's recorded checksums, stored as given
+                    j.sums = chunk_sums(j.buf, j.nbytes, j.chunk_bytes)
             if len(run) == 1:
                 self._files.write(run[0].offset, run[0].buf, bounce)
             else:

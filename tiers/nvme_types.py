@@ -176,13 +176,17 @@ class Outcome(enum.Enum):
 class PutItem(NamedTuple):
     """One block to store. ``src`` (``nbytes`` of data, any contiguous buffer) must not change
     until the batch is done. ``chunk_bytes``: bytes per checksummed chunk (one layer; 0 = one
-    checksum for the block). ``parent``: the chain parent's key, or None for a root block."""
+    checksum for the block). ``parent``: the chain parent's key, or None for a root block.
+    ``sums``: the chunks' xxh3-64 when the caller already holds them (recorded when the block
+    was first hashed): stored as given instead of hashing ``src`` again, so bytes that changed
+    since are caught on the first read, not written under a fresh checksum."""
 
     ns_id: bytes
     key: bytes
     parent: bytes | None
     chunk_bytes: int
     src: object
+    sums: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +237,11 @@ class NvmeBatch(Transfer):
 
     def ok_keys(self) -> list[bytes]:
         return [k for k in self.keys if self.results.get(k) is Outcome.OK]
+
+    def digests(self) -> dict:
+        """``key -> array('Q')``: the per-chunk xxh3 of every block that ended OK, as written
+        (put) or as read back and verified against the index (get). Valid once done."""
+        return {j.key: j.sums for j in self._jobs if j.sums is not None and self.results.get(j.key) is Outcome.OK}
 
     def set(self, key: bytes, outcome: Outcome, error: NvmeError | None = None) -> None:
         self.results[key] = outcome
