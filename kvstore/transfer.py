@@ -113,6 +113,7 @@ class _Target:
         self.sink, self.inc = sink, inc
         self.chunk = inc.header.chunk_bytes
         self.buf = sink.core.dram.arena.buf
+        self.digests = array("Q", bytes(8 * inc.header.n_chunks))  # filled by the session, verified
 
     def buffer(self, block: int, layer: int):
         off = self.inc.offsets[block] + layer * self.chunk
@@ -132,7 +133,13 @@ class _Target:
         with core.lock:
             s, lease = inc.session, inc.lease
             if status is TransferStatus.OK and lease.id:
+                blocks = list(lease.blocks)
                 core.commit(s, lease.id, b"")
+                n, index = inc.header.n_layers, {k: i for i, k in enumerate(inc.header.keys)}
+                for b in blocks:  # every chunk was verified against these: keep them (Block.digests)
+                    i = index[b.key]
+                    if b.state is BlockState.COMMITTED and b.digests is None:
+                        b.digests = self.digests[i * n:(i + 1) * n]
             elif lease.id and lease.id in core.leases:
                 core.abort(s, lease.id)
             for off in inc.scratch:

@@ -199,6 +199,32 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
     finally:
         assert a.stop() == 0 and b.stop() == 0
 
+
+def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
+    """B records the digests it verified on arrival, so when B ships those blocks on (here back
+    to A) it hashes nothing, and bytes changed in B's DRAM in between are caught (DATA_LOSS)."""
+    pa, pb_ = free_port(), free_port()
+    a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", "tcp", name="a")
+    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", "tcp", name="b")
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(2 * 16))
+        ca.put(tokens, kv_for(tokens, 7))
+        keys = ca.keys(tokens)
+        ca.transfer(keys, f"127.0.0.1:{pb_}", deadline_s=20)
+        with cb.acquire(keys[1:]) as lease:  # B has never sent these: only what it verified is known
+            cb.arena.view(lease.offsets[0] + 4 * LAYOUT.layer_chunk_bytes, 1)[0] ^= 0x80
+        with pytest.raises(KVStoreError) as e:
+            cb.transfer(keys, f"127.0.0.1:{pa}", deadline_s=20)
+        assert e.value.code.name == "DATA_LOSS" and "block 1, layer 4" in e.value.message
+        ca.delete(keys)
+        cb.transfer(keys[:1], f"127.0.0.1:{pa}", deadline_s=20)  # block 0 is intact and goes through
+        assert ca.lookup(tokens[:16]) == 16
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
 def test_transfers_work_again_after_the_peer_restarts(tmp_path):
     a, b, peer_b = pair(tmp_path, "tcp")
     try:

@@ -27,7 +27,7 @@ Reply = tuple[Frame, bytes]
 
 
 class _Active:
-    __slots__ = ("header", "target", "deadline", "seen", "count")
+    __slots__ = ("header", "target", "deadline", "seen", "count", "digests")
 
     def __init__(self, header: TransferHeader, target: Target, deadline: float) -> None:
         self.header = header
@@ -35,6 +35,7 @@ class _Active:
         self.deadline = deadline
         self.seen = bytearray(header.n_chunks)
         self.count = 0
+        self.digests = getattr(target, "digests", None)  # optional: verified xxh3 per chunk index
 
 
 class InboundSession:
@@ -154,8 +155,11 @@ class InboundSession:
                                 f"chunk {frame.seq} (block {frame.block}, layer {frame.layer}, key "
                                 f"{frame.key.hex()[:16]}..) arrived with xxh3 {got:#018x}, sender computed "
                                 f"{frame.checksum:#018x}; nothing of the transfer was kept", frame.transfer_id)
-        a.seen[frame.block * a.header.n_layers + frame.layer] = 1
+        i = frame.block * a.header.n_layers + frame.layer
+        a.seen[i] = 1
         a.count += 1
+        if a.digests is not None:
+            a.digests[i] = got
         try:
             a.target.arrived(frame.block, frame.layer)
         except Exception as exc:

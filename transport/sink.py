@@ -31,6 +31,10 @@ from .protocol import TransferHeader, TransferStatus
 
 
 class Target(Protocol):
+    """One accepted transfer's destination. Optionally it has ``digests``: a writable sequence of
+    ``n_chunks`` ints, where the session stores each chunk's verified xxh3-64 (index
+    ``block * n_layers + layer``) before calling ``arrived`` (a daemon keeps them with the blocks)."""
+
     def buffer(self, block: int, layer: int) -> memoryview | np.ndarray: ...
     def arrived(self, block: int, layer: int) -> None: ...
     def end(self, status: TransferStatus, detail: str) -> None: ...
