@@ -34,7 +34,6 @@ log = logging.getLogger("kvstore.transport")
 _HELLO = struct.Struct("<IIII256s")  # magic, version, rx id (0 = refused), token length, token
 _DATA_BIT = 1 << 31
 _REPLY_MAX = FRAME_BYTES + 8192
-_OFFLOAD_MIN = 1 << 20  # chunks this large or larger are hashed off the engine thread, bytes
 
 
 def ctrl_tag(api, rx: int):
@@ -213,21 +212,11 @@ class _Inbound(_Conn):
         err = _req_error(item[2], self.ep)
         if err is not None:
             return self.lost(err)
-        # Large chunks are verified on the engine's helper thread so UCX keeps progressing (the
-        # peer's rendezvous needs us) meanwhile; below _OFFLOAD_MIN the hash (< 20 us) is
-        # cheaper than the two thread hand-offs.
-        if item[1].nbytes >= _OFFLOAD_MIN:
-            self.engine.offload(checksum, (item[1],), lambda got, item=item: self._hashed(item, got))
-            return
+        # Verified here, on the engine thread, while the chunk is still warm in cache. A helper
+        # thread kept UCX progressing during the hash, but handing each chunk over (a queue put
+        # that wakes a thread, a call_soon back) cost more: at 4 MiB chunks, 7.3 against 7.7
+        # GB/s inline, alternating runs on 2 cores; the hash itself runs at ~60 GB/s.
         item[3] = checksum(item[1])
-        self._drain()
-
-    def _hashed(self, item: list, got) -> None:
-        if self.closed:
-            return
-        if not isinstance(got, int):
-            return self.lost(TransferError(TransferStatus.PROTOCOL_ERROR, f"checksum failed: {got!r}"))
-        item[3] = got
         self._drain()
 
     def _drain(self) -> None:

@@ -11,9 +11,7 @@ In blocking mode an idle engine sleeps inside ucxx's ``progress_worker_event`` (
 epoll_wait, all in C++ with the GIL released once), and ``call_soon`` wakes it through an eventfd
 added to ucxx's own epoll set; it writes that eventfd only while the engine sleeps. A large
 rendezvous wakes the engine many times per chunk, so what one wake costs in Python (GIL hand-offs,
-syscalls) is what the transport costs over raw UCX. In polling mode the engine spins instead. A
-helper thread, started on first use, runs work that must not stall progress (:meth:`offload`:
-checksums of large chunks).
+syscalls) is what the transport costs over raw UCX. In polling mode the engine spins instead.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import select
 import threading
 import time
@@ -105,8 +102,6 @@ class Engine:
         self._running = True
         self.loops = 0  # engine loop iterations, for profiling
         self._rx_ids = int.from_bytes(os.urandom(2), "little") << 8  # receive-tag prefixes of this worker
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # None stops the helper
-        self._helper: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvt-ucx {name}", daemon=True)
         self._thread.start()
 
@@ -135,26 +130,6 @@ class Engine:
         self.call_soon(run)
         return fut.result(timeout=timeout_s)
 
-    def offload(self, fn, args: tuple, done) -> None:
-        """Run ``fn(*args)`` on the helper thread, then ``done(result)`` on the engine thread,
-        in submission order."""
-        if self._helper is None:
-            self._helper = threading.Thread(target=self._help, name="kvt-ucx-verify", daemon=True)
-            self._helper.start()
-        self._jobs.put((fn, args, done))
-
-    def _help(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, args, done = job
-            try:
-                result = fn(*args)
-            except Exception as exc:
-                result = exc
-            self.call_soon(done, result)
-
     def stop(self, timeout_s: float = 5.0) -> None:
         def halt() -> None:
             self._running = False
@@ -162,9 +137,6 @@ class Engine:
             self.call_soon(halt)
             self._thread.join(timeout=timeout_s)
         self._running = False
-        self._jobs.put(None)
-        if self._helper is not None:
-            self._helper.join(timeout=timeout_s)
         self._epoll.close()
         os.close(self._efd)
 

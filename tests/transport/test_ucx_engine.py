@@ -1,6 +1,5 @@
 """The UCX progress engine's own contract: work handed over from other threads always wakes a
-sleeping engine (no lost wake-up), an idle engine sleeps instead of spinning, and offloaded
-work comes back on the engine thread in submission order."""
+sleeping engine (no lost wake-up), and an idle engine sleeps instead of spinning."""
 
 from __future__ import annotations
 
@@ -72,24 +71,3 @@ def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
     finally:
         engine.stop()
 
-
-def test_offloaded_results_return_on_the_engine_thread_in_order(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx"), "test")
-    try:
-        got: list[tuple[int, str]] = []
-        done = threading.Event()
-
-        def submit() -> None:
-            for i in range(200):
-                engine.offload(lambda i=i: i * i, (), lambda r: got.append((r, threading.current_thread().name))
-                               or (len(got) == 200 and done.set()))
-        engine.call(submit)
-        assert done.wait(10.0), f"only {len(got)} of 200 offloaded results came back"
-        assert [r for r, _ in got] == [i * i for i in range(200)]
-        assert {name for _, name in got} == {engine._thread.name}
-        boom = threading.Event()
-        failures: list = []
-        engine.call(lambda: engine.offload(lambda: 1 / 0, (), lambda r: failures.append(r) or boom.set()))
-        assert boom.wait(10.0) and isinstance(failures[0], ZeroDivisionError)
-    finally:
-        engine.stop()
