@@ -49,6 +49,12 @@ class Block:
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)
 
+    def keep_digests(self, digests) -> None:
+        """Record ``digests`` (one xxh3 per layer chunk, just computed or verified) unless the
+        committed block already has some; see ``digests``."""
+        if digests is not None and self.digests is None and self.state is BlockState.COMMITTED:
+            self.digests = digests
+
 
 class Lru:
     """Exact LRU over one tier of one namespace, ordered by ``Block.tick`` (a recency counter the

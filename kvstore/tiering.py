@@ -227,7 +227,7 @@ class Tiering:
             no_space = False
             for b in moving:
                 b.busy = False
-                _record_digests(b, sums)
+                b.keep_digests(sums.get(b.key))
                 outcome = batch.results.get(b.key) if batch else Outcome.FAILED
                 live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
                 if outcome in (Outcome.OK, Outcome.PRESENT) and live:
@@ -337,7 +337,7 @@ class Tiering:
             core.demoting -= len(todo)
             for b in todo:
                 b.busy = False
-                _record_digests(b, sums)
+                b.keep_digests(sums.get(b.key))
                 if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
@@ -390,7 +390,7 @@ class Tiering:
                 live = st.blocks.get(b.key) is b
                 if ok and live:
                     b.tier, b.offset = DRAM, off
-                    _record_digests(b, sums)
+                    b.keep_digests(sums.get(b.key))
                     core.touch(b)
                     core.lru(DRAM, st.id).add(b)
                     self.metrics.promotions.labels(src="nvme", dst="dram").inc()
@@ -496,10 +496,3 @@ class Tiering:
             self.nvme.set_atimes((b.key, now - (n - i) * 1e-6) for i, b in enumerate(blocks))
         except Exception as e:  # noqa: BLE001 - the index keeps write times; nothing is lost
             log.error("NVMe access times not saved: %s", e)
-
-
-def _record_digests(b: Block, sums: dict) -> None:
-    """Keep the layer digests the NVMe tier wrote or verified for ``b`` (see ``Block.digests``)."""
-    got = sums.get(b.key)
-    if got is not None and b.digests is None and b.state is BlockState.COMMITTED:
-        b.digests = got

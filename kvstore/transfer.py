@@ -136,10 +136,9 @@ class _Target:
                 blocks = list(lease.blocks)
                 core.commit(s, lease.id, b"")
                 n, index = inc.header.n_layers, {k: i for i, k in enumerate(inc.header.keys)}
-                for b in blocks:  # every chunk was verified against these: keep them (Block.digests)
+                for b in blocks:  # every chunk was verified against these
                     i = index[b.key]
-                    if b.state is BlockState.COMMITTED and b.digests is None:
-                        b.digests = self.digests[i * n:(i + 1) * n]
+                    b.keep_digests(self.digests[i * n:(i + 1) * n])
             elif lease.id and lease.id in core.leases:
                 core.abort(s, lease.id)
             for off in inc.scratch:
@@ -260,11 +259,9 @@ class TransferService:
                     b.busy = False
                 if bell:
                     core.doorbells.release(bell)
-        with core.lock:  # the receiver verified every chunk against these: keep them
+        with core.lock:  # the receiver verified every chunk against these
             for i, sums in fresh.items():
-                b = blocks[i]
-                if b.state is BlockState.COMMITTED and b.digests is None:
-                    b.digests = sums
+                blocks[i].keep_digests(sums)
         secs = time.monotonic() - t0
         m = self.metrics
         m.transfer_bytes.labels(direction="send", backend=self.backend).inc(result.bytes)
