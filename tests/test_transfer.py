@@ -37,6 +37,18 @@ def dram_used(c):
     return c.stats().tiers[0].used_bytes
 
 
+def listen_addr(d) -> str:
+    """The transfer address a daemon from ``pair`` listens on."""
+    return d.args[d.args.index("--transport-listen") + 1]
+
+
+def scribble(c, key: bytes, at: int, mask: int) -> None:
+    """Flip bits of byte ``at`` of a committed block in the daemon's arena, behind its back
+    (a stray write or a bit flip in DRAM)."""
+    with c.acquire([key]) as lease:
+        c.arena.view(lease.offsets[0] + at, 1)[0] ^= mask
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_blocks_arrive_bit_exact(tmp_path, backend):
     a, b, peer_b = pair(tmp_path, backend)
@@ -163,8 +175,7 @@ def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(t
         cb.delete(keys)
         ca.transfer(keys, peer_b, deadline_s=20)  # the recorded digests match the bytes: fine
         cb.delete(keys)
-        with ca.acquire(keys[1:2]) as lease:  # scribble on block 1, layer 2, in A's arena
-            ca.arena.view(lease.offsets[0] + 2 * LAYOUT.layer_chunk_bytes + 100, 1)[0] ^= 0x40
+        scribble(ca, keys[1], 2 * LAYOUT.layer_chunk_bytes + 100, 0x40)  # block 1, layer 2
         base = dram_used(cb)
         with pytest.raises(KVStoreError) as e:
             ca.transfer(keys, peer_b, deadline_s=20)
@@ -188,8 +199,7 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
         tokens = list(range(2 * 16))
         ca.put(tokens, kv_for(tokens, 6))
         keys = ca.keys(tokens)
-        with ca.acquire(keys[:1]) as lease:
-            ca.arena.view(lease.offsets[0] + LAYOUT.layer_chunk_bytes + 7, 1)[0] ^= 0x01
+        scribble(ca, keys[0], LAYOUT.layer_chunk_bytes + 7, 0x01)  # block 0, layer 1
         with pytest.raises(KVStoreError) as e:
             ca.transfer(keys, peer_b, deadline_s=20)
         assert e.value.code.name == "DATA_LOSS" and "block 0, layer 1" in e.value.message
@@ -203,27 +213,27 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
 def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
     """B records the digests it verified on arrival, so when B ships those blocks on (here back
     to A) it hashes nothing, and bytes changed in B's DRAM in between are caught (DATA_LOSS)."""
-    pa, pb_ = free_port(), free_port()
-    a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", "tcp", name="a")
-    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", "tcp", name="b")
+    a, b, peer_b = pair(tmp_path, "tcp")
+    peer_a = listen_addr(a)
     try:
         ca, cb = clients(a, b)
         tokens = list(range(2 * 16))
         ca.put(tokens, kv_for(tokens, 7))
         keys = ca.keys(tokens)
-        ca.transfer(keys, f"127.0.0.1:{pb_}", deadline_s=20)
-        with cb.acquire(keys[1:]) as lease:  # B has never sent these: only what it verified is known
-            cb.arena.view(lease.offsets[0] + 4 * LAYOUT.layer_chunk_bytes, 1)[0] ^= 0x80
+        ca.transfer(keys, peer_b, deadline_s=20)
+        # B has never sent these blocks: only the digests it verified on arrival are known
+        scribble(cb, keys[1], 4 * LAYOUT.layer_chunk_bytes, 0x80)  # block 1, layer 4
         with pytest.raises(KVStoreError) as e:
-            cb.transfer(keys, f"127.0.0.1:{pa}", deadline_s=20)
+            cb.transfer(keys, peer_a, deadline_s=20)
         assert e.value.code.name == "DATA_LOSS" and "block 1, layer 4" in e.value.message
         ca.delete(keys)
-        cb.transfer(keys[:1], f"127.0.0.1:{pa}", deadline_s=20)  # block 0 is intact and goes through
+        cb.transfer(keys[:1], peer_a, deadline_s=20)  # block 0 is intact and goes through
         assert ca.lookup(tokens[:16]) == 16
         ca.close()
         cb.close()
     finally:
         assert a.stop() == 0 and b.stop() == 0
+
 
 def test_transfers_work_again_after_the_peer_restarts(tmp_path):
     a, b, peer_b = pair(tmp_path, "tcp")

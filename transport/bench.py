@@ -139,14 +139,14 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:
 
 class Bench:
     def __init__(self, ctx, backend: Backend, ring_bytes: int, verify: bool, seed: int = 1,
-                 ablate: bool = False) -> None:
+                 ablate: bool = False, known_digests: bool = False) -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate), daemon=True)
         self.proc.start()
         self.peer = self.conn.recv()
         self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600))
-        self.known_digests = False
+        self.known_digests = known_digests
         self.meta = json.dumps({"verify": verify, "seed": seed}).encode()
 
     def _ask(self, cmd, arg=None):
@@ -292,8 +292,7 @@ def main(argv=None) -> int:
             "the receiver verifies every chunk")
     for backend in backends:
         ring = max(64 * MiB, 4 * max(sizes))
-        bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum)
-        bench.known_digests = a.known_digests
+        bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum, known_digests=a.known_digests)
         try:
             log(f"\n== {backend.value}: chunk size sweep ({a.total_mib} MiB per run, best of {a.repeat}, "
                 f"ours and raw interleaved)")
