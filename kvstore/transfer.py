@@ -174,7 +174,8 @@ class TransferService:
         t = daemon.cfg.transport
         host, port = parse_peer(t.listen)
         self.backend = t.backend
-        self.config = TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s)
+        self.config = TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
+                                     ucx_progress=t.ucx_progress)
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))

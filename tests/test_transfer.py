@@ -1,5 +1,6 @@
 """Prefill daemon A -> decode daemon B through the real transfer listener (TCP and UCX)."""
 
+import os
 import time
 
 import numpy as np
@@ -11,14 +12,17 @@ from kvstore.layout import KVLayout
 from kvstore.transport import ucx_available
 
 LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
-BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}"))]
+_NO_UCX = pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}")
+BACKENDS = ["tcp", pytest.param("ucx", marks=_NO_UCX)]
 
 
-def pair(tmp_path, backend, env_a=None, args_a=()):
+def pair(tmp_path, backend, env_a=None, args_a=(), args=()):
+    """Daemons A and B; ``args`` go to both, ``args_a`` to A only."""
     pa, pb_ = free_port(), free_port()
     a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", backend,
-                     *args_a, name="a", env=env_a)
-    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", backend, name="b")
+                     *args, *args_a, name="a", env=env_a)
+    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", backend,
+                     *args, name="b")
     return a, b, f"127.0.0.1:{pb_}"
 
 
@@ -72,9 +76,10 @@ def test_blocks_arrive_bit_exact(tmp_path, backend):
         assert a.stop() == 0 and b.stop() == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_pipelined_layers_follow_the_doorbell(tmp_path, backend):
-    a, b, peer_b = pair(tmp_path, backend)
+@pytest.mark.parametrize("backend,progress", [("tcp", "blocking"), pytest.param("ucx", "blocking", marks=_NO_UCX),
+                                               pytest.param("ucx", "polling", marks=_NO_UCX)])
+def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
+    a, b, peer_b = pair(tmp_path, backend, args=("--transport-ucx-progress", progress))
     try:
         ca, cb = clients(a, b)
         tokens = list(range(4 * 16))
@@ -103,8 +108,21 @@ def test_pipelined_layers_follow_the_doorbell(tmp_path, backend):
         assert cb.get(tokens, out) == 64 and out.tobytes() == kv.tobytes()
         ca.close()
         cb.close()
+        if backend == "ucx":  # the setting reached the engines: polling ones spin while idle
+            idle_cpu = cpu_seconds(b, over_s=0.5)
+            assert idle_cpu > 0.2 if progress == "polling" else idle_cpu < 0.15
     finally:
         assert a.stop() == 0 and b.stop() == 0
+
+
+def cpu_seconds(d, over_s: float) -> float:
+    """CPU seconds daemon ``d`` used (all threads) during the next ``over_s`` seconds."""
+    def now() -> float:
+        fields = open(f"/proc/{d.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    before = now()
+    time.sleep(over_s)
+    return now() - before
 
 
 def test_prefill_daemon_killed_mid_transfer(tmp_path):

@@ -109,7 +109,7 @@ def ablate_checksum() -> None:
     tcp.recv_hashed = recv_unhashed
 
 
-def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:
+def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "blocking") -> None:
     """Receiver process: a Listener with a RingSink, driven by commands over ``conn``."""
     if ablate:
         ablate_checksum()
@@ -120,7 +120,7 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:
             with lock:
                 conn.send(("arrived", t))
     sink = RingSink(ring_bytes, notify)
-    listener = Listener(TransferConfig(backend=backend, max_deadline_s=3600), sink)
+    listener = Listener(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress), sink)
     listener.start()
     conn.send(listener.address)
     while True:
@@ -130,6 +130,8 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:
         if cmd == "pace":
             pace[0] = arg
             reply = "ok"
+        elif cmd == "cpu":  # this process's CPU seconds, all threads (the listener's engine too)
+            reply = time.process_time()
         else:  # "report": arrivals, mismatches and end status of one transfer
             reply = (sink.arrivals.pop(arg, []), sink.bad.pop(arg, 0), sink.status.pop(arg, "?"))
         with lock:
@@ -139,13 +141,14 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False) -> None:
 
 class Bench:
     def __init__(self, ctx, backend: Backend, ring_bytes: int, verify: bool, seed: int = 1,
-                 ablate: bool = False, known_digests: bool = False) -> None:
+                 ablate: bool = False, known_digests: bool = False, progress: str = "blocking") -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate), daemon=True)
+        self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate, progress),
+                                daemon=True)
         self.proc.start()
         self.peer = self.conn.recv()
-        self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600))
+        self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress))
         self.known_digests = known_digests
         self.meta = json.dumps({"verify": verify, "seed": seed}).encode()
 
@@ -162,19 +165,23 @@ class Bench:
             raise SystemExit(f"--verify: transfer {tid:#x}: {bad} of {len(arrivals)} chunks differ from what was sent")
         return arrivals, bad, status
 
-    def stream(self, size: int, n: int, src: np.ndarray) -> float:
-        """One transfer of ``n`` chunks of ``size`` bytes; returns seconds. With
+    def stream(self, size: int, n: int, src: np.ndarray) -> dict:
+        """One transfer of ``n`` chunks of ``size`` bytes: ``{"gbps", "cpu_tx_s_per_gb",
+        "cpu_rx_s_per_gb"}`` (each process's CPU time, all threads, per GB). With
         ``known_digests`` the sender passes each chunk's xxh3, taken before the clock starts, as
         a daemon does for blocks it has shipped before; the receiver still verifies every chunk."""
         digests = [checksum(src[i]) for i in range(_K)] if self.known_digests else [None] * _K
-        t0 = time.monotonic()
+        rx0 = self._ask("cpu")
+        tx0, t0 = time.process_time(), time.monotonic()
         tx = self.sender.open(self.peer, self._keys(n), 1, size, deadline_s=600, meta=self.meta)
         for b in range(n):
             tx.send(b, 0, src[b % _K], digests[b % _K])
         tx.finish()
-        seconds = time.monotonic() - t0
+        seconds, tx_cpu = time.monotonic() - t0, time.process_time() - tx0
+        rx_cpu = self._ask("cpu") - rx0
         self.report(tx.transfer_id)
-        return seconds
+        gb = size * n / 1e9
+        return {"gbps": gb / seconds, "cpu_tx_s_per_gb": tx_cpu / gb, "cpu_rx_s_per_gb": rx_cpu / gb}
 
     def latency(self, size: int, n: int, src: np.ndarray) -> list[float]:
         """``n`` chunks, one in flight at a time; per-chunk submit-to-verified-arrival, seconds."""
@@ -232,6 +239,26 @@ class Bench:
         self.proc.kill()
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in runs]))
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Medians of a point's runs (this host is noisy: one run can land at half speed)."""
+    return {"gbps": _median(runs, "gbps"), "runs_gbps": [r["gbps"] for r in runs],
+            "cpu_tx_s_per_gb": _median(runs, "cpu_tx_s_per_gb"), "cpu_rx_s_per_gb": _median(runs, "cpu_rx_s_per_gb")}
+
+
+def _row(point: dict) -> str:
+    nan = float("nan")
+    raw, pt, runs = point.get("raw", {}), point.get("perftest", {}), point.get("ratio_runs") or [nan]
+    cpu = (lambda d: f"{d.get('cpu_tx_s_per_gb', nan):.3f}/{d.get('cpu_rx_s_per_gb', nan):.3f}")
+    return (f"{_fmt(point['chunk_bytes']):>8} {point['gbps']:6.2f} {point['lat_p50_us']:7.0f} {point['lat_p99_us']:7.0f} "
+            f"| {raw.get('gbps', nan):8.2f} {raw.get('lat_p50_us', nan):7.0f} {raw.get('lat_p99_us', nan):7.0f} "
+            f"| {point.get('ratio', nan):5.2f} ({min(runs):.2f}-{max(runs):.2f}) "
+            f"| {cpu(point):>14} {cpu(raw):>11} | {pt.get('gbps', nan):8.2f} {point.get('perftest_ratio', nan):5.2f}")
+
+
 def _size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
@@ -247,14 +274,18 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--backend", choices=["tcp", "ucx", "both"], default="both")
     p.add_argument("--sizes", default=",".join(_fmt(s).replace(" ", "") for s in SIZES),
                    help="chunk sizes, e.g. 64KiB,4MiB (default 64 KiB .. 64 MiB)")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes per throughput run, MiB")
+    p.add_argument("--total-mib", type=int, default=1024,
+                   help="bytes per throughput run, MiB (runs much shorter than ~0.1 s are mostly noise here)")
     p.add_argument("--latency-samples", type=int, default=30)
-    p.add_argument("--repeat", type=int, default=1, help="runs per point; the best is kept (noisy hosts)")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="runs per point, ours and raw interleaved; medians are reported (noisy hosts)")
     p.add_argument("--layers", default="32", help="pipelined mode: layer counts, comma-separated (0 = skip)")
     p.add_argument("--blocks", type=int, default=32, help="pipelined mode: blocks per layer")
     p.add_argument("--pipeline-chunk", default="256KiB", help="pipelined mode: bytes per chunk")
     p.add_argument("--compute-ratio", default="1.0,1.5",
                    help="pipelined mode: per-layer compute time / per-layer transfer time")
+    p.add_argument("--ucx-progress", choices=["blocking", "polling"], default="blocking",
+                   help="UCX engines of both ends: blocking (sleep when idle, the daemon's default) or polling")
     p.add_argument("--no-raw", action="store_true", help="skip the raw references")
     p.add_argument("--verify", action="store_true", help="check every received chunk byte for byte")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -287,17 +318,19 @@ def main(argv=None) -> int:
         out["ablate_checksum"] = True
         log("note: --ablate-checksum: chunks are NOT verified in this run")
     out["known_digests"] = a.known_digests
+    out["ucx_progress"] = a.ucx_progress
     if a.known_digests:
         log("note: --known-digests: the sender does not hash (digests taken before the clock); "
             "the receiver verifies every chunk")
     for backend in backends:
         ring = max(64 * MiB, 4 * max(sizes))
-        bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum, known_digests=a.known_digests)
+        bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum, known_digests=a.known_digests,
+                      progress=a.ucx_progress)
         try:
-            log(f"\n== {backend.value}: chunk size sweep ({a.total_mib} MiB per run, best of {a.repeat}, "
-                f"ours and raw interleaved)")
-            log(f"{'chunk':>8} {'GB/s':>6} {'p50 us':>8} {'p99 us':>8} | {'raw GB/s':>8} {'p50 us':>8} "
-                f"{'p99 us':>8} {'ratio':>6} | {'perftest':>8} {'ratio':>6}")
+            log(f"\n== {backend.value}: chunk size sweep ({a.total_mib} MiB per run, {a.repeat} runs of ours and "
+                f"raw interleaved; medians, ratio = median of the per-pair ratios)")
+            log(f"{'chunk':>8} {'GB/s':>6} {'p50 us':>7} {'p99 us':>7} | {'raw GB/s':>8} {'p50 us':>7} {'p99 us':>7} "
+                f"| {'ratio':>5} {'(min-max)':>11} | {'CPU s/GB tx/rx':>14} {'raw tx/rx':>11} | {'perftest':>8} {'ratio':>5}")
             for size in sizes:
                 n = max(8, a.total_mib * MiB // size)
                 n_lat = max(5, min(a.latency_samples, 512 * MiB // size))
@@ -308,30 +341,24 @@ def main(argv=None) -> int:
                 # instead of 0.7, which is the neighbour, not the transport.
                 p50, p99 = bench_raw.percentiles(bench.latency(size, n_lat, src))
                 raw_fn = bench_raw.raw_tcp if backend is Backend.TCP else bench_raw.raw_ucxx
-                runs = []  # (ours GB/s, raw) pairs, interleaved so a noisy neighbour hits both alike
+                runs = []  # (ours, raw) pairs, interleaved so a noisy neighbour hits both alike
                 for _ in range(a.repeat):
-                    ours = size * n / bench.stream(size, n, src) / 1e9
+                    ours = bench.stream(size, n, src)
                     runs.append((ours, None if a.no_raw else raw_fn(ctx, size, n, n_lat, ring)))
-                ours = max(r[0] for r in runs)
-                point = {"backend": backend.value, "chunk_bytes": size, "gbps": ours, "lat_p50_us": p50,
-                         "lat_p99_us": p99, "runs_gbps": [r[0] for r in runs]}
+                point = {"backend": backend.value, "chunk_bytes": size, "lat_p50_us": p50, "lat_p99_us": p99,
+                         **_summary([r[0] for r in runs])}
                 if not a.no_raw:
-                    raw = max((r[1] for r in runs), key=lambda r: r["gbps"])
-                    point["raw"] = raw
-                    point["raw_runs_gbps"] = [r[1]["gbps"] for r in runs]
-                    point["ratio"] = ours / raw["gbps"]  # best against best
-                    point["ratio_median"] = float(np.median([o / r["gbps"] for o, r in runs]))
+                    raws = [r[1] for r in runs]
+                    point["raw"] = dict(_summary(raws), lat_p50_us=_median(raws, "lat_p50_us"),
+                                        lat_p99_us=_median(raws, "lat_p99_us"))
+                    pairs = [o["gbps"] / r["gbps"] for o, r in runs]
+                    point["ratio"], point["ratio_runs"] = float(np.median(pairs)), pairs
                     if backend is Backend.UCX:
                         pt = bench_raw.perftest(size, max(64, (1 << 30) // size))
                         if pt:
-                            point["perftest"], point["perftest_ratio"] = pt, ours / pt["gbps"]
+                            point["perftest"], point["perftest_ratio"] = pt, point["gbps"] / pt["gbps"]
                 out["points"].append(point)
-                raw = point.get("raw", {})
-                pt = point.get("perftest", {})
-                log(f"{_fmt(size):>8} {ours:6.2f} {p50:8.0f} {p99:8.0f} | {raw.get('gbps', float('nan')):8.2f} "
-                    f"{raw.get('lat_p50_us', float('nan')):8.0f} {raw.get('lat_p99_us', float('nan')):8.0f} "
-                    f"{point.get('ratio', float('nan')):6.2f} | {pt.get('gbps', float('nan')):8.2f} "
-                    f"{point.get('perftest_ratio', float('nan')):6.2f}")
+                log(_row(point))
             chunk = _size(a.pipeline_chunk)
             src = source(bench.seed, chunk, a.verify)
             for layers in [int(x) for x in a.layers.split(",") if int(x) > 0]:

@@ -9,7 +9,10 @@ Throughput: ``n`` messages back to back, bytes / (first send .. receiver's last 
 memory touched matches the transport benchmark (4 source buffers, a receive ring of the sink's
 size), so cache effects do not favour either side.
 Latency: paced, one message in flight; receiver's arrival minus sender's submit, both on
-CLOCK_MONOTONIC (one host). The raw functions return ``{"gbps", "lat_p50_us", "lat_p99_us"}``;
+CLOCK_MONOTONIC (one host). CPU: each process's CPU time (all its threads) over the timed
+stream, per GB moved: when both sides are near one core's worth per second, the run is CPU-bound
+and what the transport adds per byte sets the ratio. The raw functions return ``{"gbps",
+"lat_p50_us", "lat_p99_us", "cpu_tx_s_per_gb", "cpu_rx_s_per_gb"}``;
 ``perftest`` returns ``{"gbps", "overhead_p50_us"}`` and varies a lot between runs below 16 MiB
 here, so raw ucxx is the reference the ratios are judged against.
 """
@@ -37,9 +40,16 @@ def percentiles(samples_s: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def _result(nbytes: int, seconds: float, lat: list[float]) -> dict:
+def _result(nbytes: int, seconds: float, lat: list[float], cpu_tx_s: float, cpu_rx_s: float) -> dict:
     p50, p99 = percentiles(lat)
-    return {"gbps": nbytes / seconds / 1e9, "lat_p50_us": p50, "lat_p99_us": p99}
+    gb = nbytes / 1e9
+    return {"gbps": gb / seconds, "lat_p50_us": p50, "lat_p99_us": p99,
+            "cpu_tx_s_per_gb": cpu_tx_s / gb, "cpu_rx_s_per_gb": cpu_rx_s / gb}
+
+
+def _mark() -> tuple[float, float]:
+    """(CLOCK_MONOTONIC, this process's CPU seconds): what a receiver reports at each mark."""
+    return time.monotonic(), time.process_time()
 
 
 # -- raw TCP -------------------------------------------------------------------------------------
@@ -67,7 +77,7 @@ def _tcp_rx(conn, size: int, n: int, n_lat: int, ring_bytes: int) -> None:
         while got < size:
             got += s.recv_into(buf[got:], size - got, socket.MSG_WAITALL) or _eof()
         if i == _WARM - 1 or i == _WARM + n - 1 or i >= _WARM + n:
-            conn.send(time.monotonic())
+            conn.send(_mark())
     s.close()
 
 
@@ -90,18 +100,19 @@ def raw_tcp(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20) -> d
         src = _sources(size)
         for i in range(_WARM):
             s.sendall(src[i % SOURCES])
-        parent.recv()
-        t0 = time.monotonic()
+        _, rx0 = parent.recv()
+        t0, tx0 = _mark()
         for i in range(n):
             s.sendall(src[i % SOURCES])
-        seconds = parent.recv() - t0
+        t1, rx1 = parent.recv()
+        seconds, tx_cpu = t1 - t0, time.process_time() - tx0
         lat = []
         for i in range(n_lat):
             t = time.monotonic()
             s.sendall(src[i % SOURCES])
-            lat.append(parent.recv() - t)
+            lat.append(parent.recv()[0] - t)
         s.close()
-        return _result(size * n, seconds, lat)
+        return _result(size * n, seconds, lat, tx_cpu, rx1 - rx0)
     finally:
         p.join(timeout=10)
         p.kill()
@@ -138,10 +149,10 @@ def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int) ->
             posted.pop(0)
             if i + depth < count:
                 posted.append(ep.tag_recv(ring[(i + depth) % len(ring)], tag))
-        conn.send(time.monotonic())
+        conn.send(_mark())
     for _ in range(n_lat):
         _wait(w, [ep.tag_recv(ring[0], tag)])
-        conn.send(time.monotonic())
+        conn.send(_mark())
     conn.recv()  # hold the endpoint until the sender is done
 
 
@@ -157,8 +168,9 @@ def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, dep
         ep = api.UCXEndpoint.create(w, "127.0.0.1", parent.recv(), True)
         src, tag = [Array(m) for m in _sources(size)], api.UCXXTag(1)
         data = src[0]
+        rx0 = 0.0
         for count in (_WARM, n):
-            t0 = time.monotonic()
+            t0, tx0 = _mark()
             reqs = []
             for i in range(count):
                 reqs.append(ep.tag_send(src[i % SOURCES], tag))
@@ -167,18 +179,19 @@ def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, dep
             _wait(w, reqs)
             while not parent.poll():
                 w.progress_worker_event(10)
-            seconds = parent.recv() - t0
+            t1, rx1 = parent.recv()
+            seconds, tx_cpu, rx_cpu, rx0 = t1 - t0, time.process_time() - tx0, rx1 - rx0, rx1
         lat = []
         for _ in range(n_lat):
             t = time.monotonic()
             req = ep.tag_send(data, tag)
             while not parent.poll():
                 w.progress_worker_event(1)
-            lat.append(parent.recv() - t)
+            lat.append(parent.recv()[0] - t)
             _wait(w, [req])
         parent.send("done")
         ep.close_blocking()
-        return _result(size * n, seconds, lat)
+        return _result(size * n, seconds, lat, tx_cpu, rx_cpu)
     finally:
         p.join(timeout=10)
         p.kill()

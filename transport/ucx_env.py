@@ -11,7 +11,11 @@ In blocking mode an idle engine sleeps inside ucxx's ``progress_worker_event`` (
 epoll_wait, all in C++ with the GIL released once), and ``call_soon`` wakes it through an eventfd
 added to ucxx's own epoll set; it writes that eventfd only while the engine sleeps. A large
 rendezvous wakes the engine many times per chunk, so what one wake costs in Python (GIL hand-offs,
-syscalls) is what the transport costs over raw UCX. In polling mode the engine spins instead.
+syscalls) is what the transport costs over raw UCX. After a round that did work the engine keeps
+polling for ``SPIN_S`` before it sleeps again: in layer-pipelined transfers a layer's first chunk
+then finds the engine awake (layer-ready lag p50 1.3-1.5 ms against 1.7-4 ms, and up to 21 ms in
+bad runs, when it slept between layers; 32 layers of 8 MiB, compute = transfer). In polling mode
+the engine spins always.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Engine:
     :meth:`call_soon`, :meth:`call`, :meth:`stop`; everything else runs on the engine thread."""
 
     TICK_S = 0.02  # how often deadlines are checked, seconds
+    SPIN_S = 0.002  # after work, keep polling this long before sleeping (blocking mode), seconds
 
     def __init__(self, config: TransferConfig, name: str) -> None:
         self.api, self.Array = load()
@@ -215,9 +220,11 @@ class Engine:
         worker, calls = self.worker, self._calls
         tick_ms = int(self.TICK_S * 1000)
         idle = False  # the last round did nothing: the next one may sleep
+        spin_until = 0.0  # ... once the spin window after the last busy round has passed
+        now = 0.0
         while self._running:
             self.loops += 1
-            if idle and not self._polling:
+            if idle and not self._polling and now >= spin_until:
                 self._sleeping = True
                 if not calls:
                     # progress; if nothing moved, arm and epoll_wait (worker fd + our eventfd)
@@ -240,6 +247,8 @@ class Engine:
                     log.exception("UCX engine call failed")
             busy = self._fire() or busy
             now = time.monotonic()
+            if busy:
+                spin_until = now + self.SPIN_S
             if now >= self._next_tick:
                 self._next_tick = now + self.TICK_S
                 for fn in list(self._tickers):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
+
+import pytest
 
 from kvstore.transport import bench
 
@@ -16,10 +19,25 @@ def test_bench_runs_and_reports_json(backend, capsys):
     (point,) = doc["points"]
     assert point["backend"] == backend and point["chunk_bytes"] == 65536 and point["gbps"] > 0
     assert point["lat_p50_us"] <= point["lat_p99_us"]
+    assert point["cpu_tx_s_per_gb"] > 0 and point["cpu_rx_s_per_gb"] > 0  # both processes measured
     if backend == "tcp":
-        assert point["raw"]["gbps"] > 0 and point["ratio"] > 0
+        raw = point["raw"]
+        assert raw["gbps"] > 0 and raw["cpu_tx_s_per_gb"] > 0 and raw["cpu_rx_s_per_gb"] > 0
+        assert point["ratio"] == pytest.approx(statistics.median(point["ratio_runs"]))
     (pipe,) = doc["pipelined"]
     assert pipe["layers"] == 4 and 0 <= pipe["hidden_fraction"] <= 1
+
+
+def test_bench_ratio_is_the_median_of_interleaved_pairs(capsys):
+    rc = bench.main(["--backend", "tcp", "--sizes", "64KiB", "--total-mib", "2", "--latency-samples", "5",
+                     "--repeat", "3", "--layers", "0", "--json"])
+    assert rc == 0
+    (point,) = json.loads(capsys.readouterr().out)["points"]
+    ours, raw = point["runs_gbps"], point["raw"]["runs_gbps"]
+    assert len(ours) == len(raw) == len(point["ratio_runs"]) == 3
+    assert point["ratio_runs"] == pytest.approx([o / r for o, r in zip(ours, raw)])
+    assert point["ratio"] == pytest.approx(statistics.median(point["ratio_runs"]))
+    assert point["gbps"] == pytest.approx(statistics.median(ours))
 
 
 def test_bench_with_known_digests_still_verifies_every_chunk(backend, capsys):

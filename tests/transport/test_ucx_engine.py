@@ -1,5 +1,6 @@
 """The UCX progress engine's own contract: work handed over from other threads always wakes a
-sleeping engine (no lost wake-up), and an idle engine sleeps instead of spinning."""
+sleeping engine (no lost wake-up), an engine keeps polling for a short window after work, and an
+idle engine sleeps instead of spinning."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_an_idle_engine_sleeps_instead_of_spinning(engine_cls):
     engine = engine_cls(TransferConfig(backend="ucx"), "test")
     try:
         engine.call(lambda: None)
+        time.sleep(engine.SPIN_S + 0.05)  # past the polling window that follows work
         before = engine.loops
         time.sleep(0.5)
         # Asleep in epoll_wait: a handful of rounds at most (a spinning engine does ~10^5).
@@ -71,3 +73,21 @@ def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
     finally:
         engine.stop()
 
+
+
+def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls):
+    class LongSpin(engine_cls):
+        SPIN_S = 0.3
+    engine = LongSpin(TransferConfig(backend="ucx"), "test")
+    try:
+        engine.call(lambda: None)
+        before = engine.loops
+        time.sleep(0.1)
+        assert engine.loops - before > 100  # still inside the window: polling, not asleep
+        time.sleep(0.3)
+        before = engine.loops
+        time.sleep(0.3)
+        assert engine.loops - before < 20  # the window closed: asleep
+        assert engine.call(lambda: 5) == 5
+    finally:
+        engine.stop()
