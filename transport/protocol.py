@@ -9,6 +9,7 @@ One connection carries one transfer at a time::
     BEGIN(transfer id, manifest) ---------->  sink.begin()
                                <------------ ACCEPT | REFUSE(status, why)
     CHUNK(seq, block, layer, key, length, xxh3) + payload ---->  verify, target.arrived()
+    BATCH(CHUNK, CHUNK, ...) + payloads --->  (UCX only: several CHUNK headers in one message)
     ...                        <------------ ERROR(status, why)  (any time; then it closes)
     END(chunk count) ---------------------->  target.end(OK)
                                <------------ RESULT(status, why)
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = 0x3154564B  # b"KVT1" little-endian
-VERSION = 1
+VERSION = 2  # 2: BATCH frames
+MAX_BATCH = 64  # CHUNK headers one BATCH frame may carry
 KEY_BYTES = 32
 
 # magic, version, type, flags, status, seq, transfer_id, block, layer, length, checksum, key:
@@ -54,6 +56,7 @@ class FrameType(enum.IntEnum):
     RESULT = 7
     ABORT = 8
     ERROR = 9
+    BATCH = 10  # data: 1..MAX_BATCH CHUNK frame headers, each followed on the wire by its payload
 
 
 class TransferStatus(enum.IntEnum):

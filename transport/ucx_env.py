@@ -103,6 +103,7 @@ class Engine:
         self._lanes: list[collections.deque] = []  # in-order requests: only heads are checked
         self._ready: collections.deque = collections.deque()  # completed, callback not yet run
         self._tickers: list = []  # callables run every TICK_S (deadline checks)
+        self._deferred: list = []  # callables run once the pending calls are drained
         self._next_tick = 0.0
         self._running = True
         self.loops = 0  # engine loop iterations, for profiling
@@ -175,6 +176,10 @@ class Engine:
         """Forget an (empty) lane of a closed connection."""
         self._lanes = [x for x in self._lanes if x is not lane]
 
+    def defer(self, fn) -> None:
+        """Run ``fn()`` once the calls queued now have all run (to batch what they queued)."""
+        self._deferred.append(fn)
+
     def add_ticker(self, fn) -> None:
         self._tickers.append(fn)
 
@@ -245,6 +250,13 @@ class Engine:
                     fn(*args)
                 except Exception:
                     log.exception("UCX engine call failed")
+            while self._deferred:
+                deferred, self._deferred = self._deferred, []
+                for fn in deferred:
+                    try:
+                        fn()
+                    except Exception:
+                        log.exception("UCX deferred call failed")
             busy = self._fire() or busy
             now = time.monotonic()
             if busy:

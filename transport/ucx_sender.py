@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 
 from .config import TransferConfig, format_peer
-from .protocol import Frame, ProtocolError, TransferError, TransferStatus, parse_status
+from .protocol import MAX_BATCH, Frame, FrameType, ProtocolError, TransferError, TransferStatus, parse_status
 from .ucx import _HELLO, _REPLY_MAX, _Conn, _hello, _parse_hello, _req_error, data_tag
 from .ucx_env import Engine
 
@@ -35,6 +35,7 @@ class UcxChannel(_Conn):
         self.max_inflight = connector.config.max_inflight_bytes
         self.waiting: Future | None = None
         self.deadline: float | None = None
+        self.pump_deferred = False  # a _pump is scheduled after the engine's pending calls
 
     # -- any thread -----------------------------------------------------------------------------
 
@@ -92,32 +93,56 @@ class UcxChannel(_Conn):
                 fut.set_exception(self.err or TransferError(TransferStatus.ABORTED, "connection closed"))
             return
         self.queue.append(item)
+        if not self.pump_deferred:  # pump once the calls queued with this one are in: one batch
+            self.pump_deferred = True
+            self.engine.defer(self._deferred_pump)
+
+    def _deferred_pump(self) -> None:
+        self.pump_deferred = False
         self._pump()
 
     def _pump(self) -> None:
         while self.queue and self.err is None:
             kind, frame, data, extra = self.queue[0]
-            if kind == "chunk":  # frame carries the checksum of data (the source); extra: wire bytes
-                n = frame.length
-                if self.inflight_bytes and self.inflight_bytes + n > self.max_inflight:
+            if kind == "chunk":
+                if not self._send_chunks():
                     return  # resumed by the completion of an earlier payload
-                self.queue.popleft()
-                self.send_ctrl(frame)
-                req = self.ep.tag_send(self.engine.Array(extra), data_tag(self.api, self.peer_rx, frame.seq))
-                self.inflight_bytes += n
-                self.track(req, lambda r, n=n, _keep=extra: self._on_payload_sent(r, n), ordered=True)
             else:
                 self.queue.popleft()
                 if kind == "call":
                     self.waiting = extra
                 self.send_ctrl(frame, data)
 
+    def _send_chunks(self) -> int:
+        """Send the queued chunks at the head of the queue that fit the in-flight window (at
+        most MAX_BATCH): their headers in one control message, then each payload. Each queued
+        frame carries the checksum of its source; its wire bytes are what goes out."""
+        batch = []
+        while self.queue and self.queue[0][0] == "chunk" and len(batch) < MAX_BATCH:
+            frame, wire = self.queue[0][1], self.queue[0][3]
+            if self.inflight_bytes and self.inflight_bytes + frame.length > self.max_inflight:
+                break
+            self.queue.popleft()
+            self.inflight_bytes += frame.length
+            batch.append((frame, wire))
+        if len(batch) == 1:
+            self.send_ctrl(batch[0][0])
+        elif batch:
+            headers = b"".join(frame.pack() for frame, _ in batch)
+            self.send_ctrl(Frame(FrameType.BATCH, batch[0][0].transfer_id, length=len(headers)), headers)
+        for frame, wire in batch:
+            req = self.ep.tag_send(self.engine.Array(wire), data_tag(self.api, self.peer_rx, frame.seq))
+            n = frame.length
+            self.track(req, lambda r, n=n, _keep=wire: self._on_payload_sent(r, n), ordered=True)
+        return len(batch)
+
     def _on_payload_sent(self, req, n: int) -> None:
         self.inflight_bytes -= n
         err = _req_error(req, self.ep)
         if err is not None:
             return self.lost(err)
-        self._pump()
+        if self.inflight_bytes <= self.max_inflight - self.max_inflight // 4:
+            self._pump()  # a quarter of the window free (or more): room for a batch
 
     def on_frame(self, frame: Frame, data: bytes) -> None:
         fut, self.waiting = self.waiting, None
