@@ -1,0 +1,312 @@
+"""Kubernetes artefacts: raw manifests, `kubectl kustomize` output and the Helm chart rendered
+with several values files pass minimal schemas and cross-object checks (selectors match labels,
+mounts name existing volumes, ports and paths agree with the daemon's TOML, memory limits cover
+the DRAM arena); the chart renders with `helm template` when helm is on PATH, and always with
+deploy/tools/minihelm.py (helm is neither in Debian 12 nor on PyPI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from deploy_util import CHART, DEPLOY, K8S, ROOT, load_config, minihelm
+from kvstore import config as kvconfig
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}
+LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+METADATA = {"type": "object", "required": ["name"],
+            "properties": {"name": NAME, "namespace": NAME, "labels": LABELS, "annotations": LABELS}}
+PORT_NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 15}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+PROBE = {"type": "object", "minProperties": 1,
+         "properties": {"exec": {"type": "object", "required": ["command"],
+                                 "properties": {"command": {"type": "array", "minItems": 1, "items": {"type": "string"}}}},
+                        "grpc": {"type": "object", "required": ["port"]},
+                        "httpGet": {"type": "object", "required": ["port"]},
+                        "tcpSocket": {"type": "object", "required": ["port"]},
+                        "periodSeconds": {"type": "integer", "minimum": 1},
+                        "timeoutSeconds": {"type": "integer", "minimum": 1},
+                        "failureThreshold": {"type": "integer", "minimum": 1}},
+         "oneOf": [{"required": [h]} for h in ("exec", "grpc", "httpGet", "tcpSocket")]}
+CONTAINER = {"type": "object", "required": ["name", "image"], "properties": {
+    "name": NAME, "image": {"type": "string", "minLength": 1},
+    "ports": {"type": "array", "items": {"type": "object", "required": ["name", "containerPort"], "properties": {
+        "name": PORT_NAME, "containerPort": PORT, "protocol": {"enum": ["TCP", "UDP", "SCTP"]}}}},
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+    "volumeMounts": {"type": "array", "items": {"type": "object", "required": ["name", "mountPath"]}},
+    "resources": {"type": "object", "required": ["limits"]},
+    "startupProbe": PROBE, "readinessProbe": PROBE, "livenessProbe": PROBE}}
+SCHEMAS = {
+    ("v1", "Namespace"): {},
+    ("v1", "ConfigMap"): {"required": ["data"], "properties": {"data": LABELS}},
+    ("v1", "Service"): {"required": ["spec"], "properties": {"spec": {"type": "object", "required": ["selector", "ports"],
+        "properties": {"selector": LABELS, "ports": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "port"], "properties": {"name": PORT_NAME, "port": PORT}}}}}}},
+    ("apps/v1", "DaemonSet"): {"required": ["spec"], "properties": {"spec": {"type": "object", "required": ["selector", "template"],
+        "properties": {"selector": {"type": "object", "required": ["matchLabels"], "properties": {"matchLabels": LABELS}},
+                       "template": {"type": "object", "required": ["metadata", "spec"], "properties": {
+                           "metadata": {"type": "object", "required": ["labels"], "properties": {"labels": LABELS}},
+                           "spec": {"type": "object", "required": ["containers", "volumes"], "properties": {
+                               "containers": {"type": "array", "minItems": 1, "items": CONTAINER},
+                               "initContainers": {"type": "array", "items": CONTAINER},
+                               "volumes": {"type": "array", "items": {"type": "object", "required": ["name"],
+                                                                      "minProperties": 2}}}}}}}}}},
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {"required": ["spec"], "properties": {"spec": {"type": "object",
+        "required": ["selector", "endpoints"], "properties": {
+            "selector": {"type": "object", "required": ["matchLabels"]},
+            "endpoints": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["port"]}}}}}},
+    ("monitoring.coreos.com/v1", "PrometheusRule"): {"required": ["spec"], "properties": {"spec": {"type": "object",
+        "required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "rules"], "properties": {"rules": {"type": "array", "minItems": 1,
+                "items": {"type": "object", "required": ["expr"]}}}}}}}}},
+}
+
+
+def validate_schema(doc: dict) -> None:
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    assert key in SCHEMAS, f"unexpected object {key}"
+    schema = {"type": "object", "required": ["apiVersion", "kind", "metadata"],
+              "properties": {"metadata": METADATA}, **SCHEMAS[key]}
+    schema["properties"] = {"metadata": METADATA, **SCHEMAS[key].get("properties", {})}
+    jsonschema.validate({k: v for k, v in doc.items() if k != "__source__"}, schema)
+
+
+def quantity(q) -> float:
+    """A Kubernetes quantity in base units: '10Gi', '512Mi', '2', '500m'."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|m)?", str(q))
+    assert m, f"not a quantity: {q!r}"
+    mult = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+            "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "m": 1e-3}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def check_objects(docs: list[dict], tmp_path: Path, monitoring: bool = True) -> None:
+    """Schemas, then everything that must agree across objects and with the daemon's config."""
+    for d in docs:
+        validate_schema(d)
+    kinds = {}
+    for d in docs:
+        kinds.setdefault(d["kind"], []).append(d)
+    (ds,) = kinds["DaemonSet"]
+    (svc,) = kinds["Service"]
+    pod = ds["spec"]["template"]
+    spec = pod["spec"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(), "service selects no daemon pod"
+    assert svc["spec"].get("clusterIP") == "None", "peer discovery needs a headless service"
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounted = set()
+    for c in spec["containers"] + spec.get("initContainers", []):
+        for m in c.get("volumeMounts", []):
+            assert m["name"] in volumes, f"{c['name']} mounts unknown volume {m['name']}"
+            mounted.add(m["name"])
+    assert mounted == set(volumes), f"volumes nobody mounts: {set(volumes) - mounted}"
+
+    (main,) = [c for c in spec["containers"] if c["name"] == "kvstore"]
+    probe_commands = {p: main[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    sc = main["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    for p in svc["spec"]["ports"]:
+        target = p.get("targetPort", p["port"])
+        assert target in (ports if isinstance(target, str) else ports.values()), f"service port {p} targets nothing"
+    assert spec.get("hostIPC") is not True, "the arena is passed as an fd: no hostIPC"
+
+    # The daemon's config, as the pod sees it.
+    cm_name = volumes["config"]["configMap"]["name"]
+    (cm,) = [c for c in kinds["ConfigMap"] if c["metadata"]["name"] == cm_name]
+    cfg = load_config(cm["data"]["kvstore.toml"], tmp_path)
+    mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+
+    def mounted_path(path: str) -> bool:
+        return any(path == mp or path.startswith(mp.rstrip("/") + "/") for mp in mounts)
+
+    assert mounts.get("/etc/kvstore") == "config"
+    assert main["args"][-2:] == ["--config", "/etc/kvstore/kvstore.toml"]
+    sock_dir = os.path.dirname(cfg.server.socket_path)
+    assert mounts.get(sock_dir) == "socket-dir" and "hostPath" in volumes["socket-dir"], \
+        "workers reach the socket through a hostPath directory"
+    env = {e["name"]: e.get("value") for e in main.get("env", [])}
+    assert env.get("KVSTORE_SERVER_SOCKET_PATH") == cfg.server.socket_path, "`kubectl exec kvstore stats` would look elsewhere"
+    for probe, command in probe_commands.items():
+        assert command == ["kvstore", "health", "--socket", cfg.server.socket_path], probe
+    if cfg.nvme.dir:
+        assert mounts.get(cfg.nvme.dir) == "nvme", "the NVMe tier must be on a node volume, not the container fs"
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        if path := getattr(cfg.server, key):
+            assert mounted_path(path), f"server.{key} = {path} is in no mounted volume"
+    assert ports["transfer"] == int(cfg.transport.listen.rsplit(":", 1)[1])
+    assert ports["metrics"] == cfg.metrics.port and cfg.metrics.host == "0.0.0.0"
+    if cfg.server.tcp_listen:
+        assert ports["control-tls"] == int(cfg.server.tcp_listen.rsplit(":", 1)[1])
+    if cfg.transport.backend == "ucx":
+        assert env.get("UCX_MM_ERROR_HANDLING") == "y", "UCX drops its shm transports without it"
+
+    # Memory: the memfd arena and the memory-backed /dev/shm are charged to the container.
+    limit = quantity(main["resources"]["limits"]["memory"])
+    shm = quantity(volumes["dshm"]["emptyDir"].get("sizeLimit", 0))
+    dram = kvconfig.parse_size(tomllib.loads(cm["data"]["kvstore.toml"])["dram"]["capacity_bytes"])
+    assert limit >= dram + shm + 2**29, f"memory limit {limit} < DRAM arena {dram} + /dev/shm {shm} + 512Mi"
+    req, lim = main["resources"]["requests"], main["resources"]["limits"]
+    assert all(quantity(req[k]) == quantity(lim[k]) for k in ("cpu", "memory")), "requests == limits: Guaranteed QoS"
+    grace = ds["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    assert grace > cfg.server.shutdown_grace_s
+
+    if monitoring:
+        (sm,) = kinds["ServiceMonitor"]
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+        assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "kvstore", 'rules expect job="kvstore"'
+        (rule,) = kinds["PrometheusRule"]
+        assert rule["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "kvstore-rules.yaml").read_text())
+
+
+def raw_manifests(folder: Path) -> list[dict]:
+    docs = []
+    for p in sorted(folder.glob("*.yaml")):
+        if p.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(p.read_text()) if d]
+    return docs
+
+
+def test_k8s_manifests_validate(tmp_path):
+    docs = raw_manifests(K8S) + raw_manifests(K8S / "monitoring")
+    check_objects(docs, tmp_path)
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"kvstore"}
+
+
+def test_k8s_kustomizations_list_every_manifest():
+    for folder in (K8S, K8S / "monitoring"):
+        k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        assert sorted(k["resources"]) == sorted(p.name for p in folder.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed (kustomize build is checked where it is)")
+def test_kustomize_builds(tmp_path):
+    docs = []
+    for folder in (K8S, K8S / "monitoring"):
+        out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        docs += [d for d in yaml.safe_load_all(out.stdout) if d]
+    check_objects(docs, tmp_path)
+
+
+# --- Helm ---------------------------------------------------------------------------------
+
+HELM_VARIANTS = {
+    "defaults": ({}, "kvstore"),
+    "everything-on": ({
+        "dram": {"capacity": "32GiB"}, "resources": {"requests": {"cpu": "4", "memory": "40Gi"},
+                                                     "limits": {"cpu": "4", "memory": "40Gi"}},
+        "hbm": {"capacity": "16GiB", "device": "0", "exposeAllGpus": True},
+        "transport": {"backend": "ucx", "port": 17470, "ucxProgress": "polling"},
+        "control": {"tls": {"enabled": True, "port": 17471, "secretName": "kvstore-tls", "mutual": True,
+                            "tokenSecret": {"name": "kvstore-token", "key": "token"}}},
+        "metrics": {"port": 19464},
+        "hugepages": {"enabled": True, "pageSize": "2Mi", "amount": "4Gi"},
+        "grafanaDashboard": {"enabled": True}, "hostNetwork": True, "priorityClassName": "system-node-critical",
+        "serviceMonitor": {"labels": {"release": "kube-prometheus-stack"}},
+        "extraEnv": [{"name": "UCX_TLS", "value": "rc,sm"}], "podAnnotations": {"team": "inference"},
+    }, "cache"),
+    "minimal": ({"nvme": {"enabled": False}, "serviceMonitor": {"enabled": False},
+                 "prometheusRule": {"enabled": False}}, "kvstore"),
+    "nvme-local-pv": ({"nvme": {"volume": {"persistentVolumeClaim": {"claimName": "kvstore-nvme"}}}}, "kvstore"),
+}
+
+
+def chart_values_schema() -> dict:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_chart_metadata_and_values_schema():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "kvstore" and chart["type"] == "application"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"]) and chart["appVersion"]
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["appVersion"] == version, "appVersion should follow pyproject's version"
+    schema = chart_values_schema()
+    jsonschema.Draft7Validator.check_schema(schema)
+    c = minihelm.Chart(CHART)
+    for name, (values, _) in HELM_VARIANTS.items():
+        jsonschema.validate(c.values(values), schema)
+    for bad in ({"dram": {"capacity": 1000000}}, {"transport": {"backend": "rdma"}}, {"typo": 1},
+                {"control": {"tls": {"enabled": True}}}, {"nvme": {"highWatermark": 1.5}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(c.values(bad), schema)
+
+
+@pytest.mark.parametrize("variant", list(HELM_VARIANTS))
+def test_chart_renders_and_validates(variant, tmp_path):
+    values, release = HELM_VARIANTS[variant]
+    chart = minihelm.Chart(CHART)
+    docs = minihelm.manifests(chart.render(values, release=release))
+    v = chart.values(values)
+    check_objects(docs, tmp_path, monitoring=v["serviceMonitor"]["enabled"] and v["prometheusRule"]["enabled"])
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    fullname = "kvstore" if release == "kvstore" else f"{release}-kvstore"
+    assert ("DaemonSet", fullname) in names and ("Service", f"{fullname}-peers") in names
+    if v["grafanaDashboard"]["enabled"]:
+        (cm,) = [d for d in docs if d["metadata"]["name"].endswith("-dashboard")]
+        assert json.loads(cm["data"]["kvstore-dashboard.json"]) == \
+            json.loads((DEPLOY / "grafana" / "kvstore-dashboard.json").read_text())
+    if not v["nvme"]["enabled"]:
+        (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+        assert tomllib.loads(cm["data"]["kvstore.toml"])["nvme"]["dir"] == ""
+
+
+KUBE_VERSION = "1.30.0"  # within Chart.yaml's kubeVersion; older helm defaults to 1.20
+
+
+def _helm_docs(text: str) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
+@pytest.mark.skipif(not shutil.which("helm"), reason="helm not on PATH (not in Debian 12 or PyPI; see docs/deploy.md); "
+                    "the chart is rendered with deploy/tools/minihelm.py instead")
+@pytest.mark.parametrize("variant", list(HELM_VARIANTS))
+def test_helm_template_matches_minihelm(variant, tmp_path):
+    values, release = HELM_VARIANTS[variant]
+    vf = tmp_path / "values.yaml"
+    vf.write_text(yaml.safe_dump(values))
+    lint = subprocess.run(["helm", "lint", str(CHART), "-f", str(vf), "--kube-version", KUBE_VERSION],
+                          capture_output=True, text=True, timeout=120)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    out = subprocess.run(["helm", "template", release, str(CHART), "-n", "kvstore", "-f", str(vf),
+                          "--kube-version", KUBE_VERSION],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ours = [{k: v for k, v in d.items() if k != "__source__"}
+            for d in minihelm.manifests(minihelm.Chart(CHART).render(values, release=release))]
+    assert _helm_docs(out.stdout) == sorted(ours, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
+@pytest.mark.parametrize("value,text", [(7470, "7470"), (0.9, "0.9"), (30, "30"), (999999, "999999"),
+                                        (1000000, "1e+06"), (1234567, "1.234567e+06"), (0.0001, "0.0001"),
+                                        (0.00001, "1e-05"), (-2.5, "-2.5"), (0, "0")])
+def test_minihelm_prints_numbers_as_helm_does(value, text):
+    assert minihelm.go_str(value) == text
+
+
+def test_minihelm_refuses_what_it_does_not_implement(tmp_path):
+    for body in ("{{ range .Values.x }}{{ end }}", "{{ $x := 1 }}", "{{ lower .Values.x }}", "{{ .Capabilities.KubeVersion }}"):
+        d = tmp_path / body.__hash__().__str__()
+        (d / "templates").mkdir(parents=True)
+        (d / "Chart.yaml").write_text("name: t\nversion: 0.1.0\n")
+        (d / "values.yaml").write_text("x: [1]\n")
+        (d / "templates" / "t.yaml").write_text(body)
+        with pytest.raises(minihelm.TemplateError):
+            minihelm.Chart(d).render()
