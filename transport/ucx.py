@@ -312,6 +312,7 @@ class UcxServer:
     def _tick(self, now: float) -> None:
         for conn in list(self.conns):
             conn.tick(now)
+        self.engine.transfers_open = any(c.session.active is not None for c in self.conns)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         def shut() -> None:

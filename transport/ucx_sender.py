@@ -171,7 +171,12 @@ class UcxConnector:
         self.config = config
         self.engine = Engine(config, "sender")
         self.channels: set[UcxChannel] = set()
-        self.engine.add_ticker(lambda now: [ch.tick(now) for ch in list(self.channels)])
+        self.engine.add_ticker(self._tick)
+
+    def _tick(self, now: float) -> None:
+        for ch in list(self.channels):
+            ch.tick(now)
+        self.engine.transfers_open = any(ch.deadline is not None for ch in self.channels)
 
     def connect(self, host: str, port: int, timeout_s: float) -> UcxChannel:
         peer = format_peer(host, port)

@@ -9,8 +9,11 @@ import time
 
 import pytest
 
+from conftest import make_payload, wait_for
 from kvstore.transport import TransferConfig, ucx_available
 from kvstore.transport.config import UcxProgress
+
+BACKENDS = ["ucx"]  # for the listener / sender fixtures
 
 
 @pytest.fixture
@@ -91,3 +94,34 @@ def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls)
         assert engine.call(lambda: 5) == 5
     finally:
         engine.stop()
+
+
+def test_while_a_transfer_is_open_the_engine_naps_at_most_a_millisecond(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx"), "test")
+    try:
+        engine.call(lambda: None)
+        time.sleep(engine.SPIN_S + 0.05)
+        engine.call(setattr, engine, "transfers_open", True)  # as the listener's / connector's ticker does
+        before = engine.loops
+        time.sleep(0.3)
+        naps = engine.loops - before
+        assert 30 < naps < 5000, naps  # ~1 ms naps: hundreds of rounds, not a spin, not asleep
+        engine.call(setattr, engine, "transfers_open", False)
+        time.sleep(engine.SPIN_S + 0.05)
+        before = engine.loops
+        time.sleep(0.3)
+        assert engine.loops - before < 20
+    finally:
+        engine.stop()
+
+
+def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
+    lst_engine = listener._server.engine
+    keys, data = make_payload(31, blocks=2, layers=2, chunk=4096)
+    tx = sender.open(listener.address, keys, 2, 4096)
+    tx_engine = tx._channel.engine
+    wait_for(lambda: tx_engine.transfers_open and lst_engine.transfers_open, what="both engines see the open transfer")
+    tx.send_layer(0, [data[0, 0], data[1, 0]])
+    tx.send_layer(1, [data[0, 1], data[1, 1]])
+    tx.finish()
+    wait_for(lambda: not tx_engine.transfers_open and not lst_engine.transfers_open, what="both engines see it closed")
