@@ -159,7 +159,7 @@ def test_prefill_daemon_killed_mid_transfer(tmp_path):
 
 
 def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
-    a, b, peer_b = pair(tmp_path, "tcp", env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "5"})
+    a, b, peer_b = pair(tmp_path, "tcp", env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "3"})  # the 3rd of 4 blocks
     try:
         ca, cb = clients(a, b)
         tokens = list(range(4 * 16))
@@ -220,7 +220,7 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
         scribble(ca, keys[0], LAYOUT.layer_chunk_bytes + 7, 0x01)  # block 0, layer 1
         with pytest.raises(KVStoreError) as e:
             ca.transfer(keys, peer_b, deadline_s=20)
-        assert e.value.code.name == "DATA_LOSS" and "block 0, layer 1" in e.value.message
+        assert e.value.code.name == "DATA_LOSS" and "block 0, layers 0-5" in e.value.message  # one message per block
         assert cb.lookup(tokens) == 0
         ca.close()
         cb.close()
@@ -243,7 +243,7 @@ def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
         scribble(cb, keys[1], 4 * LAYOUT.layer_chunk_bytes, 0x80)  # block 1, layer 4
         with pytest.raises(KVStoreError) as e:
             cb.transfer(keys, peer_a, deadline_s=20)
-        assert e.value.code.name == "DATA_LOSS" and "block 1, layer 4" in e.value.message
+        assert e.value.code.name == "DATA_LOSS" and "block 1, layers 0-5" in e.value.message
         ca.delete(keys)
         cb.transfer(keys[:1], peer_a, deadline_s=20)  # block 0 is intact and goes through
         assert ca.lookup(tokens[:16]) == 16
@@ -328,3 +328,13 @@ def test_daemons_in_separate_network_namespaces(tmp_path, two_netns):
         cb.close()
     finally:
         assert a.stop() == 0 and b.stop() == 0
+
+
+def test_committed_blocks_travel_in_runs_of_about_4_mib():
+    from kvstore.transfer import RUN_BYTES, run_layers
+    assert RUN_BYTES == 4 << 20
+    assert run_layers(64 << 10, 32) == 32   # a whole 2 MiB block in one message
+    assert run_layers(64 << 10, 80) == 64   # 80 layers: runs of 64 (4 MiB) and 16
+    assert run_layers(1 << 20, 32) == 4
+    assert run_layers(4 << 20, 32) == 1     # already message-sized: one layer each
+    assert run_layers(16 << 20, 32) == 1

@@ -18,6 +18,11 @@ One connection carries one transfer at a time::
 A chunk is one layer of one block: ``header.chunk_bytes`` contiguous bytes. Its xxh3-64 is
 computed by the sender over the source buffer and checked by the receiver over the bytes that
 landed in the destination, so both memory and wire corruption are caught.
+
+A CHUNK frame may carry a *run*: ``k`` consecutive layers of one block that are contiguous on the
+sender (``length = k * chunk_bytes``, ``layer`` = the first). Its checksum is
+:func:`run_checksum` of the ``k`` per-layer digests, so every layer keeps its own xxh3 (what the
+daemon records and the NVMe tier stores) while a whole block travels as one message.
 """
 
 from __future__ import annotations
@@ -44,6 +49,20 @@ _ZERO_KEY = bytes(KEY_BYTES)
 def checksum(buf) -> int:
     """xxh3-64 of a buffer (bytes, memoryview or C-contiguous numpy array); releases the GIL."""
     return xxhash.xxh3_64_intdigest(buf)
+
+
+def layer_digests(buf, chunk_bytes: int) -> list[int]:
+    """The xxh3-64 of each ``chunk_bytes`` piece of a run."""
+    mv = memoryview(buf).cast("B")
+    return [checksum(mv[off:off + chunk_bytes]) for off in range(0, mv.nbytes, chunk_bytes)]
+
+
+def run_checksum(digests) -> int:
+    """A CHUNK frame's checksum for a run of layers with these per-layer digests: the digest
+    itself for one layer, else the xxh3-64 of the digests as little-endian u64s."""
+    if len(digests) == 1:
+        return digests[0]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 class FrameType(enum.IntEnum):

@@ -21,7 +21,7 @@ from typing import Callable, Protocol, Sequence
 
 from .config import Backend, TransferConfig, parse_peer
 from .protocol import (KEY_BYTES, Frame, FrameType, TransferError, TransferHeader, TransferStatus,
-                       checksum, parse_status, status_frame)
+                       checksum, layer_digests, parse_status, run_checksum, status_frame)
 
 log = logging.getLogger("kvstore.transport")
 
@@ -67,7 +67,8 @@ class OutboundTransfer:
         self._sender, self._channel, self.header, self._pool_key = sender, channel, header, key
         self.deadline = deadline
         self._t_open = t_open
-        self._seq = 0
+        self._seq = 0     # CHUNK frames posted (a run is one)
+        self._chunks = 0  # layer chunks posted
         self._sent = bytearray(header.n_chunks)
         self._state = "open"  # -> "done" | "failed"
         self.submit_times: list[float] | None = None  # monotonic per seq, when a benchmark sets a list
@@ -106,6 +107,42 @@ class OutboundTransfer:
         self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv)
         self._sent[block * h.n_layers + layer] = 1
         self._seq += 1
+        self._chunks += 1
+
+    def send_run(self, block: int, first_layer: int, buf, digests: Sequence[int] | None = None) -> list[int]:
+        """Queue layers ``first_layer .. first_layer + k - 1`` of block ``block`` in one message:
+        ``buf`` is their ``k * header.chunk_bytes`` contiguous bytes (a daemon's block slot holds
+        its layers back to back). ``digests``: the layers' xxh3-64s if known, else hashed here.
+        Returns the per-layer digests sent. The receiver verifies each layer on its own, and
+        takes the run in one piece where its memory allows (else it copies it into place)."""
+        self._check_open()
+        h = self.header
+        mv = memoryview(buf).cast("B")
+        k = mv.nbytes // h.chunk_bytes
+        if k == 0 or mv.nbytes != k * h.chunk_bytes:
+            raise ValueError(f"run of {mv.nbytes} bytes: not a whole number of {h.chunk_bytes}-byte layers")
+        if not (0 <= block < len(h.keys) and 0 <= first_layer and first_layer + k <= h.n_layers):
+            raise ValueError(f"run (block {block}, layers {first_layer}..{first_layer + k - 1}) outside "
+                             f"{len(h.keys)} x {h.n_layers}")
+        first = block * h.n_layers + first_layer
+        if any(self._sent[first:first + k]):
+            raise ValueError(f"run (block {block}, layers {first_layer}..{first_layer + k - 1}) repeats a sent layer")
+        if digests is not None and len(digests) != k:
+            raise ValueError(f"send_run: {len(digests)} digests for {k} layers")
+        err = self._channel.error()
+        if err is not None:
+            self._fail(err)
+        sums = list(digests) if digests is not None else layer_digests(mv, h.chunk_bytes)
+        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
+                      run_checksum(sums), h.keys[block])
+        tamper = self._sender.tamper
+        if self.submit_times is not None:
+            self.submit_times.append(time.monotonic())
+        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv)
+        self._sent[first:first + k] = b"\x01" * k
+        self._seq += 1
+        self._chunks += k
+        return sums
 
     def send_layer(self, layer: int, bufs: Sequence, digests: Sequence | None = None) -> None:
         """Queue layer ``layer`` of every block: ``bufs[b]`` is block ``b``'s chunk, ``digests[b]``
@@ -120,7 +157,7 @@ class OutboundTransfer:
         """Wait (until the deadline) for the receiver to verify and commit every chunk."""
         self._check_open()
         try:
-            frame, data = self._channel.call(Frame(FrameType.END, self.transfer_id, seq=self._seq), b"",
+            frame, data = self._channel.call(Frame(FrameType.END, self.transfer_id, seq=self._chunks), b"",
                                              self.deadline)
         except TransferError as err:
             self._fail(err)
@@ -130,7 +167,7 @@ class OutboundTransfer:
         self._state = "done"
         self._sender._give_back(self._pool_key, self._channel)
         h = self.header
-        return TransferResult(h.transfer_id, self._seq, self._seq * h.chunk_bytes, time.monotonic() - self._t_open)
+        return TransferResult(h.transfer_id, self._chunks, self._chunks * h.chunk_bytes, time.monotonic() - self._t_open)
 
     def abort(self, reason: str = "aborted by caller") -> None:
         """Give up: the receiver releases everything it reserved. Idempotent."""

@@ -18,7 +18,7 @@ import time
 
 from .config import TransferConfig
 from .protocol import (Frame, FrameType, ProtocolError, TransferError, TransferHeader, TransferStatus,
-                       checksum, status_frame)
+                       checksum, layer_digests, run_checksum, status_frame)
 from .sink import Sink, Target
 
 log = logging.getLogger("kvstore.transport")
@@ -27,7 +27,7 @@ Reply = tuple[Frame, bytes]
 
 
 class _Active:
-    __slots__ = ("header", "target", "deadline", "seen", "count", "digests")
+    __slots__ = ("header", "target", "deadline", "seen", "count", "digests", "bounce")
 
     def __init__(self, header: TransferHeader, target: Target, deadline: float) -> None:
         self.header = header
@@ -36,6 +36,7 @@ class _Active:
         self.seen = bytearray(header.n_chunks)
         self.count = 0
         self.digests = getattr(target, "digests", None)  # optional: verified xxh3 per chunk index
+        self.bounce: dict[tuple[int, int], bytearray] = {}  # runs the target cannot take in one piece
 
 
 class InboundSession:
@@ -117,51 +118,81 @@ class InboundSession:
     # -- chunks ---------------------------------------------------------------------------------
 
     def chunk_buffer(self, frame: Frame) -> memoryview:
-        """Validate a CHUNK header and return where its payload must be written."""
+        """Validate a CHUNK header (one layer, or a run of layers of one block) and return where
+        its payload must be written."""
         a = self._require(frame)
         h = a.header
         if frame.type is not FrameType.CHUNK:
             raise ProtocolError(f"expected CHUNK, got {frame.type.name}", frame.transfer_id)
-        if not (frame.block < len(h.keys) and frame.layer < h.n_layers):
-            raise ProtocolError(f"chunk (block {frame.block}, layer {frame.layer}) outside the manifest "
-                                f"({len(h.keys)} blocks x {h.n_layers} layers)", h.transfer_id)
-        if frame.length != h.chunk_bytes:
-            raise ProtocolError(f"chunk of {frame.length} bytes, manifest says {h.chunk_bytes}", h.transfer_id)
+        k = frame.length // h.chunk_bytes
+        if frame.length != k * h.chunk_bytes or k == 0:
+            raise ProtocolError(f"chunk of {frame.length} bytes: not a whole number of {h.chunk_bytes}-byte "
+                                f"layers", h.transfer_id)
+        if not (frame.block < len(h.keys) and frame.layer + k <= h.n_layers):
+            raise ProtocolError(f"chunk (block {frame.block}, layers {frame.layer}..{frame.layer + k - 1}) outside "
+                                f"the manifest ({len(h.keys)} blocks x {h.n_layers} layers)", h.transfer_id)
         if frame.key != h.keys[frame.block]:
             raise ProtocolError(f"chunk key {frame.key.hex()[:16]}.. is not key {frame.block} of the manifest",
                                 h.transfer_id)
-        if a.seen[frame.block * h.n_layers + frame.layer]:
-            raise ProtocolError(f"chunk (block {frame.block}, layer {frame.layer}) sent twice", h.transfer_id)
+        first = frame.block * h.n_layers + frame.layer
+        if any(a.seen[first:first + k]):
+            raise ProtocolError(f"chunk (block {frame.block}, layer {a.seen.index(1, first) - frame.block * h.n_layers}) "
+                                f"sent twice", h.transfer_id)
         try:
-            mv = memoryview(a.target.buffer(frame.block, frame.layer)).cast("B")
+            if k == 1:
+                dst = a.target.buffer(frame.block, frame.layer)
+            else:  # a run: one piece of the target's memory if it has one, else bounced
+                run = getattr(a.target, "run", None)
+                dst = run(frame.block, frame.layer, k) if run is not None else None
+                if dst is None:
+                    dst = a.bounce[(frame.block, frame.layer)] = bytearray(frame.length)
+            mv = memoryview(dst).cast("B")
         except Exception as exc:
             raise TransferError(TransferStatus.SINK_ERROR, f"receiver sink gave no buffer: {exc!r}",
                                 h.transfer_id) from exc
-        if mv.readonly or mv.nbytes != h.chunk_bytes:
+        if mv.readonly or mv.nbytes != frame.length:
             raise TransferError(TransferStatus.SINK_ERROR, f"sink buffer is read-only or {mv.nbytes} bytes, "
-                                f"not {h.chunk_bytes}", h.transfer_id)
+                                f"not {frame.length}", h.transfer_id)
         return mv
+
+    def landed_digests(self, frame: Frame, mv) -> int | list[int]:
+        """What :meth:`chunk_verified` needs for the payload of ``frame`` now in ``mv``: its xxh3,
+        or for a run the list of its layers' xxh3s."""
+        c = self._require(frame).header.chunk_bytes
+        return checksum(mv) if frame.length == c else layer_digests(mv, c)
 
     def chunk_landed(self, frame: Frame, mv: memoryview) -> None:
         """The payload of ``frame`` is in ``mv``: verify its checksum, then report it arrived."""
-        self.chunk_verified(frame, checksum(mv))
+        self.chunk_verified(frame, self.landed_digests(frame, mv))
 
-    def chunk_verified(self, frame: Frame, got: int) -> None:
-        """Like :meth:`chunk_landed`, with the payload's checksum ``got`` computed elsewhere
-        (off the I/O thread). Raises CHECKSUM_MISMATCH if it differs from the sender's."""
+    def chunk_verified(self, frame: Frame, got: int | list[int]) -> None:
+        """Like :meth:`chunk_landed`, with the payload's digest ``got`` computed elsewhere (for a
+        run: the list of its per-layer digests). Raises CHECKSUM_MISMATCH if it does not match
+        the sender's checksum."""
         a = self._require(frame)
-        if got != frame.checksum:
+        digests = [got] if isinstance(got, int) else got
+        combined = run_checksum(digests)
+        if combined != frame.checksum:
+            where = f"layer {frame.layer}" if len(digests) == 1 else \
+                f"layers {frame.layer}-{frame.layer + len(digests) - 1}"  # a run: one checksum for all
             raise TransferError(TransferStatus.CHECKSUM_MISMATCH,
-                                f"chunk {frame.seq} (block {frame.block}, layer {frame.layer}, key "
-                                f"{frame.key.hex()[:16]}..) arrived with xxh3 {got:#018x}, sender computed "
-                                f"{frame.checksum:#018x}; nothing of the transfer was kept", frame.transfer_id)
-        i = frame.block * a.header.n_layers + frame.layer
-        a.seen[i] = 1
-        a.count += 1
-        if a.digests is not None:
-            a.digests[i] = got
+                                f"chunk {frame.seq} (block {frame.block}, {where}, key {frame.key.hex()[:16]}..) "
+                                f"arrived with xxh3 {combined:#018x}, sender computed {frame.checksum:#018x}; "
+                                f"nothing of the transfer was kept", frame.transfer_id)
+        bounce = a.bounce.pop((frame.block, frame.layer), None) if a.bounce else None
+        n = a.header.n_layers
         try:
-            a.target.arrived(frame.block, frame.layer)
+            for j, d in enumerate(digests):
+                layer = frame.layer + j
+                i = frame.block * n + layer
+                if bounce is not None:
+                    c = a.header.chunk_bytes
+                    memoryview(a.target.buffer(frame.block, layer)).cast("B")[:] = bounce[j * c:(j + 1) * c]
+                a.seen[i] = 1
+                a.count += 1
+                if a.digests is not None:
+                    a.digests[i] = d
+                a.target.arrived(frame.block, layer)
         except Exception as exc:
             raise TransferError(TransferStatus.SINK_ERROR, f"receiver sink failed on arrival: {exc!r}",
                                 frame.transfer_id) from exc

@@ -33,7 +33,12 @@ from .protocol import TransferHeader, TransferStatus
 class Target(Protocol):
     """One accepted transfer's destination. Optionally it has ``digests``: a writable sequence of
     ``n_chunks`` ints, where the session stores each chunk's verified xxh3-64 (index
-    ``block * n_layers + layer``) before calling ``arrived`` (a daemon keeps them with the blocks)."""
+    ``block * n_layers + layer``) before calling ``arrived`` (a daemon keeps them with the blocks).
+
+    Optionally it has ``run(block, layer, k)``: one writable buffer for layers ``layer .. layer +
+    k - 1`` of a block, where they lie back to back (or None where they do not). A run the target
+    cannot take in one piece lands in a bounce buffer and is copied into ``buffer``s after it is
+    verified; ``arrived`` is called per layer either way."""
 
     def buffer(self, block: int, layer: int) -> memoryview | np.ndarray: ...
     def arrived(self, block: int, layer: int) -> None: ...
@@ -69,10 +74,13 @@ class MemorySink:
     transfers (it must return to 0 whatever happens: the "no leaked slots" check). Finished
     transfers are recorded in ``results``; with ``keep=True`` their bytes are copied out for
     inspection (tests), otherwise slots are reused at once (benchmark). ``on_arrival`` is
-    called with ``(transfer_id, block, layer, monotonic time)`` from the I/O thread.
+    called with ``(transfer_id, block, layer, monotonic time)`` from the I/O thread. With
+    ``runs`` a run of layers whose slots happen to be adjacent lands in one piece; otherwise (or
+    without ``runs``) the session bounces it.
     """
 
-    def __init__(self, slot_bytes: int, n_slots: int, keep: bool = True, on_arrival=None) -> None:
+    def __init__(self, slot_bytes: int, n_slots: int, keep: bool = True, on_arrival=None,
+                 runs: bool = True) -> None:
         self.slot_bytes = slot_bytes
         self.arena = np.zeros(slot_bytes * n_slots, dtype=np.uint8)
         self._free = list(range(n_slots - 1, -1, -1))
@@ -85,6 +93,8 @@ class MemorySink:
         self.layers_ready: dict[int, list[int]] = {}  # transfer id -> layers in completion order
         self.done = threading.Condition(self._lock)
         self.refuse_next = False
+        self.runs = runs
+        self.runs_in_place = 0  # runs handed one piece of the arena
 
     @property
     def reserved_slots(self) -> int:
@@ -128,6 +138,14 @@ class _MemoryTarget:
 
     def buffer(self, block: int, layer: int) -> np.ndarray:
         return self._slot(block, layer)
+
+    def run(self, block: int, layer: int, k: int) -> np.ndarray | None:
+        i = block * self.header.n_layers + layer
+        slots, size = self.slots[i:i + k], self.sink.slot_bytes
+        if not self.sink.runs or size != self.header.chunk_bytes or slots != list(range(slots[0], slots[0] + k)):
+            return None
+        self.sink.runs_in_place += 1
+        return self.sink.arena[slots[0] * size:(slots[0] + k) * size]
 
     def arrived(self, block: int, layer: int) -> None:
         now = time.monotonic()

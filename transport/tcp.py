@@ -363,7 +363,9 @@ class TcpServer:
                 frame, data = read_frame(sock, dl, self._max_ctrl)
                 if frame.type is FrameType.CHUNK:
                     mv = session.chunk_buffer(frame)
-                    session.chunk_verified(frame, recv_hashed(sock, mv, dl))
+                    c = session.active.header.chunk_bytes  # a run: each layer hashed as it lands
+                    session.chunk_verified(frame, recv_hashed(sock, mv, dl) if mv.nbytes == c else
+                                           [recv_hashed(sock, mv[o:o + c], dl) for o in range(0, mv.nbytes, c)])
                     continue
                 reply = session.on_control(frame, data)
                 if reply is not None:
