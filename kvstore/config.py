@@ -113,7 +113,7 @@ class TransportConfig:
     backend: str = field(default="tcp", metadata={"help": "daemon-to-daemon transport: tcp or ucx"})
     listen: str = field(default="", metadata={"help": "host:port of the transfer listener; empty = off"})
     timeout_s: float = field(default=30.0, metadata={"help": "default transfer deadline (seconds)"})
-    ucx_progress: str = field(default="blocking", metadata={"help": "UCX engines: blocking (sleep when idle) or polling (each spins one core; steadier per-layer latency)"})
+    ucx_progress: str = field(default="adaptive", metadata={"help": "UCX engines: adaptive (poll while a transfer is open, else sleep), blocking (sleep whenever idle) or polling (always spin one core each)"})
 
 
 @dataclass
@@ -175,7 +175,8 @@ class Config:
         if self.transport.listen:
             _host_port("transport.listen", self.transport.listen)
         _check(self.transport.timeout_s > 0, "transport.timeout_s", "must be > 0 seconds")
-        _check(self.transport.ucx_progress in ("blocking", "polling"), "transport.ucx_progress", "must be blocking or polling")
+        _check(self.transport.ucx_progress in ("adaptive", "blocking", "polling"), "transport.ucx_progress",
+               "must be adaptive, blocking or polling")
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
         return self
 

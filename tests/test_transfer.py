@@ -76,7 +76,8 @@ def test_blocks_arrive_bit_exact(tmp_path, backend):
         assert a.stop() == 0 and b.stop() == 0
 
 
-@pytest.mark.parametrize("backend,progress", [("tcp", "blocking"), pytest.param("ucx", "blocking", marks=_NO_UCX),
+@pytest.mark.parametrize("backend,progress", [("tcp", "adaptive"), pytest.param("ucx", "adaptive", marks=_NO_UCX),
+                                               pytest.param("ucx", "blocking", marks=_NO_UCX),
                                                pytest.param("ucx", "polling", marks=_NO_UCX)])
 def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
     a, b, peer_b = pair(tmp_path, backend, args=("--transport-ucx-progress", progress))
@@ -91,6 +92,10 @@ def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
         fut = ca.transfer(keys, peer_b, deadline_s=20, lease=w, wait=False)
         inc = cb.await_transfer(keys, wait_s=10)
         assert inc.lease_id and len(inc.offsets) == 4 and inc.layers_ready() == 0
+        if backend == "ucx":  # the setting reached both engines: with a transfer open, only
+            # blocking ones sleep (adaptive ones poll until it ends, polling ones always)
+            busy = [cpu_seconds(d, over_s=0.5) for d in (a, b)]
+            assert all(c < 0.15 for c in busy) if progress == "blocking" else all(c > 0.2 for c in busy), busy
         for layer in range(LAYOUT.num_layers):  # "compute" layer l, write it, ring
             for i in range(4):
                 w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
@@ -108,9 +113,9 @@ def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
         assert cb.get(tokens, out) == 64 and out.tobytes() == kv.tobytes()
         ca.close()
         cb.close()
-        if backend == "ucx":  # the setting reached the engines: polling ones spin while idle
+        if backend == "ucx":  # and with none open, only polling engines spin
             idle_cpu = cpu_seconds(b, over_s=0.5)
-            assert idle_cpu > 0.2 if progress == "polling" else idle_cpu < 0.15
+            assert idle_cpu > 0.2 if progress == "polling" else idle_cpu < 0.15, idle_cpu
     finally:
         assert a.stop() == 0 and b.stop() == 0
 

@@ -116,7 +116,7 @@ def ablate_checksum() -> None:
     tcp.recv_hashed = recv_unhashed
 
 
-def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "blocking") -> None:
+def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "adaptive") -> None:
     """Receiver process: a Listener with a RingSink, driven by commands over ``conn``."""
     if ablate:
         ablate_checksum()
@@ -148,7 +148,7 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress
 
 class Bench:
     def __init__(self, ctx, backend: Backend, ring_bytes: int, verify: bool, seed: int = 1,
-                 ablate: bool = False, known_digests: bool = False, progress: str = "blocking") -> None:
+                 ablate: bool = False, known_digests: bool = False, progress: str = "adaptive") -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate, progress),
@@ -291,8 +291,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--pipeline-chunk", default="256KiB", help="pipelined mode: bytes per chunk")
     p.add_argument("--compute-ratio", default="1.0,1.5",
                    help="pipelined mode: per-layer compute time / per-layer transfer time")
-    p.add_argument("--ucx-progress", choices=["blocking", "polling"], default="blocking",
-                   help="UCX engines of both ends: blocking (sleep when idle, the daemon's default) or polling")
+    p.add_argument("--ucx-progress", choices=["adaptive", "blocking", "polling"], default="adaptive",
+                   help="UCX engines of both ends (the daemon's transport.ucx_progress; default adaptive)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw references")
     p.add_argument("--verify", action="store_true", help="check every received chunk byte for byte")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvstore bench transfer --daemons", description=__doc__.split("\n\n")[0])
     ap.add_argument("--daemons", action="store_true", help="measure through two real daemons")
     ap.add_argument("--backend", choices=("tcp", "ucx"), default="tcp")
-    ap.add_argument("--ucx-progress", choices=("blocking", "polling"), default="blocking",
+    ap.add_argument("--ucx-progress", choices=("adaptive", "blocking", "polling"), default="adaptive",
                     help="both daemons' transport.ucx_progress")
     ap.add_argument("--chunk-sizes", default="256KiB,1MiB,4MiB", help="layer chunk sizes (multiples of 16 KiB)")
     ap.add_argument("--total-bytes", default="512MiB", help="bytes per Transfer")

@@ -96,8 +96,8 @@ def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls)
         engine.stop()
 
 
-def test_while_a_transfer_is_open_the_engine_naps_at_most_a_millisecond(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx"), "test")
+def test_while_a_transfer_is_open_a_blocking_engine_naps_at_most_a_millisecond(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING), "test")
     try:
         engine.call(lambda: None)
         time.sleep(engine.SPIN_S + 0.05)
@@ -125,3 +125,21 @@ def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
     tx.send_layer(1, [data[0, 1], data[1, 1]])
     tx.finish()
     wait_for(lambda: not tx_engine.transfers_open and not lst_engine.transfers_open, what="both engines see it closed")
+
+
+def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(engine_cls):
+    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.ADAPTIVE), "test")
+    try:
+        engine.call(setattr, engine, "transfers_open", True)
+        time.sleep(engine.SPIN_S + 0.05)  # past the spin window: still polling
+        before = engine.loops
+        time.sleep(0.2)
+        assert engine.loops - before > 5000  # spinning (1 ms naps would give ~200)
+        engine.call(setattr, engine, "transfers_open", False)
+        time.sleep(engine.SPIN_S + 0.05)
+        before = engine.loops
+        time.sleep(0.3)
+        assert engine.loops - before < 20
+        assert engine.call(lambda: 3) == 3
+    finally:
+        engine.stop()
