@@ -207,6 +207,11 @@ class TransferService:
         deadline_s = deadline_s or self.config.default_deadline_s
         bell = 0
         with core.lock:
+            if pipelined and lease_id not in core.leases and all(
+                    (b := st.blocks.get(k)) is not None and b.state is BlockState.COMMITTED for k in keys):
+                # The writer committed before this request got here (a short prefill, a busy
+                # server): every layer is in, so ship the committed blocks.
+                pipelined = False
             if pipelined:
                 lease = core._lease(s, lease_id, LeaseKind.WRITE)
                 if not lease.doorbell:

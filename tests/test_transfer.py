@@ -130,6 +130,35 @@ def cpu_seconds(d, over_s: float) -> float:
     return now() - before
 
 
+def test_a_pipelined_transfer_that_arrives_after_the_commit_ships_the_committed_blocks(tmp_path):
+    """A short prefill can ring every layer and commit before the daemon even handles the
+    Transfer RPC that names its lease: the blocks are complete, so they are shipped."""
+    a, b, peer_b = pair(tmp_path, "tcp")
+    try:
+        ca, cb = clients(a, b)
+        tokens = list(range(3 * 16))
+        kv = kv_for(tokens, 9)
+        keys = ca.keys(tokens)
+        src = kv.view(np.uint8).reshape(LAYOUT.num_layers, 2, len(tokens), -1)
+        w = ca.reserve(keys, doorbell=True)
+        for layer in range(LAYOUT.num_layers):
+            for i in range(3):
+                w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+            w.ring(layer + 1)
+        w.commit()
+        assert ca.transfer(keys, peer_b, deadline_s=20, lease=w).blocks == 3
+        out = np.zeros_like(kv)
+        assert cb.get(tokens, out) == len(tokens) and out.tobytes() == kv.tobytes()
+        other = ca.keys(list(range(500, 516)))  # a lease that is gone and blocks that are not there
+        with pytest.raises(KVStoreError) as e:
+            ca.transfer(other, peer_b, deadline_s=20, lease=w)
+        assert e.value.code.name == "NOT_FOUND" and "unknown or expired" in e.value.message
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
 def test_prefill_daemon_killed_mid_transfer(tmp_path):
     a, b, peer_b = pair(tmp_path, "tcp")
     try:

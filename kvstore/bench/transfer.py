@@ -88,8 +88,11 @@ def daemons(a) -> dict:
                 if r:
                     times.append(seconds)
                     raws.append(raw_fn(ctx, message, max(8, nbytes // message), 5)["gbps"])
-            hidden = _pipelined(ca, cb, tokens, kv, f"127.0.0.1:{port_b}", statistics.median(times), a.compute_ratio) \
-                if a.pipelined else None
+            hidden = None
+            if a.pipelined:  # the median of --repeat tries, by hidden fraction
+                tries = sorted((_pipelined(ca, cb, tokens, kv, f"127.0.0.1:{port_b}", a.compute_ratio)
+                                for _ in range(a.repeat)), key=lambda t: t["hidden_fraction"])
+                hidden = dict(tries[len(tries) // 2], hidden_runs=[t["hidden_fraction"] for t in tries])
             ca.close()
             cb.close()
             ratios = [nbytes / t / 1e9 / g for t, g in zip(times, raws)]
@@ -105,39 +108,52 @@ def daemons(a) -> dict:
             "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv", "rows": rows}
 
 
-def _pipelined(ca, cb, tokens, kv, peer: str, transfer_s: float, ratio: float) -> dict:
+def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
     """Layer-pipelined: the "prefill" spends ``ratio`` x (per-layer transfer time) computing each
     layer, then rings the doorbell. On a GPU node the KV of a layer reaches the arena by DMA, so
     the bench writes every layer's bytes into the reserved slots before the clock starts and the
-    compute is a sleep: neither takes a CPU from the transfer, as on a real node. Hidden =
-    1 - (wall - compute) / transfer-alone; at best 1 - 1/layers (the last layer's transfer has
-    nothing left to overlap)."""
+    compute is a sleep: neither takes a CPU from the transfer, as on a real node. The transfer
+    alone is the same layer-by-layer transfer with every layer rung at once (a pipelined transfer
+    ships layer chunks, not the whole-block runs of a committed one), measured before and after.
+    Hidden = 1 - (wall - compute) / transfer-alone; at best 1 - 1/layers (the last layer's
+    transfer has nothing left to overlap)."""
     layout = ca.layout
-    keys = ca.keys(tokens + 7_000_000)  # fresh keys: not on either daemon yet
     src = kv.view(np.uint8).reshape(layout.num_layers, 2, len(tokens), -1)
-    per_layer = ratio * transfer_s / layout.num_layers
-    w = ca.reserve(keys, doorbell=True)
-    for layer in range(layout.num_layers):
-        for i in range(len(keys)):
-            w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
-    t0 = time.perf_counter()
-    fut = ca.transfer(keys, peer, deadline_s=120, lease=w, wait=False)
-    compute = 0.0
-    for layer in range(layout.num_layers):
-        c0 = time.perf_counter()
-        time.sleep(per_layer)
-        compute += time.perf_counter() - c0
-        w.ring(layer + 1)
-    w.commit()
-    fut.result()
-    wall = time.perf_counter() - t0
-    out = np.zeros_like(kv)
-    if cb.get(tokens + 7_000_000, out) != len(tokens) or out.tobytes() != kv.tobytes():
-        raise SystemExit("bench: the pipelined transfer delivered different bytes")
-    cb.delete(keys)
-    ca.delete(keys)
-    hidden = 1 - max(0.0, wall - compute) / transfer_s
-    return {"compute_per_layer_s": round(per_layer, 6), "transfer_alone_s": round(transfer_s, 6),
+
+    def run(n: int, per_layer: float) -> tuple[float, float]:
+        toks = tokens + 7_000_000 + n * 1_000_000  # fresh keys: not on either daemon yet
+        keys = ca.keys(toks)
+        w = ca.reserve(keys, doorbell=True)
+        for layer in range(layout.num_layers):
+            for i in range(len(keys)):
+                w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+        t0 = time.perf_counter()
+        fut = ca.transfer(keys, peer, deadline_s=120, lease=w, wait=False)
+        inc = cb.await_transfer(keys, wait_s=30)  # running: ringing can no longer beat the request
+        compute = 0.0
+        for layer in range(layout.num_layers):
+            if per_layer:
+                c0 = time.perf_counter()
+                time.sleep(per_layer)
+                compute += time.perf_counter() - c0
+            w.ring(layer + 1)
+        w.commit()
+        fut.result()
+        wall = time.perf_counter() - t0
+        inc.release()
+        out = np.zeros_like(kv)
+        if cb.get(toks, out) != len(tokens) or out.tobytes() != kv.tobytes():
+            raise SystemExit("bench: the pipelined transfer delivered different bytes")
+        cb.delete(keys)
+        ca.delete(keys)
+        return wall, compute
+
+    before = min(run(0, 0.0)[0], run(1, 0.0)[0])
+    per_layer = ratio * before / layout.num_layers
+    wall, compute = run(2, per_layer)
+    alone = (before + run(3, 0.0)[0]) / 2  # bracket the pipelined run: this host is noisy
+    hidden = 1 - max(0.0, wall - compute) / alone
+    return {"compute_per_layer_s": round(per_layer, 6), "transfer_alone_s": round(alone, 6),
             "wall_s": round(wall, 6), "hidden_fraction": round(hidden, 3),
             "best_possible": round(1 - 1 / layout.num_layers, 3)}
 
@@ -171,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'(min-max)':>11}  (medians; raw sends messages of the daemon's size)")
     for x in r["rows"]:
         pl = x["pipelined"]
-        extra = f"   pipelined: {pl['hidden_fraction']:.0%} of transfer hidden (best {pl['best_possible']:.0%})" if pl else ""
+        extra = (f"   pipelined: {pl['hidden_fraction']:.0%} of transfer hidden (median; {min(pl['hidden_runs']):.0%}-"
+                 f"{max(pl['hidden_runs']):.0%}; best possible {pl['best_possible']:.0%})") if pl else ""
         lo, hi = min(x["ratio_runs"]), max(x["ratio_runs"])
         print(f"{x['chunk_bytes'] >> 10:>6} KiB {x['message_bytes'] >> 10:>6} KiB {x['blocks']:>7} "
               f"{x['daemon_GBps']:>12.2f} {x['raw_GBps']:>9.2f} "
