@@ -37,6 +37,17 @@ def kv_for(tokens, seed=0):
     return np.random.default_rng(seed).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
 
 
+def layers_of(kv, tokens):
+    """``kv`` as [layer][K/V][token] bytes: what a worker writes into a layer of its blocks."""
+    return kv.view(np.uint8).reshape(LAYOUT.num_layers, 2, len(tokens), -1)
+
+
+def write_layer(w, src, layer: int) -> None:
+    """Write layer ``layer`` of every block of the write lease ``w`` (16 tokens per block)."""
+    for i in range(len(w.offsets)):
+        w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+
+
 def dram_used(c):
     return c.stats().tiers[0].used_bytes
 
@@ -86,7 +97,7 @@ def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
         tokens = list(range(4 * 16))
         kv = kv_for(tokens, 1)
         keys = ca.keys(tokens)
-        src = kv.view(np.uint8).reshape(LAYOUT.num_layers, 2, len(tokens), -1)
+        src = layers_of(kv, tokens)
         w = ca.reserve(keys, doorbell=True)
         assert w.doorbell
         fut = ca.transfer(keys, peer_b, deadline_s=20, lease=w, wait=False)
@@ -97,8 +108,7 @@ def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
             busy = [cpu_seconds(d, over_s=0.5) for d in (a, b)]
             assert all(c < 0.15 for c in busy) if progress == "blocking" else all(c > 0.2 for c in busy), busy
         for layer in range(LAYOUT.num_layers):  # "compute" layer l, write it, ring
-            for i in range(4):
-                w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+            write_layer(w, src, layer)
             time.sleep(0.02)
             assert inc.layers_ready() <= layer  # nothing arrives before it is announced
             w.ring(layer + 1)
@@ -139,11 +149,10 @@ def test_a_pipelined_transfer_that_arrives_after_the_commit_ships_the_committed_
         tokens = list(range(3 * 16))
         kv = kv_for(tokens, 9)
         keys = ca.keys(tokens)
-        src = kv.view(np.uint8).reshape(LAYOUT.num_layers, 2, len(tokens), -1)
+        src = layers_of(kv, tokens)
         w = ca.reserve(keys, doorbell=True)
         for layer in range(LAYOUT.num_layers):
-            for i in range(3):
-                w.layer_view(i, layer)[...] = src[layer, :, i * 16:(i + 1) * 16]
+            write_layer(w, src, layer)
             w.ring(layer + 1)
         w.commit()
         assert ca.transfer(keys, peer_b, deadline_s=20, lease=w).blocks == 3
