@@ -18,12 +18,26 @@ BACKENDS = ["tcp", pytest.param("ucx", marks=_NO_UCX)]
 
 def pair(tmp_path, backend, env_a=None, args_a=(), args=()):
     """Daemons A and B; ``args`` go to both, ``args_a`` to A only."""
-    pa, pb_ = free_port(), free_port()
-    a = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{pa}", "--transport-backend", backend,
-                     *args, *args_a, name="a", env=env_a)
-    b = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{pb_}", "--transport-backend", backend,
-                     *args, name="b")
-    return a, b, f"127.0.0.1:{pb_}"
+    a = with_free_transfer_port(lambda addr: start_daemon(
+        tmp_path / "a", "--transport-listen", addr, "--transport-backend", backend, *args, *args_a, name="a", env=env_a))
+    try:
+        b = with_free_transfer_port(lambda addr: start_daemon(
+            tmp_path / "b", "--transport-listen", addr, "--transport-backend", backend, *args, name="b"))
+    except BaseException:
+        a.stop()
+        raise
+    return a, b, listen_addr(b)
+
+
+def with_free_transfer_port(start):
+    """``start("127.0.0.1:<port>")`` with a free port, again with another one if something took
+    the port between picking it and the daemon binding it (the daemon then exits saying so)."""
+    for attempt in range(3):
+        try:
+            return start(f"127.0.0.1:{free_port()}")
+        except RuntimeError as e:
+            if attempt == 2 or "listener on 127.0.0.1" not in str(e):
+                raise
 
 
 def clients(a, b):
