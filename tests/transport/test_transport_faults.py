@@ -53,13 +53,16 @@ def test_corrupted_chunk_is_detected_and_nothing_is_stored(listener, sender, sin
     assert sink.data[(tx.transfer_id, keys[3], 1)] == data[3, 1].tobytes()
 
 
-def test_sender_killed_mid_transfer_fails_the_receiver_within_its_deadline(backend, listener, sink):
+@pytest.mark.parametrize("runs", [False, True], ids=["chunks", "runs"])
+def test_sender_killed_mid_transfer_fails_the_receiver_within_its_deadline(backend, listener, sink, runs):
     peer = Peer("send", "--backend", backend, "--peer", listener.address, "--blocks", "4", "--layers", "4",
-                "--chunk", str(64 << 10), "--stop-after", "6", "--deadline", str(DEADLINE_S))
+                "--chunk", str(64 << 10), "--stop-after", "2" if runs else "6", "--deadline", str(DEADLINE_S),
+                *(["--runs"] if runs else []))
     try:
         tid = int(peer.expect("TID "))
         peer.expect("HALF")
-        wait_for(lambda: len(sink.arrivals.get(tid, ())) == 6, what="6 chunks at the receiver")
+        landed = 8 if runs else 6  # two runs of 4 layers, or 6 single chunks
+        wait_for(lambda: len(sink.arrivals.get(tid, ())) == landed, what=f"{landed} chunks at the receiver")
         assert sink.reserved_slots == 16
         t_kill = time.monotonic()
         peer.kill()
@@ -74,19 +77,27 @@ def test_sender_killed_mid_transfer_fails_the_receiver_within_its_deadline(backe
     assert not any(k[0] == tid for k in sink.data)
 
 
-def test_receiver_killed_mid_transfer_fails_the_sender_within_its_deadline(backend, sender):
+@pytest.mark.parametrize("runs", [False, True], ids=["chunks", "runs"])
+def test_receiver_killed_mid_transfer_fails_the_sender_within_its_deadline(backend, sender, runs):
     peer = Peer("recv", "--backend", backend)
     try:
         address = peer.expect("LISTEN ")
         keys, data = make_payload(12, blocks=4, layers=4, chunk=64 << 10)
         tx = sender.open(address, keys, 4, 64 << 10, deadline_s=DEADLINE_S)
-        tx.send_layer(0, [data[b, 0] for b in range(4)])
+        if runs:
+            tx.send_run(0, 0, data[0])
+        else:
+            tx.send_layer(0, [data[b, 0] for b in range(4)])
         time.sleep(0.2)
         t_kill = time.monotonic()
         peer.kill()
         with pytest.raises(TransferError) as ei:
-            for layer in range(1, 4):
-                tx.send_layer(layer, [data[b, layer] for b in range(4)])
+            if runs:
+                for b in range(1, 4):
+                    tx.send_run(b, 0, data[b])
+            else:
+                for layer in range(1, 4):
+                    tx.send_layer(layer, [data[b, layer] for b in range(4)])
             tx.finish()
         elapsed = time.monotonic() - t_kill
     finally:

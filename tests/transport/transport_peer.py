@@ -6,7 +6,8 @@ network namespace. Speaks line-oriented stdout so the test can follow it.
         "RESULT <tid> <status> reserved=<slots still reserved> digest=<xxh3 of the data>"
     transport_peer.py send --backend tcp --peer host:port --blocks 4 --layers 3 --chunk 65536 --seed 1
         prints "TID <tid>", then "DONE OK digest=<...>" or "FAIL <status> <detail>";
-        with --stop-after K: after queueing K chunks prints "HALF" and waits to be killed
+        with --stop-after K: after queueing K chunks prints "HALF" and waits to be killed;
+        with --runs: each block's layers go as one run (send_run), K counts runs
 """
 
 from __future__ import annotations
@@ -66,14 +67,16 @@ def send(a) -> None:
     try:
         tx = sender.open(a.peer, keys, a.layers, a.chunk, deadline_s=a.deadline)
         out(f"TID {tx.transfer_id}")
-        n = 0
-        for layer in range(a.layers):
-            for b in range(a.blocks):
-                if a.stop_after is not None and n == a.stop_after:
-                    out("HALF")
-                    threading.Event().wait()  # until SIGKILL
+        items = [(b, None) for b in range(a.blocks)] if a.runs else \
+            [(b, layer) for layer in range(a.layers) for b in range(a.blocks)]
+        for n, (b, layer) in enumerate(items):
+            if a.stop_after is not None and n == a.stop_after:
+                out("HALF")
+                threading.Event().wait()  # until SIGKILL
+            if layer is None:
+                tx.send_run(b, 0, data[b])
+            else:
                 tx.send(b, layer, data[b, layer])
-                n += 1
         tx.finish()
     except TransferError as exc:
         out(f"FAIL {exc.status.name} {exc.detail}")
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--deadline", type=float, default=20.0)
     p.add_argument("--stop-after", type=int)
+    p.add_argument("--runs", action="store_true")
     a = p.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     (send if a.role == "send" else recv)(a)
