@@ -20,9 +20,11 @@ computed by the sender over the source buffer and checked by the receiver over t
 landed in the destination, so both memory and wire corruption are caught.
 
 A CHUNK frame may carry a *run*: ``k`` consecutive layers of one block that are contiguous on the
-sender (``length = k * chunk_bytes``, ``layer`` = the first). Its checksum is
-:func:`run_checksum` of the ``k`` per-layer digests, so every layer keeps its own xxh3 (what the
-daemon records and the NVMe tier stores) while a whole block travels as one message.
+sender (``length = k * chunk_bytes``, ``layer`` = the first, ``flags = k``). Its header is followed
+by the ``k`` per-layer xxh3-64 digests (little-endian u64) and its checksum is
+:func:`run_checksum` of them, so every layer keeps its own xxh3 (what the daemon records and the
+NVMe tier stores, and what a mismatch is reported against) while a whole block travels as one
+message.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import xxhash
 MAGIC = 0x3154564B  # b"KVT1" little-endian
 VERSION = 2  # 2: BATCH frames
 MAX_BATCH = 64  # CHUNK headers one BATCH frame may carry
+BATCH_BYTES = 64 << 10  # ... and at most this many bytes of headers and run digests
+MAX_RUN_LAYERS = 1024  # layers one run may carry
 KEY_BYTES = 32
 
 # magic, version, type, flags, status, seq, transfer_id, block, layer, length, checksum, key:
@@ -57,12 +61,16 @@ def layer_digests(buf, chunk_bytes: int) -> list[int]:
     return [checksum(mv[off:off + chunk_bytes]) for off in range(0, mv.nbytes, chunk_bytes)]
 
 
+def pack_digests(digests) -> bytes:
+    return struct.pack(f"<{len(digests)}Q", *digests)
+
+
 def run_checksum(digests) -> int:
     """A CHUNK frame's checksum for a run of layers with these per-layer digests: the digest
     itself for one layer, else the xxh3-64 of the digests as little-endian u64s."""
     if len(digests) == 1:
         return digests[0]
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+    return xxhash.xxh3_64_intdigest(pack_digests(digests))
 
 
 class FrameType(enum.IntEnum):
@@ -133,10 +141,16 @@ class Frame:
     checksum: int = 0
     key: bytes = _ZERO_KEY
     status: int = 0
+    flags: int = 0      # CHUNK: the number of run digests following the header (0: one layer)
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes that follow the header of a CHUNK before its payload: a run's layer digests."""
+        return 8 * self.flags if self.type is FrameType.CHUNK else 0
 
     def pack(self, checksum: int | None = None) -> bytes:
         """Wire bytes; ``checksum`` overrides the field (senders hash just before sending)."""
-        return _FRAME.pack(MAGIC, VERSION, self.type, 0, self.status, self.seq, self.transfer_id,
+        return _FRAME.pack(MAGIC, VERSION, self.type, self.flags, self.status, self.seq, self.transfer_id,
                            self.block, self.layer, self.length,
                            self.checksum if checksum is None else checksum, self.key)
 
@@ -144,7 +158,7 @@ class Frame:
     def unpack(cls, raw) -> "Frame":
         if len(raw) != FRAME_BYTES:
             raise ProtocolError(f"frame header: expected {FRAME_BYTES} bytes, got {len(raw)}")
-        magic, version, ftype, _flags, status, seq, tid, block, layer, length, csum, key = _FRAME.unpack(raw)
+        magic, version, ftype, flags, status, seq, tid, block, layer, length, csum, key = _FRAME.unpack(raw)
         if magic != MAGIC:
             raise ProtocolError(f"frame header: bad magic {magic:#x} (not a kvstore transport peer?)")
         if version != VERSION:
@@ -153,7 +167,7 @@ class Frame:
             ftype = FrameType(ftype)
         except ValueError:
             raise ProtocolError(f"frame header: unknown frame type {ftype}") from None
-        return cls(ftype, tid, seq, block, layer, length, csum, key, status)
+        return cls(ftype, tid, seq, block, layer, length, csum, key, status, flags)
 
 
 def status_frame(ftype: FrameType, transfer_id: int, status: TransferStatus, detail: str = "") -> tuple[Frame, bytes]:

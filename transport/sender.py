@@ -21,7 +21,8 @@ from typing import Callable, Protocol, Sequence
 
 from .config import Backend, TransferConfig, parse_peer
 from .protocol import (KEY_BYTES, Frame, FrameType, TransferError, TransferHeader, TransferStatus,
-                       checksum, layer_digests, parse_status, run_checksum, status_frame)
+                       MAX_RUN_LAYERS, checksum, layer_digests, pack_digests, parse_status, run_checksum,
+                       status_frame)
 
 log = logging.getLogger("kvstore.transport")
 
@@ -34,9 +35,10 @@ class Channel(Protocol):
 
     def call(self, frame: Frame, data: bytes, deadline: float) -> tuple[Frame, bytes]:
         """Queue a control frame behind every posted chunk and wait for the peer's next frame."""
-    def post_chunk(self, frame: Frame, payload, wire) -> None:
-        """Queue a CHUNK frame (carrying the checksum of ``payload``) and put ``wire`` on the
-        wire: the same buffer as ``payload`` unless a test tampers with it. Returns at once."""
+    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
+        """Queue a CHUNK frame (carrying the checksum of ``payload``), its ``trailer`` (a run's
+        layer digests) and put ``wire`` on the wire: the same buffer as ``payload`` unless a test
+        tampers with it. Returns at once."""
     def abort(self, frame: Frame, data: bytes) -> None:
         """Drop queued chunks, send ``frame`` (ABORT) best-effort within ~0.5 s, then close."""
     def error(self) -> TransferError | None:
@@ -121,6 +123,8 @@ class OutboundTransfer:
         k = mv.nbytes // h.chunk_bytes
         if k == 0 or mv.nbytes != k * h.chunk_bytes:
             raise ValueError(f"run of {mv.nbytes} bytes: not a whole number of {h.chunk_bytes}-byte layers")
+        if k > MAX_RUN_LAYERS:
+            raise ValueError(f"run of {k} layers: at most {MAX_RUN_LAYERS}")
         if not (0 <= block < len(h.keys) and 0 <= first_layer and first_layer + k <= h.n_layers):
             raise ValueError(f"run (block {block}, layers {first_layer}..{first_layer + k - 1}) outside "
                              f"{len(h.keys)} x {h.n_layers}")
@@ -134,11 +138,11 @@ class OutboundTransfer:
             self._fail(err)
         sums = list(digests) if digests is not None else layer_digests(mv, h.chunk_bytes)
         frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
-                      run_checksum(sums), h.keys[block])
+                      run_checksum(sums), h.keys[block], flags=k if k > 1 else 0)
         tamper = self._sender.tamper
         if self.submit_times is not None:
             self.submit_times.append(time.monotonic())
-        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv)
+        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv, pack_digests(sums) if k > 1 else b"")
         self._sent[first:first + k] = b"\x01" * k
         self._seq += 1
         self._chunks += k

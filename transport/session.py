@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import struct
 import time
 
 from .config import TransferConfig
-from .protocol import (Frame, FrameType, ProtocolError, TransferError, TransferHeader, TransferStatus,
-                       checksum, layer_digests, run_checksum, status_frame)
+from .protocol import (MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError, TransferHeader,
+                       TransferStatus, checksum, layer_digests, run_checksum, status_frame)
 from .sink import Sink, Target
 
 log = logging.getLogger("kvstore.transport")
@@ -128,6 +129,9 @@ class InboundSession:
         if frame.length != k * h.chunk_bytes or k == 0:
             raise ProtocolError(f"chunk of {frame.length} bytes: not a whole number of {h.chunk_bytes}-byte "
                                 f"layers", h.transfer_id)
+        if k > MAX_RUN_LAYERS or frame.flags != (k if k > 1 else 0):
+            raise ProtocolError(f"chunk of {k} layers announces {frame.flags} layer digests (runs: 2.."
+                                f"{MAX_RUN_LAYERS} layers, each with its digest)", h.transfer_id)
         if not (frame.block < len(h.keys) and frame.layer + k <= h.n_layers):
             raise ProtocolError(f"chunk (block {frame.block}, layers {frame.layer}..{frame.layer + k - 1}) outside "
                                 f"the manifest ({len(h.keys)} blocks x {h.n_layers} layers)", h.transfer_id)
@@ -155,30 +159,45 @@ class InboundSession:
                                 f"not {frame.length}", h.transfer_id)
         return mv
 
+    def run_digests(self, frame: Frame, trailer: bytes) -> list[int] | None:
+        """The per-layer digests a run's header carried (None for a single layer), checked
+        against the frame's checksum."""
+        if not frame.flags:
+            return None
+        if len(trailer) != 8 * frame.flags:
+            raise ProtocolError(f"run of {frame.flags} layers came with {len(trailer)} bytes of digests",
+                                frame.transfer_id)
+        sent = list(struct.unpack(f"<{frame.flags}Q", trailer))
+        if run_checksum(sent) != frame.checksum:
+            raise ProtocolError(f"chunk {frame.seq}: its layer digests do not match its checksum", frame.transfer_id)
+        return sent
+
     def landed_digests(self, frame: Frame, mv) -> int | list[int]:
         """What :meth:`chunk_verified` needs for the payload of ``frame`` now in ``mv``: its xxh3,
         or for a run the list of its layers' xxh3s."""
         c = self._require(frame).header.chunk_bytes
         return checksum(mv) if frame.length == c else layer_digests(mv, c)
 
-    def chunk_landed(self, frame: Frame, mv: memoryview) -> None:
+    def chunk_landed(self, frame: Frame, mv: memoryview, sent: list[int] | None = None) -> None:
         """The payload of ``frame`` is in ``mv``: verify its checksum, then report it arrived."""
-        self.chunk_verified(frame, self.landed_digests(frame, mv))
+        self.chunk_verified(frame, self.landed_digests(frame, mv), sent)
 
-    def chunk_verified(self, frame: Frame, got: int | list[int]) -> None:
+    def chunk_verified(self, frame: Frame, got: int | list[int], sent: list[int] | None = None) -> None:
         """Like :meth:`chunk_landed`, with the payload's digest ``got`` computed elsewhere (for a
-        run: the list of its per-layer digests). Raises CHECKSUM_MISMATCH if it does not match
-        the sender's checksum."""
+        run: the list of its per-layer digests, and ``sent``: those its header carried, from
+        :meth:`run_digests`). Raises CHECKSUM_MISMATCH, naming the layer, if they differ."""
         a = self._require(frame)
         digests = [got] if isinstance(got, int) else got
-        combined = run_checksum(digests)
-        if combined != frame.checksum:
-            where = f"layer {frame.layer}" if len(digests) == 1 else \
-                f"layers {frame.layer}-{frame.layer + len(digests) - 1}"  # a run: one checksum for all
-            raise TransferError(TransferStatus.CHECKSUM_MISMATCH,
-                                f"chunk {frame.seq} (block {frame.block}, {where}, key {frame.key.hex()[:16]}..) "
-                                f"arrived with xxh3 {combined:#018x}, sender computed {frame.checksum:#018x}; "
-                                f"nothing of the transfer was kept", frame.transfer_id)
+        expected = sent if sent is not None else [frame.checksum]
+        if len(expected) != len(digests):
+            raise ProtocolError(f"chunk {frame.seq}: {len(digests)} layers landed, {len(expected)} announced",
+                                frame.transfer_id)
+        for j, (d, e) in enumerate(zip(digests, expected)):
+            if d != e:
+                raise TransferError(TransferStatus.CHECKSUM_MISMATCH,
+                                    f"chunk {frame.seq} (block {frame.block}, layer {frame.layer + j}, key "
+                                    f"{frame.key.hex()[:16]}..) arrived with xxh3 {d:#018x}, sender computed "
+                                    f"{e:#018x}; nothing of the transfer was kept", frame.transfer_id)
         bounce = a.bounce.pop((frame.block, frame.layer), None) if a.bounce else None
         n = a.header.n_layers
         try:

@@ -110,14 +110,17 @@ def send_all(sock: socket.socket, bufs: list, deadline: float | None) -> None:
                 k = 0
 
 
-def read_frame(sock: socket.socket, deadline: float | None, max_data: int) -> tuple[Frame, bytes | None]:
-    """Read one frame header, and its data unless it is a CHUNK (whose payload the caller
-    receives into the sink's buffer)."""
+def read_frame(sock: socket.socket, deadline: float | None, max_data: int) -> tuple[Frame, bytes]:
+    """Read one frame header and its data; for a CHUNK that is only a run's layer digests (the
+    caller receives the payload into the sink's buffer)."""
     raw = bytearray(FRAME_BYTES)
     recv_into(sock, memoryview(raw), deadline)
     frame = Frame.unpack(bytes(raw))
     if frame.type is FrameType.CHUNK:
-        return frame, None
+        trailer = bytearray(frame.trailer_bytes)
+        if trailer:
+            recv_into(sock, memoryview(trailer), deadline)
+        return frame, bytes(trailer)
     if frame.length > max_data:
         raise ProtocolError(f"{frame.type.name} frame carries {frame.length} bytes, at most {max_data}")
     data = bytearray(frame.length)
@@ -197,8 +200,8 @@ class TcpChannel:
             self._q.append(item)
             self._cv.notify()
 
-    def post_chunk(self, frame: Frame, payload, wire) -> None:
-        self._put(("chunk", frame, payload, wire))
+    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
+        self._put(("chunk", frame, trailer, wire))
 
     def abort(self, frame: Frame, data: bytes) -> None:
         fut: Future = Future()
@@ -231,14 +234,14 @@ class TcpChannel:
                 if self._closed and not self._q:
                     return
                 kind, frame, data, extra = self._q.popleft()
-                batch = [frame.pack(), extra] if kind == "chunk" else None
+                batch = [frame.pack(), data, extra] if kind == "chunk" else None  # header, run digests, payload
                 # Chunks already queued behind this one go out in the same sendmsg: one syscall
                 # and one wake-up for many small chunks (a 64 KiB chunk is ~20 us of wire here).
                 nbytes = frame.length
                 while batch and self._q and self._q[0][0] == "chunk" and len(batch) < _IOV_BATCH \
                         and nbytes < _BYTES_BATCH:
-                    _, f, _, wire = self._q.popleft()
-                    batch += (f.pack(), wire)
+                    _, f, trailer, wire = self._q.popleft()
+                    batch += (f.pack(), trailer, wire)
                     nbytes += f.length
             fut = extra if kind != "chunk" else None
             try:
@@ -363,9 +366,10 @@ class TcpServer:
                 frame, data = read_frame(sock, dl, self._max_ctrl)
                 if frame.type is FrameType.CHUNK:
                     mv = session.chunk_buffer(frame)
+                    sent = session.run_digests(frame, data)
                     c = session.active.header.chunk_bytes  # a run: each layer hashed as it lands
                     session.chunk_verified(frame, recv_hashed(sock, mv, dl) if mv.nbytes == c else
-                                           [recv_hashed(sock, mv[o:o + c], dl) for o in range(0, mv.nbytes, c)])
+                                           [recv_hashed(sock, mv[o:o + c], dl) for o in range(0, mv.nbytes, c)], sent)
                     continue
                 reply = session.on_control(frame, data)
                 if reply is not None:

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from .config import TransferConfig
-from .protocol import (FRAME_BYTES, MAGIC, MAX_BATCH, VERSION, Frame, FrameType, ProtocolError, TransferError,
-                       TransferStatus, max_manifest_bytes, status_frame)
+from .protocol import (BATCH_BYTES, FRAME_BYTES, MAGIC, MAX_BATCH, VERSION, Frame, FrameType, ProtocolError,
+                       TransferError, TransferStatus, max_manifest_bytes, status_frame)
 from .session import InboundSession
 from .sink import Sink
 from .ucx_env import Engine
@@ -129,26 +129,36 @@ class _Conn:
             return self.lost(err)
         try:
             frame = Frame.unpack(self.ctrl_buf[:FRAME_BYTES].tobytes())
-            if FRAME_BYTES + (0 if frame.type is FrameType.CHUNK else frame.length) > self.ctrl_buf.nbytes:
-                raise ProtocolError(f"{frame.type.name} frame of {frame.length} bytes is too large")
-            data = b"" if frame.type is FrameType.CHUNK else self.ctrl_buf[FRAME_BYTES:FRAME_BYTES + frame.length].tobytes()
+            n = frame.trailer_bytes if frame.type is FrameType.CHUNK else frame.length  # CHUNK: run digests
+            if FRAME_BYTES + n > self.ctrl_buf.nbytes:
+                raise ProtocolError(f"{frame.type.name} frame of {n} bytes is too large")
+            data = self.ctrl_buf[FRAME_BYTES:FRAME_BYTES + n].tobytes()
         except TransferError as err:
             return self.lost(err)
         self.post_ctrl_recv()
         if frame.type is not FrameType.BATCH:
             return self.on_frame(frame, data)
         try:
-            if not 0 < frame.length <= MAX_BATCH * FRAME_BYTES or frame.length % FRAME_BYTES:
-                raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} frame headers")
-            chunks = [Frame.unpack(data[i:i + FRAME_BYTES]) for i in range(0, frame.length, FRAME_BYTES)]
-            if any(c.type is not FrameType.CHUNK for c in chunks):
-                raise ProtocolError("BATCH may only carry CHUNK frames")
+            chunks, off = [], 0
+            while off < frame.length:  # CHUNK headers, each followed by its run digests
+                if len(chunks) == MAX_BATCH or off + FRAME_BYTES > frame.length:
+                    raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
+                chunk = Frame.unpack(data[off:off + FRAME_BYTES])
+                if chunk.type is not FrameType.CHUNK:
+                    raise ProtocolError("BATCH may only carry CHUNK frames")
+                end = off + FRAME_BYTES + chunk.trailer_bytes
+                if end > frame.length:
+                    raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
+                chunks.append((chunk, data[off + FRAME_BYTES:end]))
+                off = end
+            if not chunks:
+                raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
         except TransferError as err:
             return self.lost(err)
-        for chunk in chunks:
+        for chunk, trailer in chunks:
             if self.closed:
                 return
-            self.on_frame(chunk, b"")
+            self.on_frame(chunk, trailer)
 
     def teardown(self) -> None:
         """Close the endpoint and wait until UCX has let go of every buffer we handed it."""
@@ -215,12 +225,13 @@ class _Inbound(_Conn):
         try:
             if frame.type is FrameType.CHUNK:
                 mv = self.session.chunk_buffer(frame)
+                sent = self.session.run_digests(frame, data)
                 req = self.ep.tag_recv(self.engine.Array(mv), data_tag(self.api, self.rx, frame.seq))
-                item = [frame, mv, req, None]  # the last field becomes the payload's checksum
+                item = [frame, mv, req, None, sent]  # [3] becomes the payload's digest(s)
                 self.track(req, lambda r, item=item: self._landed(item), ordered=True, writes=True)
                 self.pending.append(item)
             else:
-                self.pending.append([frame, data, None, None])
+                self.pending.append([frame, data, None, None, None])
             self._drain()
         except TransferError as err:
             self.lost(err)
@@ -246,12 +257,12 @@ class _Inbound(_Conn):
         only judged once every payload before it has landed and been verified."""
         try:
             while self.pending and not self.closed:
-                frame, obj, req, got = self.pending[0]
+                frame, obj, req, got, sent = self.pending[0]
                 if req is not None and got is None:
                     return
                 self.pending.popleft()
                 if req is not None:
-                    self.session.chunk_verified(frame, got)
+                    self.session.chunk_verified(frame, got, sent)
                 else:
                     reply = self.session.on_control(frame, obj)
                     if reply is not None:
@@ -292,8 +303,7 @@ class UcxServer:
     def __init__(self, config: TransferConfig, sink: Sink) -> None:
         self.config, self.sink = config, sink
         self.engine = Engine(config, "listener")
-        self.max_ctrl = FRAME_BYTES + max(max_manifest_bytes(config.max_blocks, config.max_meta_bytes),
-                                          MAX_BATCH * FRAME_BYTES)
+        self.max_ctrl = FRAME_BYTES + max(max_manifest_bytes(config.max_blocks, config.max_meta_bytes), BATCH_BYTES)
         self.conns: set[_Inbound] = set()
         self.stopping = False
         try:

@@ -16,7 +16,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 
 from .config import TransferConfig, format_peer
-from .protocol import MAX_BATCH, Frame, FrameType, ProtocolError, TransferError, TransferStatus, parse_status
+from .protocol import (BATCH_BYTES, FRAME_BYTES, MAX_BATCH, Frame, FrameType, ProtocolError, TransferError,
+                       TransferStatus, parse_status)
 from .ucx import _HELLO, _REPLY_MAX, _Conn, _hello, _parse_hello, _req_error, data_tag
 from .ucx_env import Engine
 
@@ -39,8 +40,8 @@ class UcxChannel(_Conn):
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def post_chunk(self, frame: Frame, payload, wire) -> None:
-        self.engine.call_soon(self._enqueue, ("chunk", frame, payload, wire))
+    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
+        self.engine.call_soon(self._enqueue, ("chunk", frame, trailer, wire))
 
     def abort(self, frame: Frame, data: bytes) -> None:
         def run() -> None:
@@ -115,22 +116,26 @@ class UcxChannel(_Conn):
 
     def _send_chunks(self) -> int:
         """Send the queued chunks at the head of the queue that fit the in-flight window (at
-        most MAX_BATCH): their headers in one control message, then each payload. Each queued
-        frame carries the checksum of its source; its wire bytes are what goes out."""
-        batch = []
+        most MAX_BATCH, BATCH_BYTES of headers): their headers (each with a run's digests) in one
+        control message, then each payload. Each queued frame carries the checksum of its
+        source; its wire bytes are what goes out."""
+        batch, size = [], 0
         while self.queue and self.queue[0][0] == "chunk" and len(batch) < MAX_BATCH:
-            frame, wire = self.queue[0][1], self.queue[0][3]
+            _, frame, trailer, wire = self.queue[0]
             if self.inflight_bytes and self.inflight_bytes + frame.length > self.max_inflight:
+                break
+            if batch and size + FRAME_BYTES + len(trailer) > BATCH_BYTES:
                 break
             self.queue.popleft()
             self.inflight_bytes += frame.length
-            batch.append((frame, wire))
+            size += FRAME_BYTES + len(trailer)
+            batch.append((frame, trailer, wire))
         if len(batch) == 1:
-            self.send_ctrl(batch[0][0])
+            self.send_ctrl(batch[0][0], batch[0][1])
         elif batch:
-            headers = b"".join(frame.pack() for frame, _ in batch)
+            headers = b"".join(frame.pack() + trailer for frame, trailer, _ in batch)
             self.send_ctrl(Frame(FrameType.BATCH, batch[0][0].transfer_id, length=len(headers)), headers)
-        for frame, wire in batch:
+        for frame, _, wire in batch:
             req = self.ep.tag_send(self.engine.Array(wire), data_tag(self.api, self.peer_rx, frame.seq))
             n = frame.length
             self.track(req, lambda r, n=n, _keep=wire: self._on_payload_sent(r, n), ordered=True)

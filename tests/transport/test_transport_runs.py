@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_payload
 from kvstore.transport import MemorySink, TransferConfig, TransferError, TransferHeader, TransferStatus
-from kvstore.transport.protocol import Frame, FrameType, checksum, layer_digests, run_checksum
+from kvstore.transport.protocol import Frame, FrameType, checksum, layer_digests, pack_digests, run_checksum
 from kvstore.transport.session import InboundSession
 
 CHUNK = 16 << 10
@@ -67,7 +67,7 @@ def test_a_corrupted_run_fails_the_transfer_and_keeps_nothing(listener, sender, 
         for b in range(2):
             tx.send_run(b, 0, data[b])
         tx.finish()
-    assert ei.value.status is TransferStatus.CHECKSUM_MISMATCH and "block 1, layers 0-3" in ei.value.detail
+    assert ei.value.status is TransferStatus.CHECKSUM_MISMATCH and "block 1, layer 2," in ei.value.detail
     status, _ = sink.wait_result(tx.transfer_id, 10)
     assert status is TransferStatus.CHECKSUM_MISMATCH
     assert not any(k[0] == tx.transfer_id for k in sink.data)
@@ -103,12 +103,14 @@ def test_checksum_of_a_run_is_over_its_layer_digests():
     assert run_checksum(digests[:1]) == digests[0]  # a run of one layer is a plain chunk
 
 
-@pytest.mark.parametrize("layer, length, message", [
-    (0, CHUNK + 1, "not a whole number"),
-    (2, 3 * CHUNK, "layers 2..4) outside the manifest"),
-    (1, 2 * CHUNK, "layer 1) sent twice"),
+@pytest.mark.parametrize("layer, length, flags, message", [
+    (0, CHUNK + 1, 0, "not a whole number"),
+    (2, 3 * CHUNK, 3, "layers 2..4) outside the manifest"),
+    (1, 2 * CHUNK, 2, "layer 1) sent twice"),
+    (2, 2 * CHUNK, 0, "chunk of 2 layers announces 0 layer digests"),
+    (2, CHUNK, 1, "chunk of 1 layers announces 1 layer digests"),
 ])
-def test_malformed_runs_are_protocol_errors(layer, length, message):
+def test_malformed_runs_are_protocol_errors(layer, length, flags, message):
     keys, data = make_payload(45, blocks=1, layers=4, chunk=CHUNK)
     sink = MemorySink(slot_bytes=CHUNK, n_slots=8)
     s = InboundSession(TransferConfig(), sink, "test")
@@ -120,7 +122,21 @@ def test_malformed_runs_are_protocol_errors(layer, length, message):
     mv[:] = data[0, 1].tobytes()  # what the backend does: the payload lands, then is checked
     s.chunk_landed(one, mv)
     with pytest.raises(TransferError, match=re.escape(message)) as ei:
-        s.chunk_buffer(Frame(FrameType.CHUNK, 7, 1, 0, layer, length, 0, keys[0]))
+        s.chunk_buffer(Frame(FrameType.CHUNK, 7, 1, 0, layer, length, 0, keys[0], flags=flags))
     assert ei.value.status is TransferStatus.PROTOCOL_ERROR
     s.fail(ei.value)
     assert sink.reserved_slots == 0
+
+
+def test_a_run_header_whose_digests_do_not_match_its_checksum_is_a_protocol_error():
+    keys, data = make_payload(46, blocks=1, layers=2, chunk=CHUNK)
+    s = InboundSession(TransferConfig(), MemorySink(slot_bytes=CHUNK, n_slots=4), "test")
+    header = TransferHeader(8, tuple(keys), 2, CHUNK, 5.0)
+    s.on_control(Frame(FrameType.BEGIN, 8, length=len(header.encode())), header.encode())
+    sums = layer_digests(data[0], CHUNK)
+    run = Frame(FrameType.CHUNK, 8, 0, 0, 0, 2 * CHUNK, run_checksum(sums), keys[0], flags=2)
+    assert s.run_digests(run, pack_digests(sums)) == sums
+    with pytest.raises(TransferError, match="do not match its checksum"):
+        s.run_digests(run, pack_digests([sums[0], sums[1] ^ 1]))
+    with pytest.raises(TransferError, match="came with 8 bytes of digests"):
+        s.run_digests(run, pack_digests(sums[:1]))

@@ -47,8 +47,9 @@ def test_a_layer_queued_at_once_travels_in_batches(listener, sender, sink, block
 
 @pytest.mark.parametrize("content, length, message", [
     (lambda tid: Frame(FrameType.END, tid).pack(), FRAME_BYTES, "BATCH may only carry CHUNK frames"),
-    (lambda tid: Frame(FrameType.END, tid).pack() + b"x", FRAME_BYTES + 1, "not 1..64 frame headers"),
-    (lambda tid: b"", 0, "not 1..64 frame headers"),
+    (lambda tid: Frame(FrameType.CHUNK, tid, 1, 1, 0, 4096).pack() + b"x", FRAME_BYTES + 1,
+     "not 1..64 whole CHUNK entries"),
+    (lambda tid: b"", 0, "not 1..64 whole CHUNK entries"),
 ])
 def test_a_malformed_batch_fails_the_transfer_and_frees_its_slots(listener, sender, sink, content, length,
                                                                   message):
