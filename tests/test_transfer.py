@@ -71,6 +71,13 @@ def listen_addr(d) -> str:
     return d.args[d.args.index("--transport-listen") + 1]
 
 
+def expect_data_loss(c, keys, peer: str, what: str, deadline_s: float = 20) -> None:
+    """A Transfer of ``keys`` to ``peer`` fails with DATA_LOSS and ``what`` in its message."""
+    with pytest.raises(KVStoreError) as e:
+        c.transfer(keys, peer, deadline_s=deadline_s)
+    assert e.value.code.name == "DATA_LOSS" and what in e.value.message
+
+
 def scribble(c, key: bytes, at: int, mask: int) -> None:
     """Flip bits of byte ``at`` of a committed block in the daemon's arena, behind its back
     (a stray write or a bit flip in DRAM)."""
@@ -222,16 +229,13 @@ def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
         tokens = list(range(4 * 16))
         ca.put(tokens, kv_for(tokens, 2))
         base = dram_used(cb)
-        with pytest.raises(KVStoreError) as e:
-            ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
-        assert e.value.code.name == "DATA_LOSS" and "checksum" in e.value.message.lower()
+        expect_data_loss(ca, ca.keys(tokens), peer_b, "CHECKSUM_MISMATCH", deadline_s=10)
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
         assert cb.stats().counters["kvstore_transfer_failures_total"] == 1
         ca.close()
         cb.close()
     finally:
         assert a.stop() == 0 and b.stop() == 0
-
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -252,9 +256,7 @@ def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(t
         cb.delete(keys)
         scribble(ca, keys[1], 2 * LAYOUT.layer_chunk_bytes + 100, 0x40)  # block 1, layer 2
         base = dram_used(cb)
-        with pytest.raises(KVStoreError) as e:
-            ca.transfer(keys, peer_b, deadline_s=20)
-        assert e.value.code.name == "DATA_LOSS" and "checksum" in e.value.message.lower()
+        expect_data_loss(ca, keys, peer_b, "CHECKSUM_MISMATCH")
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
         ca.close()
         cb.close()
@@ -275,9 +277,7 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
         ca.put(tokens, kv_for(tokens, 6))
         keys = ca.keys(tokens)
         scribble(ca, keys[0], LAYOUT.layer_chunk_bytes + 7, 0x01)  # block 0, layer 1
-        with pytest.raises(KVStoreError) as e:
-            ca.transfer(keys, peer_b, deadline_s=20)
-        assert e.value.code.name == "DATA_LOSS" and "block 0, layer 1," in e.value.message  # a run names the layer
+        expect_data_loss(ca, keys, peer_b, "block 0, layer 1,")  # a run names the layer
         assert cb.lookup(tokens) == 0
         ca.close()
         cb.close()
@@ -298,9 +298,7 @@ def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
         ca.transfer(keys, peer_b, deadline_s=20)
         # B has never sent these blocks: only the digests it verified on arrival are known
         scribble(cb, keys[1], 4 * LAYOUT.layer_chunk_bytes, 0x80)  # block 1, layer 4
-        with pytest.raises(KVStoreError) as e:
-            cb.transfer(keys, peer_a, deadline_s=20)
-        assert e.value.code.name == "DATA_LOSS" and "block 1, layer 4," in e.value.message
+        expect_data_loss(cb, keys, peer_a, "block 1, layer 4,")
         ca.delete(keys)
         cb.transfer(keys[:1], peer_a, deadline_s=20)  # block 0 is intact and goes through
         assert ca.lookup(tokens[:16]) == 16

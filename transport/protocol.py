@@ -62,7 +62,12 @@ def layer_digests(buf, chunk_bytes: int) -> list[int]:
 
 
 def pack_digests(digests) -> bytes:
+    """A run's layer digests as they follow its CHUNK header."""
     return struct.pack(f"<{len(digests)}Q", *digests)
+
+
+def unpack_digests(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 8}Q", raw))
 
 
 def run_checksum(digests) -> int:
@@ -168,6 +173,29 @@ class Frame:
         except ValueError:
             raise ProtocolError(f"frame header: unknown frame type {ftype}") from None
         return cls(ftype, tid, seq, block, layer, length, csum, key, status, flags)
+
+
+def pack_batch(entries) -> bytes:
+    """The data of a BATCH frame: each (CHUNK frame, run digests) entry, header then digests."""
+    return b"".join(frame.pack() + trailer for frame, trailer in entries)
+
+
+def split_batch(data: bytes) -> list[tuple[Frame, bytes]]:
+    """The (CHUNK frame, run digests) entries of a BATCH frame's data; ProtocolError unless it
+    is 1..MAX_BATCH whole CHUNK entries."""
+    entries, off = [], 0
+    while off + FRAME_BYTES <= len(data) and len(entries) < MAX_BATCH:
+        chunk = Frame.unpack(data[off:off + FRAME_BYTES])
+        if chunk.type is not FrameType.CHUNK:
+            raise ProtocolError("BATCH may only carry CHUNK frames")
+        end = off + FRAME_BYTES + chunk.trailer_bytes
+        if end > len(data):
+            break
+        entries.append((chunk, data[off + FRAME_BYTES:end]))
+        off = end
+    if not entries or off != len(data):
+        raise ProtocolError(f"BATCH of {len(data)} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
+    return entries
 
 
 def status_frame(ftype: FrameType, transfer_id: int, status: TransferStatus, detail: str = "") -> tuple[Frame, bytes]:

@@ -96,20 +96,11 @@ class OutboundTransfer:
         mv = memoryview(buf).cast("B")
         if mv.nbytes != h.chunk_bytes:
             raise ValueError(f"chunk of {mv.nbytes} bytes, transfer declared {h.chunk_bytes}")
-        err = self._channel.error()
-        if err is not None:
-            self._fail(err)
+        self._check_channel()
         # Hashed here, on the caller's thread, so it overlaps the I/O thread's work on earlier
         # chunks (xxh3 releases the GIL) instead of stalling the wire.
-        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes,
-                      checksum(mv) if digest is None else digest, h.keys[block])
-        tamper = self._sender.tamper
-        if self.submit_times is not None:
-            self.submit_times.append(time.monotonic())
-        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv)
-        self._sent[block * h.n_layers + layer] = 1
-        self._seq += 1
-        self._chunks += 1
+        self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes,
+                         checksum(mv) if digest is None else digest, h.keys[block]), mv)
 
     def send_run(self, block: int, first_layer: int, buf, digests: Sequence[int] | None = None) -> list[int]:
         """Queue layers ``first_layer .. first_layer + k - 1`` of block ``block`` in one message:
@@ -133,20 +124,29 @@ class OutboundTransfer:
             raise ValueError(f"run (block {block}, layers {first_layer}..{first_layer + k - 1}) repeats a sent layer")
         if digests is not None and len(digests) != k:
             raise ValueError(f"send_run: {len(digests)} digests for {k} layers")
+        self._check_channel()
+        sums = list(digests) if digests is not None else layer_digests(mv, h.chunk_bytes)
+        self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
+                         run_checksum(sums), h.keys[block], flags=k if k > 1 else 0),
+                   mv, pack_digests(sums) if k > 1 else b"")
+        return sums
+
+    def _check_channel(self) -> None:
         err = self._channel.error()
         if err is not None:
             self._fail(err)
-        sums = list(digests) if digests is not None else layer_digests(mv, h.chunk_bytes)
-        frame = Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
-                      run_checksum(sums), h.keys[block], flags=k if k > 1 else 0)
+
+    def _post(self, frame: Frame, mv: memoryview, trailer: bytes = b"") -> None:
+        """Hand a validated CHUNK (one layer or a run) to the channel and mark its layers sent."""
         tamper = self._sender.tamper
         if self.submit_times is not None:
             self.submit_times.append(time.monotonic())
-        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv, pack_digests(sums) if k > 1 else b"")
+        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv, trailer)
+        k = frame.length // self.header.chunk_bytes
+        first = frame.block * self.header.n_layers + frame.layer
         self._sent[first:first + k] = b"\x01" * k
         self._seq += 1
         self._chunks += k
-        return sums
 
     def send_layer(self, layer: int, bufs: Sequence, digests: Sequence | None = None) -> None:
         """Queue layer ``layer`` of every block: ``bufs[b]`` is block ``b``'s chunk, ``digests[b]``

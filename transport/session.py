@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-import struct
 import time
 
 from .config import TransferConfig
 from .protocol import (MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError, TransferHeader,
-                       TransferStatus, checksum, layer_digests, run_checksum, status_frame)
+                       TransferStatus, checksum, layer_digests, run_checksum, status_frame, unpack_digests)
 from .sink import Sink, Target
 
 log = logging.getLogger("kvstore.transport")
@@ -167,7 +166,7 @@ class InboundSession:
         if len(trailer) != 8 * frame.flags:
             raise ProtocolError(f"run of {frame.flags} layers came with {len(trailer)} bytes of digests",
                                 frame.transfer_id)
-        sent = list(struct.unpack(f"<{frame.flags}Q", trailer))
+        sent = unpack_digests(trailer)
         if run_checksum(sent) != frame.checksum:
             raise ProtocolError(f"chunk {frame.seq}: its layer digests do not match its checksum", frame.transfer_id)
         return sent

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from .config import TransferConfig
-from .protocol import (BATCH_BYTES, FRAME_BYTES, MAGIC, MAX_BATCH, VERSION, Frame, FrameType, ProtocolError,
-                       TransferError, TransferStatus, max_manifest_bytes, status_frame)
+from .protocol import (BATCH_BYTES, FRAME_BYTES, MAGIC, VERSION, Frame, FrameType, ProtocolError, TransferError,
+                       TransferStatus, max_manifest_bytes, split_batch, status_frame)
 from .session import InboundSession
 from .sink import Sink
 from .ucx_env import Engine
@@ -139,20 +139,7 @@ class _Conn:
         if frame.type is not FrameType.BATCH:
             return self.on_frame(frame, data)
         try:
-            chunks, off = [], 0
-            while off < frame.length:  # CHUNK headers, each followed by its run digests
-                if len(chunks) == MAX_BATCH or off + FRAME_BYTES > frame.length:
-                    raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
-                chunk = Frame.unpack(data[off:off + FRAME_BYTES])
-                if chunk.type is not FrameType.CHUNK:
-                    raise ProtocolError("BATCH may only carry CHUNK frames")
-                end = off + FRAME_BYTES + chunk.trailer_bytes
-                if end > frame.length:
-                    raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
-                chunks.append((chunk, data[off + FRAME_BYTES:end]))
-                off = end
-            if not chunks:
-                raise ProtocolError(f"BATCH of {frame.length} bytes: not 1..{MAX_BATCH} whole CHUNK entries")
+            chunks = split_batch(data)
         except TransferError as err:
             return self.lost(err)
         for chunk, trailer in chunks:

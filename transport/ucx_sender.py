@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import TransferConfig, format_peer
 from .protocol import (BATCH_BYTES, FRAME_BYTES, MAX_BATCH, Frame, FrameType, ProtocolError, TransferError,
-                       TransferStatus, parse_status)
+                       TransferStatus, pack_batch, parse_status)
 from .ucx import _HELLO, _REPLY_MAX, _Conn, _hello, _parse_hello, _req_error, data_tag
 from .ucx_env import Engine
 
@@ -133,7 +133,7 @@ class UcxChannel(_Conn):
         if len(batch) == 1:
             self.send_ctrl(batch[0][0], batch[0][1])
         elif batch:
-            headers = b"".join(frame.pack() + trailer for frame, trailer, _ in batch)
+            headers = pack_batch((frame, trailer) for frame, trailer, _ in batch)
             self.send_ctrl(Frame(FrameType.BATCH, batch[0][0].transfer_id, length=len(headers)), headers)
         for frame, _, wire in batch:
             req = self.ep.tag_send(self.engine.Array(wire), data_tag(self.api, self.peer_rx, frame.seq))

@@ -16,6 +16,13 @@ from kvstore.transport.config import UcxProgress
 BACKENDS = ["ucx"]  # for the listener / sender fixtures
 
 
+def rounds_during(engine, seconds: float) -> int:
+    """Engine loop rounds run while this thread sleeps ``seconds``."""
+    before = engine.loops
+    time.sleep(seconds)
+    return engine.loops - before
+
+
 @pytest.fixture
 def engine_cls():
     ok, why = ucx_available()
@@ -56,10 +63,9 @@ def test_an_idle_engine_sleeps_instead_of_spinning(engine_cls):
     try:
         engine.call(lambda: None)
         time.sleep(engine.SPIN_S + 0.05)  # past the polling window that follows work
-        before = engine.loops
-        time.sleep(0.5)
+        rounds = rounds_during(engine, 0.5)
         # Asleep in epoll_wait: a handful of rounds at most (a spinning engine does ~10^5).
-        assert engine.loops - before < 20
+        assert rounds < 20
         assert engine.call(lambda: 42) == 42  # and it still wakes for work
     finally:
         engine.stop()
@@ -69,13 +75,11 @@ def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
     engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.POLLING), "test")
     try:
         engine.call(lambda: None)
-        before = engine.loops
-        time.sleep(0.2)
-        assert engine.loops - before > 100
+        rounds = rounds_during(engine, 0.2)
+        assert rounds > 100
         assert engine.call(lambda: 7) == 7
     finally:
         engine.stop()
-
 
 
 def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls):
@@ -84,13 +88,11 @@ def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls)
     engine = LongSpin(TransferConfig(backend="ucx"), "test")
     try:
         engine.call(lambda: None)
-        before = engine.loops
-        time.sleep(0.1)
-        assert engine.loops - before > 100  # still inside the window: polling, not asleep
+        rounds = rounds_during(engine, 0.1)
+        assert rounds > 100  # still inside the window: polling, not asleep
         time.sleep(0.3)
-        before = engine.loops
-        time.sleep(0.3)
-        assert engine.loops - before < 20  # the window closed: asleep
+        rounds = rounds_during(engine, 0.3)
+        assert rounds < 20  # the window closed: asleep
         assert engine.call(lambda: 5) == 5
     finally:
         engine.stop()
@@ -102,15 +104,12 @@ def test_while_a_transfer_is_open_a_blocking_engine_naps_at_most_a_millisecond(e
         engine.call(lambda: None)
         time.sleep(engine.SPIN_S + 0.05)
         engine.call(setattr, engine, "transfers_open", True)  # as the listener's / connector's ticker does
-        before = engine.loops
-        time.sleep(0.3)
-        naps = engine.loops - before
-        assert 30 < naps < 5000, naps  # ~1 ms naps: hundreds of rounds, not a spin, not asleep
+        rounds = rounds_during(engine, 0.3)
+        assert 30 < rounds < 5000, rounds  # ~1 ms naps: hundreds of rounds, not a spin, not asleep
         engine.call(setattr, engine, "transfers_open", False)
         time.sleep(engine.SPIN_S + 0.05)
-        before = engine.loops
-        time.sleep(0.3)
-        assert engine.loops - before < 20
+        rounds = rounds_during(engine, 0.3)
+        assert rounds < 20
     finally:
         engine.stop()
 
@@ -132,14 +131,12 @@ def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(
     try:
         engine.call(setattr, engine, "transfers_open", True)
         time.sleep(engine.SPIN_S + 0.05)  # past the spin window: still polling
-        before = engine.loops
-        time.sleep(0.2)
-        assert engine.loops - before > 5000  # spinning (1 ms naps would give ~200)
+        rounds = rounds_during(engine, 0.2)
+        assert rounds > 5000  # spinning (1 ms naps would give ~200)
         engine.call(setattr, engine, "transfers_open", False)
         time.sleep(engine.SPIN_S + 0.05)
-        before = engine.loops
-        time.sleep(0.3)
-        assert engine.loops - before < 20
+        rounds = rounds_during(engine, 0.3)
+        assert rounds < 20
         assert engine.call(lambda: 3) == 3
     finally:
         engine.stop()
