@@ -152,6 +152,7 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
                       (["--server-lease-ttl-s", "-1"], "server.lease_ttl_s"),
                       (["--transport-backend", "carrier-pigeon"], "transport.backend"),
                       (["--transport-ucx-progress", "spin"], "transport.ucx_progress"),
+                      (["--transport-verify-threads", "-2"], "transport.verify_threads"),
                       (["--server-tcp-listen", "0.0.0.0:7000"], "requires TLS")):
         p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", str(sock), *args],
                            capture_output=True, text=True, timeout=30)

@@ -14,6 +14,8 @@ from kvstore.transport import ucx_available
 LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
 _NO_UCX = pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}")
 BACKENDS = ["tcp", pytest.param("ucx", marks=_NO_UCX)]
+# UCX with daemon B's receiver verifying chunks on a pool of 2 threads (auto picks none on 2 CPUs).
+UCX_POOL = pytest.param("ucx", ("--transport-verify-threads", "2"), marks=_NO_UCX, id="ucx-pool")
 
 
 def pair(tmp_path, backend, env_a=None, args_a=(), args=()):
@@ -85,9 +87,9 @@ def scribble(c, key: bytes, at: int, mask: int) -> None:
         c.arena.view(lease.offsets[0] + at, 1)[0] ^= mask
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_blocks_arrive_bit_exact(tmp_path, backend):
-    a, b, peer_b = pair(tmp_path, backend)
+@pytest.mark.parametrize("backend,args", [("tcp", ()), pytest.param("ucx", (), marks=_NO_UCX), UCX_POOL])
+def test_blocks_arrive_bit_exact(tmp_path, backend, args):
+    a, b, peer_b = pair(tmp_path, backend, args=args)
     try:
         ca, cb = clients(a, b)
         tokens = list(range(10 * 16 + 5))
@@ -222,8 +224,9 @@ def test_prefill_daemon_killed_mid_transfer(tmp_path):
         b.stop()
 
 
-def test_corrupted_chunk_is_detected_and_not_stored(tmp_path):
-    a, b, peer_b = pair(tmp_path, "tcp", env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "3"})  # the 3rd of 4 blocks
+@pytest.mark.parametrize("backend,args", [("tcp", ()), UCX_POOL])
+def test_corrupted_chunk_is_detected_and_not_stored(tmp_path, backend, args):
+    a, b, peer_b = pair(tmp_path, backend, env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "3"}, args=args)  # 3rd of 4 blocks
     try:
         ca, cb = clients(a, b)
         tokens = list(range(4 * 16))

@@ -116,7 +116,8 @@ def ablate_checksum() -> None:
     tcp.recv_hashed = recv_unhashed
 
 
-def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "adaptive") -> None:
+def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "adaptive",
+             verify_threads: int = -1) -> None:
     """Receiver process: a Listener with a RingSink, driven by commands over ``conn``."""
     if ablate:
         ablate_checksum()
@@ -127,7 +128,8 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress
             with lock:
                 conn.send(("arrived", t))
     sink = RingSink(ring_bytes, notify)
-    listener = Listener(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress), sink)
+    listener = Listener(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress,
+                                       verify_threads=verify_threads), sink)
     listener.start()
     conn.send(listener.address)
     while True:
@@ -148,10 +150,11 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress
 
 class Bench:
     def __init__(self, ctx, backend: Backend, ring_bytes: int, verify: bool, seed: int = 1,
-                 ablate: bool = False, known_digests: bool = False, progress: str = "adaptive") -> None:
+                 ablate: bool = False, known_digests: bool = False, progress: str = "adaptive",
+                 verify_threads: int = -1) -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate, progress),
+        self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate, progress, verify_threads),
                                 daemon=True)
         self.proc.start()
         self.peer = self.conn.recv()
@@ -293,6 +296,9 @@ def parse_args(argv) -> argparse.Namespace:
                    help="pipelined mode: per-layer compute time / per-layer transfer time")
     p.add_argument("--ucx-progress", choices=["adaptive", "blocking", "polling"], default="adaptive",
                    help="UCX engines of both ends (the daemon's transport.ucx_progress; default adaptive)")
+    p.add_argument("--verify-threads", type=int, default=-1,
+                   help="UCX receiver: threads hashing arrived chunks (the daemon's transport.verify_threads; "
+                        "-1 = auto, 0 = on the engine thread)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw references")
     p.add_argument("--verify", action="store_true", help="check every received chunk byte for byte")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -326,13 +332,14 @@ def main(argv=None) -> int:
         log("note: --ablate-checksum: chunks are NOT verified in this run")
     out["known_digests"] = a.known_digests
     out["ucx_progress"] = a.ucx_progress
+    out["verify_threads"] = TransferConfig(verify_threads=a.verify_threads).resolved_verify_threads()
     if a.known_digests:
         log("note: --known-digests: the sender does not hash (digests taken before the clock); "
             "the receiver verifies every chunk")
     for backend in backends:
         ring = max(64 * MiB, 4 * max(sizes))
         bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum, known_digests=a.known_digests,
-                      progress=a.ucx_progress)
+                      progress=a.ucx_progress, verify_threads=a.verify_threads)
         try:
             log(f"\n== {backend.value}: chunk size sweep ({a.total_mib} MiB per run, {a.repeat} runs of ours and "
                 f"raw interleaved; medians, ratio = median of the per-pair ratios)")

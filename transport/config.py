@@ -6,6 +6,7 @@ and :class:`~kvstore.transport.Sender`.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -58,6 +59,7 @@ class TransferConfig:
     max_inflight_bytes: int = 64 * MiB    # UCX sender: payload bytes posted, not completed (>= 1 chunk)
     auth_token: bytes = b""               # both sides must hold the same token ("" = none)
     ucx_progress: UcxProgress = UcxProgress.ADAPTIVE
+    verify_threads: int = -1              # UCX receiver: threads hashing arrived payloads (-1 = auto)
     tcp_keepalive_s: int = 5              # dead-host detection where no FIN/RST ever arrives
 
     def __post_init__(self) -> None:
@@ -71,8 +73,20 @@ class TransferConfig:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
         if self.max_chunk_bytes <= 0 or self.max_inflight_bytes <= 0:
             raise ValueError("max_chunk_bytes, max_inflight_bytes: must be > 0")
+        if self.verify_threads < -1 or self.verify_threads > 64:
+            raise ValueError(f"verify_threads: must be -1 (auto) or 0..64, got {self.verify_threads}")
         if len(self.auth_token) > 256:
             raise ValueError("auth_token: at most 256 bytes")
+
+    def resolved_verify_threads(self, cpus: int | None = None) -> int:
+        """How many threads verify arrived UCX payloads beside the engine thread. 0: the engine
+        thread hashes each payload itself, between progress calls. Auto (-1) gives hosts of 4 or
+        more CPUs a quarter of them, at most 4: with spare cores the receiver's engine then only
+        copies, as raw UCX does; on 2 cores a helper thread only competed with both engines."""
+        if self.verify_threads >= 0:
+            return self.verify_threads
+        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        return 0 if cpus < 4 else min(4, cpus // 4)
 
 
 def parse_peer(peer: str) -> tuple[str, int]:

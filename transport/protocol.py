@@ -61,6 +61,12 @@ def layer_digests(buf, chunk_bytes: int) -> list[int]:
     return [checksum(mv[off:off + chunk_bytes]) for off in range(0, mv.nbytes, chunk_bytes)]
 
 
+def payload_digests(frame: "Frame", buf) -> int | list[int]:
+    """What arrived for a validated CHUNK ``frame``: the payload's xxh3-64, or for a run (``flags``
+    = k layers) the list of its layers' xxh3-64s. Pure: safe on any thread."""
+    return checksum(buf) if not frame.flags else layer_digests(buf, frame.length // frame.flags)
+
+
 def pack_digests(digests) -> bytes:
     """A run's layer digests as they follow its CHUNK header."""
     return struct.pack(f"<{len(digests)}Q", *digests)

@@ -18,7 +18,7 @@ import time
 
 from .config import TransferConfig
 from .protocol import (MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError, TransferHeader,
-                       TransferStatus, checksum, layer_digests, run_checksum, status_frame, unpack_digests)
+                       TransferStatus, payload_digests, run_checksum, status_frame, unpack_digests)
 from .sink import Sink, Target
 
 log = logging.getLogger("kvstore.transport")
@@ -174,8 +174,8 @@ class InboundSession:
     def landed_digests(self, frame: Frame, mv) -> int | list[int]:
         """What :meth:`chunk_verified` needs for the payload of ``frame`` now in ``mv``: its xxh3,
         or for a run the list of its layers' xxh3s."""
-        c = self._require(frame).header.chunk_bytes
-        return checksum(mv) if frame.length == c else layer_digests(mv, c)
+        self._require(frame)
+        return payload_digests(frame, mv)
 
     def chunk_landed(self, frame: Frame, mv: memoryview, sent: list[int] | None = None) -> None:
         """The payload of ``frame`` is in ``mv``: verify its checksum, then report it arrived."""

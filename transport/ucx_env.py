@@ -31,7 +31,7 @@ import os
 import select
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .config import TransferConfig, UcxProgress
 
@@ -116,6 +116,9 @@ class Engine:
         self._running = True
         self.loops = 0  # engine loop iterations, for profiling
         self._rx_ids = int.from_bytes(os.urandom(2), "little") << 8  # receive-tag prefixes of this worker
+        n = config.resolved_verify_threads()
+        # Hashes arrived payloads off the engine thread (xxh3 releases the GIL); None: inline.
+        self.verify_pool = ThreadPoolExecutor(n, thread_name_prefix=f"kvt-verify {name}") if n else None
         self._thread = threading.Thread(target=self._run, name=f"kvt-ucx {name}", daemon=True)
         self._thread.start()
 
@@ -151,6 +154,8 @@ class Engine:
             self.call_soon(halt)
             self._thread.join(timeout=timeout_s)
         self._running = False
+        if self.verify_pool is not None:
+            self.verify_pool.shutdown(wait=True, cancel_futures=True)
         self._epoll.close()
         os.close(self._efd)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import shutil
 import statistics
 import sys
@@ -52,7 +53,7 @@ def daemons(a) -> dict:
         extent = max(64 << 20, -(-a.layers * max(sizes) // (64 << 20)) * (64 << 20))
         dram = 2 * total + 2 * extent
         common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend,
-                  "--transport-ucx-progress", a.ucx_progress)
+                  "--transport-ucx-progress", a.ucx_progress, "--transport-verify-threads", str(a.verify_threads))
         da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
         procs.append(da)
         db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
@@ -105,7 +106,8 @@ def daemons(a) -> dict:
             d.stop(30)
         shutil.rmtree(work, ignore_errors=True)
     return {"bench": "transfer-daemons", "backend": a.backend, "unit": "GB/s with GB = 10^9 bytes",
-            "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv", "rows": rows}
+            "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv",
+            "ucx_progress": a.ucx_progress, "verify_threads": a.verify_threads, "cpus": os.cpu_count(), "rows": rows}
 
 
 def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("tcp", "ucx"), default="tcp")
     ap.add_argument("--ucx-progress", choices=("adaptive", "blocking", "polling"), default="adaptive",
                     help="both daemons' transport.ucx_progress")
+    ap.add_argument("--verify-threads", type=int, default=-1,
+                    help="both daemons' transport.verify_threads (-1 = auto, 0 = on the UCX engine thread)")
     ap.add_argument("--chunk-sizes", default="256KiB,1MiB,4MiB", help="layer chunk sizes (multiples of 16 KiB)")
     ap.add_argument("--total-bytes", default="512MiB", help="bytes per Transfer")
     ap.add_argument("--layers", type=int, default=32, help="layers per block (chunks per block)")

@@ -65,14 +65,18 @@ fi
 export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
+# Run from $WORK: `python -m` puts the working directory first on sys.path, and the repository
+# root's kvstore/ lacks the tiers/transport/clients subpackages that the shim maps in. The
+# daemons the tests start inherit this directory too.
+cd "$WORK"
 log "GPU tests"
 rm -f "$WORK/junit.xml" "$WORK/bench.json"
-timeout 170 "$PY" -m pytest -q -p no:cacheprovider --confcutdir=tests/gpu -rs \
-  --junitxml="$WORK/junit.xml" tests/gpu >&2
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider --rootdir="$ROOT" --confcutdir="$ROOT/tests/gpu" -rs \
+  --junitxml="$WORK/junit.xml" "$ROOT/tests/gpu" >&2
 TEST_RC=$?
 
 log "bandwidth benchmark"
-timeout 100 "$PY" tests/gpu/bench_bw.py > "$WORK/bench.json"
+timeout 100 "$PY" "$ROOT/tests/gpu/bench_bw.py" > "$WORK/bench.json"
 BENCH_RC=$?
 
 "$PY" - "$WORK" "$TEST_RC" "$BENCH_RC" "$GPU_PRESENT" "$(( $(date +%s) - START ))" <<'EOF'

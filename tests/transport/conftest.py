@@ -23,8 +23,21 @@ PEER = str(Path(__file__).with_name("transport_peer.py"))
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:  # a module may narrow this with its own BACKENDS
-        metafunc.parametrize("backend", getattr(metafunc.module, "BACKENDS", ["tcp", "ucx"]))
+    if "backend" not in metafunc.fixturenames:
+        return
+    backends = getattr(metafunc.module, "BACKENDS", ["tcp", "ucx"])  # a module may narrow this
+    if getattr(metafunc.module, "POOL_VERIFY", False) and "ucx" in backends and "verify_threads" in metafunc.fixturenames:
+        # UCX again with its receiver verifying chunks on a pool (auto picks none on 2 CPUs).
+        metafunc.parametrize("backend,verify_threads", [(b, 0) for b in backends] + [("ucx", 2)],
+                             ids=[*backends, "ucx-pool"], indirect=["backend"])
+    else:
+        metafunc.parametrize("backend", backends, indirect=True)
+
+
+@pytest.fixture
+def verify_threads():
+    """The listener's ``TransferConfig.verify_threads`` (parametrized where a module sets POOL_VERIFY)."""
+    return -1
 
 
 @pytest.fixture
@@ -37,8 +50,8 @@ def backend(request):
 
 
 @pytest.fixture
-def config(backend):
-    return TransferConfig(backend=backend, default_deadline_s=20.0)
+def config(backend, verify_threads):
+    return TransferConfig(backend=backend, default_deadline_s=20.0, verify_threads=verify_threads)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import pytest
 from conftest import make_payload, wait_for
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus
 
+POOL_VERIFY = True  # UCX tests run again with the receiver's verify pool (conftest)
+
 
 def test_bit_exact_delivery(listener, sender, sink):
     keys, data = make_payload(1, blocks=5, layers=3, chunk=64 << 10)

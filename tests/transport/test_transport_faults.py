@@ -12,6 +12,8 @@ import pytest
 from conftest import Peer, make_payload, wait_for
 from kvstore.transport import TransferError, TransferStatus
 
+POOL_VERIFY = True  # UCX tests run again with the receiver's verify pool (conftest)
+
 DEADLINE_S = 15.0
 
 

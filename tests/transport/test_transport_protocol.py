@@ -77,6 +77,16 @@ def test_config_validation_and_peer_parsing():
         TransferConfig(port=70000)
     with pytest.raises(ValueError, match="connect_timeout_s"):
         TransferConfig(connect_timeout_s=0)
+    for bad in (-2, 65):
+        with pytest.raises(ValueError, match="verify_threads"):
+            TransferConfig(verify_threads=bad)
+
+
+def test_verify_threads_auto_leaves_small_hosts_inline():
+    auto = TransferConfig()
+    assert [auto.resolved_verify_threads(cpus) for cpus in (1, 2, 3, 4, 8, 16, 64)] == [0, 0, 0, 1, 2, 4, 4]
+    assert TransferConfig(verify_threads=3).resolved_verify_threads(2) == 3
+    assert TransferConfig(verify_threads=0).resolved_verify_threads(64) == 0
     assert parse_peer("10.0.0.2:7400") == ("10.0.0.2", 7400)
     assert parse_peer("[fe80::1]:7400") == ("fe80::1", 7400)
     for bad in ("10.0.0.2", "host:", ":80", "h:99999"):

@@ -14,6 +14,8 @@ from kvstore.transport import MemorySink, TransferConfig, TransferError, Transfe
 from kvstore.transport.protocol import Frame, FrameType, checksum, layer_digests, pack_digests, run_checksum
 from kvstore.transport.session import InboundSession
 
+POOL_VERIFY = True  # UCX tests run again with the receiver's verify pool (conftest)
+
 CHUNK = 16 << 10
 
 

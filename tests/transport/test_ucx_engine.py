@@ -11,6 +11,7 @@ import pytest
 
 from conftest import make_payload, wait_for
 from kvstore.transport import TransferConfig, ucx_available
+from kvstore.transport import ucx as ucx_mod
 from kvstore.transport.config import UcxProgress
 
 BACKENDS = ["ucx"]  # for the listener / sender fixtures
@@ -124,6 +125,30 @@ def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
     tx.send_layer(1, [data[0, 1], data[1, 1]])
     tx.finish()
     wait_for(lambda: not tx_engine.transfers_open and not lst_engine.transfers_open, what="both engines see it closed")
+
+
+@pytest.mark.parametrize("verify_threads", [2])
+def test_a_verify_pool_hashes_arrived_chunks_off_the_engine_thread(listener, sender, sink, verify_threads):
+    engine = listener._server.engine
+    assert engine.verify_pool is not None and engine.verify_pool._max_workers == 2
+    hashed_on: set[str] = set()
+    real = ucx_mod.payload_digests
+
+    def spy(frame, buf):
+        hashed_on.add(threading.current_thread().name)
+        return real(frame, buf)
+    ucx_mod.payload_digests = spy
+    try:
+        keys, data = make_payload(32, blocks=4, layers=3, chunk=64 << 10)
+        tx = sender.open(listener.address, keys, 3, 64 << 10)
+        for layer in range(3):
+            tx.send_layer(layer, [data[b, layer] for b in range(4)])
+        tx.finish()
+    finally:
+        ucx_mod.payload_digests = real
+    assert hashed_on and all(name.startswith("kvt-verify") for name in hashed_on), hashed_on
+    assert all(sink.data[(tx.transfer_id, keys[b], layer)] == data[b, layer].tobytes()
+               for b in range(4) for layer in range(3))
 
 
 def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(engine_cls):
