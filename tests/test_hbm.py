@@ -10,6 +10,7 @@ from tier_contract import TierContract
 
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError, TierKind
+from kvstore.tiers import hbm as hbm_mod
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig
 from kvstore.tiers.hbm_device import EmuEvent, EmuStream, choose_device
 
@@ -246,6 +247,61 @@ def test_batched_promote_and_demote_count_bytes(tier):
     assert all(np.array_equal(d, _pattern(10 + i)) for i, d in enumerate(dsts))
     st = tier.stats()
     assert (st.extra["bytes_promoted"], st.extra["bytes_demoted"]) == (4 * SLOT, 4 * SLOT)
+
+
+def _count_copies(tier, monkeypatch) -> list:
+    calls: list = []
+    real = tier.pool.copy
+
+    def counted(dst, src):
+        calls.append(dst.nbytes)
+        real(dst, src)
+    monkeypatch.setattr(tier.pool, "copy", counted)
+    return calls
+
+
+def test_neighbouring_slots_move_in_one_copy_each_way(tier, monkeypatch):
+    slots = [tier.allocate(NS, SLOT) for _ in range(4)]
+    assert slots == [slots[0] + i * SLOT for i in range(4)]  # one extent, back to back
+    arena = Arena(8 * SLOT, prefault=False)
+    try:
+        for i in range(4):
+            arena.view(i * SLOT, SLOT)[:] = _pattern(20 + i)
+        calls = _count_copies(tier, monkeypatch)
+        tier.promote([(s, arena.view(i * SLOT, SLOT)) for i, s in enumerate(slots)]).result(30)
+        assert calls == [4 * SLOT]
+        # Host side: the first two back to back in the arena, the others separate arrays.
+        dst = [arena.view(4 * SLOT, SLOT), arena.view(5 * SLOT, SLOT), np.zeros(SLOT, np.uint8),
+               np.zeros(SLOT, np.uint8)]
+        calls.clear()
+        tier.demote(list(zip(slots, dst))).result(30)
+        assert calls == [2 * SLOT, SLOT, SLOT]
+        assert all(np.array_equal(d, _pattern(20 + i)) for i, d in enumerate(dst))
+        # Out of order in the pool: nothing merges.
+        calls.clear()
+        tier.promote([(s, arena.view(i * SLOT, SLOT)) for i, s in reversed(list(enumerate(slots)))]).result(30)
+        assert calls == [SLOT] * 4
+        # A partly filled slot ends a run: the next slot's bytes do not start where it ended.
+        calls.clear()
+        tier.promote([(slots[0], arena.view(0, SLOT // 2)), (slots[1], arena.view(SLOT // 2, SLOT))]).result(30)
+        assert calls == [SLOT // 2, SLOT]
+        out = np.zeros(SLOT, np.uint8)
+        tier.read(slots[1], out)
+        assert np.array_equal(out, arena.view(SLOT // 2, SLOT))
+    finally:
+        arena.close()
+
+
+def test_host_span_merges_only_adjacent_views_of_one_buffer():
+    buf = np.arange(4 * SLOT, dtype=np.uint8) % 251
+    a, b = buf[:SLOT], buf[SLOT:2 * SLOT]
+    merged = hbm_mod._host_span(a, b)
+    assert merged is not None and merged.ctypes.data == a.ctypes.data and merged.nbytes == 2 * SLOT
+    buf.flags.writeable = False
+    ro = hbm_mod._host_span(buf[:SLOT], buf[SLOT:2 * SLOT])
+    assert ro is not None and not ro.flags.writeable  # a source may be read-only; it stays so
+    assert hbm_mod._host_span(buf[:SLOT], buf[2 * SLOT:3 * SLOT]) is None  # not adjacent
+    assert hbm_mod._host_span(np.zeros(SLOT, np.uint8), np.zeros(SLOT, np.uint8)) is None  # two buffers
 
 
 def _fail_first_copy(tier, monkeypatch) -> None:
