@@ -115,6 +115,7 @@ class TransportConfig:
     timeout_s: float = field(default=30.0, metadata={"help": "default transfer deadline (seconds)"})
     ucx_progress: str = field(default="adaptive", metadata={"help": "UCX engines: adaptive (poll while a transfer is open, else sleep), blocking (sleep whenever idle) or polling (always spin one core each)"})
     verify_threads: int = field(default=-1, metadata={"help": "UCX receiver: threads that verify arrived chunks' xxh3 beside the engine thread; -1 = auto (a quarter of the CPUs, at most 4; none under 4 CPUs), 0 = on the engine thread"})
+    verify_min_bytes: int = field(default=1024**2, metadata={"help": "UCX receiver: only payloads of at least this size (bytes) go to the verify threads; smaller ones cost more to hand over than to hash"})
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Config:
         _check(self.transport.ucx_progress in ("adaptive", "blocking", "polling"), "transport.ucx_progress",
                "must be adaptive, blocking or polling")
         _check(-1 <= self.transport.verify_threads <= 64, "transport.verify_threads", "must be -1 (auto) or 0..64")
+        _check(self.transport.verify_min_bytes >= 0, "transport.verify_min_bytes", "must be >= 0")
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
         return self
 

@@ -178,7 +178,8 @@ class TransferService:
         host, port = parse_peer(t.listen)
         self.backend = t.backend
         self.config = TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
-                                     ucx_progress=t.ucx_progress, verify_threads=t.verify_threads)
+                                     ucx_progress=t.ucx_progress, verify_threads=t.verify_threads,
+                                     verify_min_bytes=t.verify_min_bytes)
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))

@@ -15,7 +15,8 @@ LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
 _NO_UCX = pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}")
 BACKENDS = ["tcp", pytest.param("ucx", marks=_NO_UCX)]
 # UCX with daemon B's receiver verifying chunks on a pool of 2 threads (auto picks none on 2 CPUs).
-UCX_POOL = pytest.param("ucx", ("--transport-verify-threads", "2"), marks=_NO_UCX, id="ucx-pool")
+UCX_POOL = pytest.param("ucx", ("--transport-verify-threads", "2", "--transport-verify-min-bytes", "0"),
+                        marks=_NO_UCX, id="ucx-pool")
 
 
 def pair(tmp_path, backend, env_a=None, args_a=(), args=()):

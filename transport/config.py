@@ -60,6 +60,7 @@ class TransferConfig:
     auth_token: bytes = b""               # both sides must hold the same token ("" = none)
     ucx_progress: UcxProgress = UcxProgress.ADAPTIVE
     verify_threads: int = -1              # UCX receiver: threads hashing arrived payloads (-1 = auto)
+    verify_min_bytes: int = 1 * MiB       # ... for payloads of at least this size (smaller: inline)
     tcp_keepalive_s: int = 5              # dead-host detection where no FIN/RST ever arrives
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class TransferConfig:
             raise ValueError("max_chunk_bytes, max_inflight_bytes: must be > 0")
         if self.verify_threads < -1 or self.verify_threads > 64:
             raise ValueError(f"verify_threads: must be -1 (auto) or 0..64, got {self.verify_threads}")
+        if self.verify_min_bytes < 0:
+            raise ValueError(f"verify_min_bytes: must be >= 0, got {self.verify_min_bytes}")
         if len(self.auth_token) > 256:
             raise ValueError("auth_token: at most 256 bytes")
 

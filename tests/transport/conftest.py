@@ -51,7 +51,9 @@ def backend(request):
 
 @pytest.fixture
 def config(backend, verify_threads):
-    return TransferConfig(backend=backend, default_deadline_s=20.0, verify_threads=verify_threads)
+    # With a pool, every chunk goes through it (the tests' chunks are under the 1 MiB default).
+    return TransferConfig(backend=backend, default_deadline_s=20.0, verify_threads=verify_threads,
+                          verify_min_bytes=0 if verify_threads > 0 else 1 << 20)
 
 
 @pytest.fixture

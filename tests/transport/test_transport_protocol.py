@@ -80,6 +80,8 @@ def test_config_validation_and_peer_parsing():
     for bad in (-2, 65):
         with pytest.raises(ValueError, match="verify_threads"):
             TransferConfig(verify_threads=bad)
+    with pytest.raises(ValueError, match="verify_min_bytes"):
+        TransferConfig(verify_min_bytes=-1)
 
 
 def test_verify_threads_auto_leaves_small_hosts_inline():

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import make_payload, wait_for
-from kvstore.transport import TransferConfig, ucx_available
+from kvstore.transport import Listener, Sender, TransferConfig, ucx_available
+from kvstore.transport import session as session_mod
 from kvstore.transport import ucx as ucx_mod
 from kvstore.transport.config import UcxProgress
 
@@ -127,26 +128,33 @@ def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
     wait_for(lambda: not tx_engine.transfers_open and not lst_engine.transfers_open, what="both engines see it closed")
 
 
-@pytest.mark.parametrize("verify_threads", [2])
-def test_a_verify_pool_hashes_arrived_chunks_off_the_engine_thread(listener, sender, sink, verify_threads):
-    engine = listener._server.engine
-    assert engine.verify_pool is not None and engine.verify_pool._max_workers == 2
+@pytest.mark.parametrize("verify_threads,min_bytes,hashed_by", [(2, 0, "kvt-verify"), (2, 128 << 10, "kvt-ucx"),
+                                                                (0, 0, "kvt-ucx")])
+def test_a_verify_pool_hashes_arrived_chunks_off_the_engine_thread(backend, sink, monkeypatch, verify_threads,
+                                                                      min_bytes, hashed_by):
+    """64 KiB chunks: on the pool when it takes payloads that small, else on the engine thread."""
+    cfg = TransferConfig(backend=backend, verify_threads=verify_threads, verify_min_bytes=min_bytes)
     hashed_on: set[str] = set()
     real = ucx_mod.payload_digests
 
     def spy(frame, buf):
         hashed_on.add(threading.current_thread().name)
         return real(frame, buf)
-    ucx_mod.payload_digests = spy
+    monkeypatch.setattr(ucx_mod, "payload_digests", spy)  # the pool's hash
+    monkeypatch.setattr(session_mod, "payload_digests", spy)  # the engine thread's (landed_digests)
+    listener = Listener(cfg, sink)
     try:
-        keys, data = make_payload(32, blocks=4, layers=3, chunk=64 << 10)
-        tx = sender.open(listener.address, keys, 3, 64 << 10)
-        for layer in range(3):
-            tx.send_layer(layer, [data[b, layer] for b in range(4)])
-        tx.finish()
+        listener.start()
+        assert (listener._server.engine.verify_pool is not None) == (verify_threads > 0)
+        with Sender(cfg) as sender:
+            keys, data = make_payload(32, blocks=4, layers=3, chunk=64 << 10)
+            tx = sender.open(listener.address, keys, 3, 64 << 10)
+            for layer in range(3):
+                tx.send_layer(layer, [data[b, layer] for b in range(4)])
+            tx.finish()
     finally:
-        ucx_mod.payload_digests = real
-    assert hashed_on and all(name.startswith("kvt-verify") for name in hashed_on), hashed_on
+        listener.stop()
+    assert hashed_on and all(name.startswith(hashed_by) for name in hashed_on), hashed_on
     assert all(sink.data[(tx.transfer_id, keys[b], layer)] == data[b, layer].tobytes()
                for b in range(4) for layer in range(3))
 
