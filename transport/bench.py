@@ -154,8 +154,8 @@ class Bench:
                  verify_threads: int = -1) -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_rx_main, args=(child, backend.value, ring_bytes, ablate, progress, verify_threads),
-                                daemon=True)
+        self.proc = ctx.Process(target=_rx_main, daemon=True,
+                                args=(child, backend.value, ring_bytes, ablate, progress, verify_threads))
         self.proc.start()
         self.peer = self.conn.recv()
         self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress))

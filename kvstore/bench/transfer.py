@@ -53,7 +53,8 @@ def daemons(a) -> dict:
         extent = max(64 << 20, -(-a.layers * max(sizes) // (64 << 20)) * (64 << 20))
         dram = 2 * total + 2 * extent
         common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend,
-                  "--transport-ucx-progress", a.ucx_progress, "--transport-verify-threads", str(a.verify_threads))
+                  "--transport-ucx-progress", a.ucx_progress,
+                  "--transport-verify-threads", str(a.verify_threads))
         da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
         procs.append(da)
         db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")

@@ -26,7 +26,8 @@ def pytest_generate_tests(metafunc):
     if "backend" not in metafunc.fixturenames:
         return
     backends = getattr(metafunc.module, "BACKENDS", ["tcp", "ucx"])  # a module may narrow this
-    if getattr(metafunc.module, "POOL_VERIFY", False) and "ucx" in backends and "verify_threads" in metafunc.fixturenames:
+    pool = getattr(metafunc.module, "POOL_VERIFY", False) and "ucx" in backends
+    if pool and "verify_threads" in metafunc.fixturenames:
         # UCX again with its receiver verifying chunks on a pool (auto picks none on 2 CPUs).
         metafunc.parametrize("backend,verify_threads", [(b, 0) for b in backends] + [("ucx", 2)],
                              ids=[*backends, "ucx-pool"], indirect=["backend"])
