@@ -190,7 +190,12 @@ class TransferService:
 
     def start(self) -> str:
         host, port = self.listener.start()
-        log.info("transfer listener (%s) on %s:%d", self.backend, host, port)
+        if self.config.backend.value == "ucx":
+            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d",
+                     self.config.ucx_progress.value, self.config.resolved_verify_threads(),
+                     self.config.verify_min_bytes, host, port)
+        else:
+            log.info("transfer listener (%s) on %s:%d", self.backend, host, port)
         return f"{host}:{port}"
 
     def stop(self, grace_s: float) -> None:

@@ -333,6 +333,10 @@ def main(argv=None) -> int:
     out["known_digests"] = a.known_digests
     out["ucx_progress"] = a.ucx_progress
     out["verify_threads"] = TransferConfig(verify_threads=a.verify_threads).resolved_verify_threads()
+    if Backend.UCX in backends:
+        log(f"UCX: {a.ucx_progress} progress; the receiver verifies chunks of >= "
+            f"{TransferConfig().verify_min_bytes >> 20} MiB on "
+            f"{out['verify_threads']} pool threads (--verify-threads; 0 = on its engine thread)")
     if a.known_digests:
         log("note: --known-digests: the sender does not hash (digests taken before the clock); "
             "the receiver verifies every chunk")
