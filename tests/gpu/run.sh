@@ -5,8 +5,8 @@
 #
 # Run from the repository root on a GPU machine:  bash tests/gpu/run.sh
 #
-# Python: $KVSTORE_GPU_PYTHON if set, else the first of .venv/bin/python, python3,
-# /opt/torch/.venv/bin/python3 whose torch sees a GPU. If none does but the machine has one
+# Python: the first of $KVSTORE_GPU_PYTHON, .venv/bin/python, python3,
+# /opt/torch/.venv/bin/python3 whose torch sees a GPU (with no GPU: $KVSTORE_GPU_PYTHON if set). If none does but the machine has one
 # (nvidia-smi lists it), a venv is made in $KVSTORE_GPU_WORK with the CUDA build of
 # torch==2.13.0 from PyPI (needs the network). The package is put on the path through a shim
 # (no install, no network); wheels in .whl/ (grpcio-health-checking, grpcio-reflection, and
@@ -46,8 +46,10 @@ if [ -z "$PY" ] && [ "$GPU_PRESENT" = 1 ]; then
     exit 2
   fi
 fi
-if [ -z "$PY" ]; then  # no GPU at all: run anyway, everything skips with its reason
-  for cand in "$ROOT/.venv/bin/python" python3; do command -v "$cand" >/dev/null 2>&1 && PY=$(command -v "$cand") && break; done
+if [ -z "$PY" ]; then  # no GPU at all: run anyway (the named python first), everything skips with its reason
+  for cand in "${KVSTORE_GPU_PYTHON:-}" "$ROOT/.venv/bin/python" python3; do
+    [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 && PY=$(command -v "$cand") && break
+  done
 fi
 log "python: $PY"
 
