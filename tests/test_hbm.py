@@ -6,18 +6,17 @@ import threading
 
 import numpy as np
 import pytest
+from stream_util import BLOCKED_S, Gate
 from tier_contract import TierContract
 
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError, TierKind
 from kvstore.tiers import hbm as hbm_mod
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig
-from kvstore.tiers.hbm_device import EmuEvent, EmuStream, choose_device
 
 KiB = 1024
 SLOT = 64 * KiB
 NS = b"N" * 32
-BLOCKED_S = 0.05  # how long a wait that must not finish is given to (wrongly) finish
 
 
 def _pattern(seed: int, nbytes: int = SLOT) -> np.ndarray:
@@ -43,42 +42,7 @@ def tier():
     t.close()
 
 
-class Gate:
-    """Holds a stream at a point until opened: ``stream.submit(gate)``."""
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-
-    def __call__(self) -> None:
-        assert self._open.wait(30), "gate never opened"
-
-    def open(self) -> None:
-        self._open.set()
-
-
-# --- device choice and stats -----------------------------------------------------------------
-
-def test_auto_without_cuda_is_emulated_with_reason():
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: auto picks it")
-    c = choose_device("auto")
-    assert c.emulated and c.reason.startswith("no CUDA device: torch.cuda.is_available() is False")
-
-
-def test_explicit_cuda_index_without_cuda_raises():
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
-    with pytest.raises(TierError, match="CUDA device 0 requested"):
-        choose_device("0")
-
-
-@pytest.mark.parametrize("bad", ["gpu", "-1", "cuda:x", ""])
-def test_bad_device_spec_raises(bad):
-    with pytest.raises(ValueError, match="device"):
-        choose_device(bad)
-
+# --- configuration and stats -----------------------------------------------------------------
 
 def test_config_validation():
     with pytest.raises(ValueError, match="streams"):
@@ -113,71 +77,6 @@ def test_from_daemon_config():
     c = HbmTierConfig.from_config(cfg)
     assert (c.capacity_bytes, c.device, c.streams) == (8 * SLOT, "emulated", 2)
     assert c.extent_bytes == min(cfg.dram.extent_bytes, 8 * SLOT)
-
-
-# --- emulated streams and events ---------------------------------------------------------------
-
-def test_emu_stream_runs_in_submission_order():
-    s = EmuStream()
-    gate, seen = Gate(), []
-    try:
-        s.submit(gate)
-        for i in range(5):
-            s.submit(lambda i=i: seen.append(i))
-        ev = s.record()
-        assert not ev.query() and seen == []  # everything queued behind the gate
-        gate.open()
-        ev.synchronize(30)
-        assert seen == [0, 1, 2, 3, 4]
-    finally:
-        s.close()
-
-
-def test_emu_wait_event_orders_another_stream():
-    a, b = EmuStream(), EmuStream()
-    gate, seen = Gate(), []
-    try:
-        a.submit(gate)
-        a.submit(lambda: seen.append("a"))
-        ev_a = a.record()
-        b.wait_event(ev_a)
-        b.submit(lambda: seen.append("b"))
-        ev_b = b.record()
-        with pytest.raises(TimeoutError):
-            ev_b.synchronize(BLOCKED_S)
-        gate.open()
-        ev_b.synchronize(30)
-        assert seen == ["a", "b"]
-    finally:
-        a.close()
-        b.close()
-
-
-def test_emu_error_fails_its_event_and_every_waiter():
-    a, b = EmuStream(), EmuStream()
-    ran = []
-    try:
-        a.submit(lambda: 1 / 0)
-        bad = a.record()
-        a.submit(lambda: ran.append("a-next"))
-        good = a.record()
-        b.wait_event(bad)
-        b.submit(lambda: ran.append("b"))  # its input failed: must not run
-        dependent = b.record()
-        with pytest.raises(ZeroDivisionError):
-            bad.synchronize(30)
-        good.synchronize(30)  # an error belongs to one op, not to the stream forever
-        with pytest.raises(TierError, match="earlier transfer"):
-            dependent.synchronize(30)
-        assert ran == ["a-next"]
-    finally:
-        a.close()
-        b.close()
-
-
-def test_emu_event_timeout():
-    with pytest.raises(TimeoutError):
-        EmuEvent().synchronize(0.001)
 
 
 # --- ordering inside the tier ----------------------------------------------------------------

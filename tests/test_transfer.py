@@ -1,5 +1,6 @@
 """Prefill daemon A -> decode daemon B through the real transfer listener (TCP and UCX)."""
 
+import contextlib
 import os
 import time
 
@@ -30,6 +31,20 @@ def pair(tmp_path, backend, env_a=None, args_a=(), args=()):
         a.stop()
         raise
     return a, b, listen_addr(b)
+
+
+@contextlib.contextmanager
+def linked(tmp_path, backend, **kw):
+    """:func:`pair` with a registered client on each daemon: yields ``(a, b, peer_b, ca, cb)``,
+    then closes the clients and checks that both daemons exit cleanly."""
+    a, b, peer_b = pair(tmp_path, backend, **kw)
+    try:
+        ca, cb = clients(a, b)
+        yield a, b, peer_b, ca, cb
+        ca.close()
+        cb.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
 
 
 def with_free_transfer_port(start):
@@ -90,9 +105,7 @@ def scribble(c, key: bytes, at: int, mask: int) -> None:
 
 @pytest.mark.parametrize("backend,args", [("tcp", ()), pytest.param("ucx", (), marks=_NO_UCX), UCX_POOL])
 def test_blocks_arrive_bit_exact(tmp_path, backend, args):
-    a, b, peer_b = pair(tmp_path, backend, args=args)
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, backend, args=args) as (a, b, peer_b, ca, cb):
         tokens = list(range(10 * 16 + 5))
         kv = kv_for(tokens)
         ca.put(tokens, kv)
@@ -105,10 +118,6 @@ def test_blocks_arrive_bit_exact(tmp_path, backend, args):
         # Shipping again is harmless: B already holds them and keeps exactly one copy.
         ca.transfer(ca.keys(tokens), peer_b, deadline_s=20)
         assert cb.stats().tiers[0].blocks == 10
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 @pytest.mark.parametrize("backend,progress", [("tcp", "adaptive"), pytest.param("ucx", "adaptive", marks=_NO_UCX),
@@ -167,9 +176,7 @@ def cpu_seconds(d, over_s: float) -> float:
 def test_a_pipelined_transfer_that_arrives_after_the_commit_ships_the_committed_blocks(tmp_path):
     """A short prefill can ring every layer and commit before the daemon even handles the
     Transfer RPC that names its lease: the blocks are complete, so they are shipped."""
-    a, b, peer_b = pair(tmp_path, "tcp")
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, "tcp") as (a, b, peer_b, ca, cb):
         tokens = list(range(3 * 16))
         kv = kv_for(tokens, 9)
         keys = ca.keys(tokens)
@@ -186,10 +193,6 @@ def test_a_pipelined_transfer_that_arrives_after_the_commit_ships_the_committed_
         with pytest.raises(KVStoreError) as e:
             ca.transfer(other, peer_b, deadline_s=20, lease=w)
         assert e.value.code.name == "NOT_FOUND" and "unknown or expired" in e.value.message
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_prefill_daemon_killed_mid_transfer(tmp_path):
@@ -227,19 +230,14 @@ def test_prefill_daemon_killed_mid_transfer(tmp_path):
 
 @pytest.mark.parametrize("backend,args", [("tcp", ()), UCX_POOL])
 def test_corrupted_chunk_is_detected_and_not_stored(tmp_path, backend, args):
-    a, b, peer_b = pair(tmp_path, backend, env_a={"KVSTORE_TESTING_CORRUPT_CHUNK": "3"}, args=args)  # 3rd of 4 blocks
-    try:
-        ca, cb = clients(a, b)
+    corrupt_3rd_of_4_blocks = {"KVSTORE_TESTING_CORRUPT_CHUNK": "3"}
+    with linked(tmp_path, backend, env_a=corrupt_3rd_of_4_blocks, args=args) as (a, b, peer_b, ca, cb):
         tokens = list(range(4 * 16))
         ca.put(tokens, kv_for(tokens, 2))
         base = dram_used(cb)
         expect_data_loss(ca, ca.keys(tokens), peer_b, "CHECKSUM_MISMATCH", deadline_s=10)
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
         assert cb.stats().counters["kvstore_transfer_failures_total"] == 1
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -247,9 +245,7 @@ def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(t
     """The first transfer of a committed block records its layer digests; later ones send them
     instead of hashing again. So bytes that change in A's DRAM afterwards (a stray write, a bit
     flip) fail the next transfer as DATA_LOSS rather than shipping the damage with a fresh hash."""
-    a, b, peer_b = pair(tmp_path, backend)
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, backend) as (a, b, peer_b, ca, cb):
         tokens = list(range(3 * 16))
         kv = kv_for(tokens, 5)
         ca.put(tokens, kv)
@@ -262,10 +258,6 @@ def test_later_transfers_send_the_recorded_digests_so_changed_memory_is_caught(t
         base = dram_used(cb)
         expect_data_loss(ca, keys, peer_b, "CHECKSUM_MISMATCH")
         assert cb.lookup(tokens) == 0 and dram_used(cb) == base
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(tmp_path):
@@ -274,28 +266,20 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
     after the commit are caught on arrival (DATA_LOSS) instead of shipped under a fresh hash."""
     nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "32MiB",
             "--nvme-durable-commit", "true")
-    a, b, peer_b = pair(tmp_path, "tcp", args_a=nvme)
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, "tcp", args_a=nvme) as (a, b, peer_b, ca, cb):
         tokens = list(range(2 * 16))
         ca.put(tokens, kv_for(tokens, 6))
         keys = ca.keys(tokens)
         scribble(ca, keys[0], LAYOUT.layer_chunk_bytes + 7, 0x01)  # block 0, layer 1
         expect_data_loss(ca, keys, peer_b, "block 0, layer 1,")  # a run names the layer
         assert cb.lookup(tokens) == 0
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
     """B records the digests it verified on arrival, so when B ships those blocks on (here back
     to A) it hashes nothing, and bytes changed in B's DRAM in between are caught (DATA_LOSS)."""
-    a, b, peer_b = pair(tmp_path, "tcp")
-    peer_a = listen_addr(a)
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, "tcp") as (a, b, peer_b, ca, cb):
+        peer_a = listen_addr(a)
         tokens = list(range(2 * 16))
         ca.put(tokens, kv_for(tokens, 7))
         keys = ca.keys(tokens)
@@ -306,10 +290,6 @@ def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
         ca.delete(keys)
         cb.transfer(keys[:1], peer_a, deadline_s=20)  # block 0 is intact and goes through
         assert ca.lookup(tokens[:16]) == 16
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_transfers_work_again_after_the_peer_restarts(tmp_path):
@@ -337,9 +317,7 @@ def test_transfers_work_again_after_the_peer_restarts(tmp_path):
 
 
 def test_bad_transfer_requests(tmp_path):
-    a, b, peer_b = pair(tmp_path, "tcp")
-    try:
-        ca, cb = clients(a, b)
+    with linked(tmp_path, "tcp") as (a, b, peer_b, ca, cb):
         tokens = list(range(2 * 16))
         with pytest.raises(KVStoreError, match="no committed block"):
             ca.transfer(ca.keys(tokens), peer_b)
@@ -355,10 +333,6 @@ def test_bad_transfer_requests(tmp_path):
         w.abort()
         r = cb.await_transfer(ca.keys([7] * 16), wait_s=0.2)
         assert r.state == 3  # UNKNOWN: nothing is coming
-        ca.close()
-        cb.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ idle engine sleeps instead of spinning."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -25,6 +26,15 @@ def rounds_during(engine, seconds: float) -> int:
     return engine.loops - before
 
 
+@contextlib.contextmanager
+def running(engine):
+    """``engine``, stopped when the block ends however it ends."""
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 @pytest.fixture
 def engine_cls():
     ok, why = ucx_available()
@@ -40,8 +50,7 @@ def engine_cls():
 
 
 def test_calls_from_many_threads_always_wake_the_sleeping_engine(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx"), "test")
-    try:
+    with running(engine_cls(TransferConfig(backend="ucx"), "test")) as engine:
         ran_on: set[str] = set()
 
         def hammer(n: int) -> None:
@@ -56,39 +65,30 @@ def test_calls_from_many_threads_always_wake_the_sleeping_engine(engine_cls):
         for t in threads:
             t.join()
         assert ran_on == {engine._thread.name}
-    finally:
-        engine.stop()
 
 
 def test_an_idle_engine_sleeps_instead_of_spinning(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx"), "test")
-    try:
+    with running(engine_cls(TransferConfig(backend="ucx"), "test")) as engine:
         engine.call(lambda: None)
         time.sleep(engine.SPIN_S + 0.05)  # past the polling window that follows work
         rounds = rounds_during(engine, 0.5)
         # Asleep in epoll_wait: a handful of rounds at most (a spinning engine does ~10^5).
         assert rounds < 20
         assert engine.call(lambda: 42) == 42  # and it still wakes for work
-    finally:
-        engine.stop()
 
 
 def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.POLLING), "test")
-    try:
+    with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.POLLING), "test")) as engine:
         engine.call(lambda: None)
         rounds = rounds_during(engine, 0.2)
         assert rounds > 100
         assert engine.call(lambda: 7) == 7
-    finally:
-        engine.stop()
 
 
 def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls):
     class LongSpin(engine_cls):
         SPIN_S = 0.3
-    engine = LongSpin(TransferConfig(backend="ucx"), "test")
-    try:
+    with running(LongSpin(TransferConfig(backend="ucx"), "test")) as engine:
         engine.call(lambda: None)
         rounds = rounds_during(engine, 0.1)
         assert rounds > 100  # still inside the window: polling, not asleep
@@ -96,13 +96,10 @@ def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls)
         rounds = rounds_during(engine, 0.3)
         assert rounds < 20  # the window closed: asleep
         assert engine.call(lambda: 5) == 5
-    finally:
-        engine.stop()
 
 
 def test_while_a_transfer_is_open_a_blocking_engine_naps_at_most_a_millisecond(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING), "test")
-    try:
+    with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING), "test")) as engine:
         engine.call(lambda: None)
         time.sleep(engine.SPIN_S + 0.05)
         engine.call(setattr, engine, "transfers_open", True)  # as the listener's / connector's ticker does
@@ -112,8 +109,6 @@ def test_while_a_transfer_is_open_a_blocking_engine_naps_at_most_a_millisecond(e
         time.sleep(engine.SPIN_S + 0.05)
         rounds = rounds_during(engine, 0.3)
         assert rounds < 20
-    finally:
-        engine.stop()
 
 
 def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
@@ -160,8 +155,7 @@ def test_a_verify_pool_hashes_arrived_chunks_off_the_engine_thread(backend, sink
 
 
 def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(engine_cls):
-    engine = engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.ADAPTIVE), "test")
-    try:
+    with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.ADAPTIVE), "test")) as engine:
         engine.call(setattr, engine, "transfers_open", True)
         time.sleep(engine.SPIN_S + 0.05)  # past the spin window: still polling
         rounds = rounds_during(engine, 0.2)
@@ -171,5 +165,3 @@ def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(
         rounds = rounds_during(engine, 0.3)
         assert rounds < 20
         assert engine.call(lambda: 3) == 3
-    finally:
-        engine.stop()
