@@ -190,7 +190,7 @@ class TransferService:
 
     def start(self) -> str:
         host, port = self.listener.start()
-        if self.config.backend.value == "ucx":
+        if self.backend == "ucx":
             log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d",
                      self.config.ucx_progress.value, self.config.resolved_verify_threads(),
                      self.config.verify_min_bytes, host, port)

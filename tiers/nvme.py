@@ -120,8 +120,7 @@ class NvmeTier(SlotApi):
         """
         jobs: list[Job] = []
         for it in items:
-            ns_id, key, parent, chunk_bytes, src, *rest = it
-            sums = rest[0] if rest else None
+            ns_id, key, parent, chunk_bytes, src, sums = PutItem(*it)
             key = check_key(key)
             if parent is not None:
                 parent = check_key(parent)
