@@ -277,7 +277,7 @@ class Daemon:
         except C.ConfigError as e:
             log.error("reload refused, keeping the running config: %s", e)
             return
-        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "max_keys_per_request"),
+        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "reserve_wait_s"), ("server", "max_keys_per_request"),
                 ("server", "log_level"), ("server", "shutdown_grace_s"), ("nvme", "high_watermark"),
                 ("nvme", "low_watermark"), ("nvme", "admit_after_hits"), ("policy", "prefill_tokens_per_s"),
                 ("transport", "timeout_s")}

@@ -20,7 +20,6 @@ from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-RESERVE_WAIT_S = 0.5  # longest a Reserve waits in the daemon for demotions to free DRAM
 
 log = logging.getLogger("kvstore.service")
 
@@ -125,7 +124,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 except KVError as e:
                     if deadline is None:
                         budget = context.time_remaining()
-                        deadline = time.monotonic() + (RESERVE_WAIT_S if budget is None else min(RESERVE_WAIT_S, budget))
+                        wait_s = self.d.cfg.server.reserve_wait_s
+                        deadline = time.monotonic() + (wait_s if budget is None else min(wait_s, budget))
                     left = deadline - time.monotonic()
                     if not e.transient or left <= 0:
                         raise

@@ -147,6 +147,7 @@ class _Target:
             for off in inc.scratch:
                 core.dram.free(s.ns.id, off)
             inc.ok = status is TransferStatus.OK
+            self._count(status)  # before any waiter wakes: one that sees the end sees it counted
             if inc.bell:
                 core.doorbells.set(inc.bell, inc.header.n_layers if inc.ok else inc.progress.ready_layers,
                                    doorbell.DONE if inc.ok else doorbell.FAILED)
@@ -154,13 +155,16 @@ class _Target:
             inc.ended.set()
             svc.incoming.pop((s.ns.id, inc.header.keys[0]), None)
             svc.arrived.notify_all()
+        if not inc.ok:
+            log.warning("incoming transfer %d failed: %s %s", inc.header.transfer_id, status.name, detail)
+
+    def _count(self, status: TransferStatus) -> None:
+        inc, svc = self.inc, self.sink.svc
         m = svc.metrics
-        m.transfer_chunks.labels(direction="recv", backend=svc.backend).inc(inc.progress.n_blocks * inc.header.n_layers
-                                                                            if inc.ok else 0)
         if inc.ok:
+            m.transfer_chunks.labels(direction="recv", backend=svc.backend).inc(inc.progress.n_blocks * inc.header.n_layers)
             m.transfer_bytes.labels(direction="recv", backend=svc.backend).inc(inc.header.total_bytes)
         else:
-            log.warning("incoming transfer %d failed: %s %s", inc.header.transfer_id, status.name, detail)
             m.transfer_failures.labels(reason=_reason(status)).inc()
 
 

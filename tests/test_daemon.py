@@ -97,7 +97,8 @@ def _hold_leases_and_die(sock: str, ready) -> None:
 def test_sigkilled_client_leaks_nothing_after_ttl(tmp_path):
     from daemon_util import start_daemon
 
-    d = start_daemon(tmp_path, "--server-lease-ttl-s", "1", "--server-reaper-interval-s", "0.1")
+    # The TTL must outlast the checks made before the kill (spawned child, new client, stats).
+    d = start_daemon(tmp_path, "--server-lease-ttl-s", "5", "--server-reaper-interval-s", "0.1")
     try:
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
@@ -110,7 +111,7 @@ def test_sigkilled_client_leaks_nothing_after_ttl(tmp_path):
         assert dram.blocks == 4  # 2 reserved + 2 committed
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and c.stats().counters["leases"] > 0:
             time.sleep(0.1)
         st = c.stats()

@@ -222,9 +222,8 @@ def test_on_done_runs_once_per_batch_on_a_tier_thread(tier):
     m = tier.get_many([key(99)], [np.zeros(BLOCK, np.uint8)], on_done=done)  # nothing to read
     p = tier.put_many([(NS, key(0), None, CHUNK, data(0))], on_done=done)  # nothing to write
     assert m.wait(30) and p.wait(30)
-    for _ in range(100):
-        if len(seen) == 4:
-            break
+    deadline = time.monotonic() + 30
+    while len(seen) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)  # on_done runs just after the batch is marked done
     assert sorted(map(id, (x for x, _ in seen))) == sorted(map(id, (b, g, m, p)))
     assert all(other_thread for _, other_thread in seen)

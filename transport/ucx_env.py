@@ -115,6 +115,7 @@ class Engine:
         self.transfers_open = False  # kept current (each tick) by the listener / connector
         self._running = True
         self.loops = 0  # engine loop iterations, for profiling
+        self.sleeps = 0  # of which went into progress_worker_event (may block), for tests and profiling
         self._rx_ids = int.from_bytes(os.urandom(2), "little") << 8  # receive-tag prefixes of this worker
         n = config.resolved_verify_threads()
         # Hashes arrived payloads off the engine thread (xxh3 releases the GIL); None: inline.
@@ -245,6 +246,7 @@ class Engine:
             if idle and not self._polling and now >= spin_until and not (self._adaptive and self.transfers_open):
                 self._sleeping = True
                 if not calls:
+                    self.sleeps += 1
                     # progress; if nothing moved, arm and epoll_wait (worker fd + our eventfd)
                     worker.progress_worker_event(self.OPEN_NAP_MS if self.transfers_open else tick_ms)
                 self._sleeping = False

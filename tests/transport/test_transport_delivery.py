@@ -94,8 +94,9 @@ def test_end_before_every_chunk_is_a_protocol_error(listener, sender, sink):
 
 def test_receiver_enforces_the_deadline(listener, sender, sink):
     keys, data = make_payload(7, blocks=2, layers=1, chunk=4096)
-    tx = sender.open(listener.address, keys, 1, 4096, deadline_s=0.5)
+    tx = sender.open(listener.address, keys, 1, 4096, deadline_s=2.0)
     tx.send(0, 0, data[0, 0])
+    wait_for(lambda: len(sink.arrivals.get(tx.transfer_id, ())) == 1, what="chunk 0 at the receiver")
     status, detail = sink.wait_result(tx.transfer_id, 10)
     assert status is TransferStatus.DEADLINE_EXCEEDED and "1 of 2 chunks" in detail
     assert sink.reserved_slots == 0
@@ -137,11 +138,14 @@ def test_connect_to_a_closed_port_fails_fast(config):
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    t0 = time.monotonic()
     with Sender(config) as sender, pytest.raises(TransferError) as ei:
-        sender.open(f"127.0.0.1:{port}", [os.urandom(32)], 1, 1024, deadline_s=config.connect_timeout_s)
+        t0 = time.monotonic()  # the connect alone, not the engine's start and stop
+        try:
+            sender.open(f"127.0.0.1:{port}", [os.urandom(32)], 1, 1024, deadline_s=config.connect_timeout_s)
+        finally:
+            took = time.monotonic() - t0
     assert ei.value.status is TransferStatus.CONNECT_FAILED
-    assert time.monotonic() - t0 < config.connect_timeout_s
+    assert took < config.connect_timeout_s
 
 
 def test_wrong_auth_token_is_refused(backend, sink):

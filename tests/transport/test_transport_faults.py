@@ -143,8 +143,8 @@ def test_hung_receiver_fails_the_sender_at_its_deadline(backend, sender):
         address = peer.expect("LISTEN ")
         keys, _ = make_payload(14, blocks=32, layers=1, chunk=8)
         chunk = np.zeros(4 << 20, dtype=np.uint8)
+        t0 = time.monotonic()  # the deadline runs from before the connect
         tx = sender.open(address, keys, 1, 4 << 20, deadline_s=deadline_s)
-        t0 = time.monotonic()
         peer.proc.send_signal(signal.SIGSTOP)
         with pytest.raises(TransferError) as ei:
             for b in range(32):  # 128 MiB: more than any socket buffer or UCX window absorbs

@@ -4,7 +4,7 @@ the transfer with PROTOCOL_ERROR and releases every slot."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 
@@ -24,8 +24,12 @@ def queue_behind_busy_engine(tx, send) -> None:
     """Run ``send`` while the sender's engine is held busy, so everything it queues is waiting
     together when the engine gets to it."""
     engine = tx._channel.engine
-    engine.call_soon(time.sleep, 0.3)
-    send()
+    gate = threading.Event()
+    engine.call_soon(gate.wait, 10)
+    try:
+        send()
+    finally:
+        gate.set()
 
 
 @pytest.mark.parametrize("blocks", [40, MAX_BATCH + 36])
