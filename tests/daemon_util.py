@@ -61,13 +61,20 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | No
     """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics port."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock = socket_path or str(workdir / f"{name}.sock")
-    port = metrics_port or free_port()
-    args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
-            "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", "--metrics-port", str(port),
-            "--metrics-host", "127.0.0.1", *extra]
     log_path = workdir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([*(prefix or []), *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    wait_serving(sock, proc, log_path)
-    return DaemonProc(proc, sock, port, log_path, args)
+    for attempt in range(3):
+        port = metrics_port or free_port()
+        args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
+                "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", "--metrics-port", str(port),
+                "--metrics-host", "127.0.0.1", *extra]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([*(prefix or []), *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        try:
+            wait_serving(sock, proc, log_path)
+            return DaemonProc(proc, sock, port, log_path, args)
+        except RuntimeError as e:
+            # The free port we picked was taken before the daemon bound it: pick another.
+            if metrics_port or attempt == 2 or "metrics.port: cannot listen" not in str(e):
+                raise
+    raise AssertionError("unreachable")
