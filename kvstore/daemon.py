@@ -277,10 +277,10 @@ class Daemon:
         except C.ConfigError as e:
             log.error("reload refused, keeping the running config: %s", e)
             return
-        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "reserve_wait_s"), ("server", "max_keys_per_request"),
-                ("server", "log_level"), ("server", "shutdown_grace_s"), ("nvme", "high_watermark"),
-                ("nvme", "low_watermark"), ("nvme", "admit_after_hits"), ("policy", "prefill_tokens_per_s"),
-                ("transport", "timeout_s")}
+        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "reserve_wait_s"),
+                ("server", "max_keys_per_request"), ("server", "log_level"), ("server", "shutdown_grace_s"),
+                ("nvme", "high_watermark"), ("nvme", "low_watermark"), ("nvme", "admit_after_hits"),
+                ("policy", "prefill_tokens_per_s"), ("transport", "timeout_s")}
         changed, frozen = [], []
         for section, _ in C.sections():
             old_sec, new_sec = getattr(self.cfg, section), getattr(new, section)
