@@ -26,6 +26,7 @@ class DaemonProc:
     metrics_port: int
     log_path: Path
     args: list
+    transfer_addr: str = ""  # host:port of its transfer listener, if it has one
 
     @property
     def metrics_url(self) -> str:
@@ -57,24 +58,39 @@ class DaemonProc:
 
 def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | None = None,
                  socket_path: str | None = None, metrics_port: int | None = None,
-                 name: str = "kvstore", prefix: list[str] | None = None) -> DaemonProc:
-    """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics port."""
+                 name: str = "kvstore", prefix: list[str] | None = None,
+                 transfer: str | None = None, transfer_addr: str | None = None) -> DaemonProc:
+    """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics
+    port; with ``transfer`` (a backend) also a transfer listener on ``transfer_addr``, else on a
+    free loopback port. A port picked here that something else takes before the daemon binds it
+    (the daemon then exits saying so) is picked again."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock = socket_path or str(workdir / f"{name}.sock")
     log_path = workdir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for attempt in range(3):
         port = metrics_port or free_port()
+        addr = (transfer_addr or f"127.0.0.1:{free_port()}") if transfer else ""
+        listen = ["--transport-listen", addr, "--transport-backend", transfer] if transfer else []
         args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
                 "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", "--metrics-port", str(port),
-                "--metrics-host", "127.0.0.1", *extra]
+                "--metrics-host", "127.0.0.1", *listen, *extra]
+        logged = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([*(prefix or []), *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
         try:
             wait_serving(sock, proc, log_path)
-            return DaemonProc(proc, sock, port, log_path, args)
-        except RuntimeError as e:
-            # The free port we picked was taken before the daemon bound it: pick another.
-            if metrics_port or attempt == 2 or "metrics.port: cannot listen" not in str(e):
+            return DaemonProc(proc, sock, port, log_path, args, addr)
+        except RuntimeError:
+            said = log_path.read_bytes()[logged:].decode(errors="replace")  # this attempt's log only
+            taken = (not metrics_port and "metrics.port: cannot listen" in said) or \
+                    (transfer and not transfer_addr and "listener on 127.0.0.1" in said)
+            if attempt == 2 or not taken:
                 raise
-    raise AssertionError("unreachable")
+
+
+def stop_all(*daemons: DaemonProc) -> None:
+    """Stop every daemon, then check that each exited cleanly (one that did not still lets the
+    others be stopped)."""
+    codes = [d.stop() for d in daemons]
+    assert codes == [0] * len(codes), codes

@@ -13,6 +13,7 @@ import torch
 
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
+from wait_util import wait_for
 
 
 def _kv(layout: KVLayout, tokens: int, seed: int):
@@ -111,9 +112,7 @@ def test_sigkilled_client_leaks_nothing_after_ttl(tmp_path):
         assert dram.blocks == 4  # 2 reserved + 2 committed
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and c.stats().counters["leases"] > 0:
-            time.sleep(0.1)
+        wait_for(lambda: c.stats().counters["leases"] == 0, 30, "the dead client's leases to expire")
         st = c.stats()
         assert st.counters["leases"] == 0
         assert st.tiers[0].blocks == 2  # reserved slots freed, committed blocks kept

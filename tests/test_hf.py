@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from daemon_util import free_port, start_daemon  # noqa: E402
+from daemon_util import start_daemon  # noqa: E402
 from kvstore.clients import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore.clients.hf import HFAdapter, HFAdapterConfig, layout_for  # noqa: E402
 from kvstore.v1 import kvstore_pb2 as pb  # noqa: E402
@@ -174,21 +174,19 @@ def _transfer_unavailable(socket_path, peer, model) -> str:
 
 
 def test_disaggregated_prefill_and_decode_match_plain_generation(tmp_path, models, reference):
-    port, port_a = free_port(), free_port()
-    da = start_daemon(tmp_path / "a", "--transport-listen", f"127.0.0.1:{port_a}", "--transport-backend", "tcp",
-                      name="prefill")
-    db = start_daemon(tmp_path / "b", "--transport-listen", f"127.0.0.1:{port}", "--transport-backend", "tcp",
-                      name="decode")
+    da = start_daemon(tmp_path / "a", name="prefill", transfer="tcp")
+    db = start_daemon(tmp_path / "b", name="decode", transfer="tcp")
+    peer = db.transfer_addr
     decoders = {}
     try:
-        why = _transfer_unavailable(da.socket_path, f"127.0.0.1:{port}", models["fp32"])
+        why = _transfer_unavailable(da.socket_path, peer, models["fp32"])
         if why:
             pytest.skip(f"daemon Transfer RPC not available yet: {why}")
         # The decode worker is up (its namespace registered on B) before the prefill ships.
         decoders.update({dt: make_adapter(db.socket_path, models[dt], dt) for dt in DTYPES})
         # Prefill in another process against daemon A; A ships the prompt's blocks to B.
         out = subprocess.run([sys.executable, str(ROOT / "examples" / "disaggregated.py"), "prefill",
-                              "--socket", da.socket_path, "--peer", f"127.0.0.1:{port}", "--size", "tiny",
+                              "--socket", da.socket_path, "--peer", peer, "--size", "tiny",
                               "--dtypes", ",".join(DTYPES), "--prompt-json", json.dumps(SYSTEM + TURN_B)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr

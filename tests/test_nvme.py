@@ -4,7 +4,6 @@ Real files, real LMDB. Crash and failure modes: test_nvme_failures.py."""
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from kvstore.tiers.nvme import IoMode, NvmeConfig, NvmeTier, Outcome
 from kvstore.tiers.nvme_types import NvmeBatchError, NvmeChecksumError
 from tier_contract import TierContract
 from nvme_util import BLOCK, CHUNK, NS, NS2, KiB, MiB, cfg, data, get, key, put
+from wait_util import wait_for
 
 
 @pytest.fixture
@@ -222,9 +222,7 @@ def test_on_done_runs_once_per_batch_on_a_tier_thread(tier):
     m = tier.get_many([key(99)], [np.zeros(BLOCK, np.uint8)], on_done=done)  # nothing to read
     p = tier.put_many([(NS, key(0), None, CHUNK, data(0))], on_done=done)  # nothing to write
     assert m.wait(30) and p.wait(30)
-    deadline = time.monotonic() + 30
-    while len(seen) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)  # on_done runs just after the batch is marked done
+    wait_for(lambda: len(seen) == 4, 30, "on_done of each batch")  # it runs just after the batch is done
     assert sorted(map(id, (x for x, _ in seen))) == sorted(map(id, (b, g, m, p)))
     assert all(other_thread for _, other_thread in seen)
 

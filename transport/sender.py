@@ -35,10 +35,10 @@ class Channel(Protocol):
 
     def call(self, frame: Frame, data: bytes, deadline: float) -> tuple[Frame, bytes]:
         """Queue a control frame behind every posted chunk and wait for the peer's next frame."""
-    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
-        """Queue a CHUNK frame (carrying the checksum of ``payload``), its ``trailer`` (a run's
-        layer digests) and put ``wire`` on the wire: the same buffer as ``payload`` unless a test
-        tampers with it. Returns at once."""
+    def post_chunk(self, frame: Frame, wire, trailer: bytes = b"") -> None:
+        """Queue a CHUNK frame (carrying the checksum of the source), its ``trailer`` (a run's
+        layer digests) and put ``wire`` on the wire: the source buffer unless a test tampers with
+        it. Returns at once."""
     def abort(self, frame: Frame, data: bytes) -> None:
         """Drop queued chunks, send ``frame`` (ABORT) best-effort within ~0.5 s, then close."""
     def error(self) -> TransferError | None:
@@ -141,7 +141,7 @@ class OutboundTransfer:
         tamper = self._sender.tamper
         if self.submit_times is not None:
             self.submit_times.append(time.monotonic())
-        self._channel.post_chunk(frame, mv, tamper(frame, mv) if tamper else mv, trailer)
+        self._channel.post_chunk(frame, tamper(frame, mv) if tamper else mv, trailer)
         k = frame.length // self.header.chunk_bytes
         first = frame.block * self.header.n_layers + frame.layer
         self._sent[first:first + k] = b"\x01" * k

@@ -200,7 +200,7 @@ class TcpChannel:
             self._q.append(item)
             self._cv.notify()
 
-    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
+    def post_chunk(self, frame: Frame, wire, trailer: bytes = b"") -> None:
         self._put(("chunk", frame, trailer, wire))
 
     def abort(self, frame: Frame, data: bytes) -> None:

@@ -40,7 +40,7 @@ class UcxChannel(_Conn):
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def post_chunk(self, frame: Frame, payload, wire, trailer: bytes = b"") -> None:
+    def post_chunk(self, frame: Frame, wire, trailer: bytes = b"") -> None:
         self.engine.call_soon(self._enqueue, ("chunk", frame, trailer, wire))
 
     def abort(self, frame: Frame, data: bytes) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.transport import Listener, MemorySink, Sender, TransferConfig, ucx_available
+from wait_util import wait_for  # noqa: F401 - the transport tests import it from here
 
 PEER = str(Path(__file__).with_name("transport_peer.py"))
 
@@ -82,15 +83,6 @@ def make_payload(seed: int, blocks: int, layers: int, chunk: int):
     data = np.random.default_rng(seed).integers(0, 256, (blocks, layers, chunk), dtype=np.uint8)
     return keys, data
 
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.005)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 class Peer:

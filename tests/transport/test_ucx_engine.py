@@ -19,18 +19,31 @@ from kvstore.transport.config import UcxProgress
 BACKENDS = ["ucx"]  # for the listener / sender fixtures
 
 
-def rounds_during(engine, seconds: float) -> int:
-    """Engine loop rounds run while this thread sleeps ``seconds``."""
-    return rounds_and_sleeps_during(engine, seconds)[0]
-
-
 def rounds_and_sleeps_during(engine, seconds: float) -> tuple[int, int]:
     """Engine loop rounds run while this thread sleeps ``seconds``, and how many of them went
-    into ``progress_worker_event``. A spinning engine never does, however loaded the machine
-    (round rates are not asserted from below: a starved engine thread runs few rounds)."""
+    into ``progress_worker_event``."""
     loops, sleeps = engine.loops, engine.sleeps
     time.sleep(seconds)
     return engine.loops - loops, engine.sleeps - sleeps
+
+
+def past_spin_window(engine) -> None:
+    """Wait out the polling window that follows the engine's last work."""
+    time.sleep(engine.SPIN_S + 0.05)
+
+
+def assert_asleep(engine, seconds: float = 0.3) -> None:
+    """``engine`` sleeps in epoll_wait: a handful of rounds in ``seconds`` at most (a spinning
+    engine does ~10^5)."""
+    rounds, _ = rounds_and_sleeps_during(engine, seconds)
+    assert rounds < 20, rounds
+
+
+def assert_polling(engine, seconds: float = 0.2) -> None:
+    """``engine`` spins: it runs rounds and none of them sleeps. Round rates are not asserted
+    from below: on a loaded machine a starved engine thread runs few rounds."""
+    rounds, sleeps = rounds_and_sleeps_during(engine, seconds)
+    assert rounds > 0 and sleeps == 0, (rounds, sleeps)
 
 
 @contextlib.contextmanager
@@ -77,19 +90,16 @@ def test_calls_from_many_threads_always_wake_the_sleeping_engine(engine_cls):
 def test_an_idle_engine_sleeps_instead_of_spinning(engine_cls):
     with running(engine_cls(TransferConfig(backend="ucx"), "test")) as engine:
         engine.call(lambda: None)
-        time.sleep(engine.SPIN_S + 0.05)  # past the polling window that follows work
-        rounds = rounds_during(engine, 0.5)
-        # Asleep in epoll_wait: a handful of rounds at most (a spinning engine does ~10^5).
-        assert rounds < 20
+        past_spin_window(engine)
+        assert_asleep(engine, 0.5)
         assert engine.call(lambda: 42) == 42  # and it still wakes for work
 
 
 def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
     with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.POLLING), "test")) as engine:
         engine.call(lambda: None)
-        time.sleep(engine.SPIN_S + 0.05)  # past the window that follows work: still polling
-        rounds, sleeps = rounds_and_sleeps_during(engine, 0.2)
-        assert rounds > 0 and sleeps == 0, (rounds, sleeps)
+        past_spin_window(engine)
+        assert_polling(engine)  # still
         assert engine.call(lambda: 7) == 7
 
 
@@ -98,28 +108,23 @@ def test_after_work_the_engine_polls_for_its_spin_window_then_sleeps(engine_cls)
         SPIN_S = 1.0
     with running(LongSpin(TransferConfig(backend="ucx"), "test")) as engine:
         engine.call(lambda: None)
-        rounds, sleeps = rounds_and_sleeps_during(engine, 0.1)
-        assert rounds > 0 and sleeps == 0, (rounds, sleeps)  # still inside the window: polling
+        assert_polling(engine, 0.1)  # still inside the window
         time.sleep(1.0)
-        rounds = rounds_during(engine, 0.3)
-        assert rounds < 20  # the window closed: asleep
+        assert_asleep(engine)  # the window closed
         assert engine.call(lambda: 5) == 5
 
 
 def test_while_a_transfer_is_open_a_blocking_engine_naps_at_most_a_millisecond(engine_cls):
     with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING), "test")) as engine:
-        engine.call(lambda: None)
-        time.sleep(engine.SPIN_S + 0.05)
         engine.call(setattr, engine, "transfers_open", True)  # as the listener's / connector's ticker does
-        time.sleep(engine.SPIN_S + 0.05)  # past the polling window that follows that call
+        past_spin_window(engine)
         rounds, sleeps = rounds_and_sleeps_during(engine, 1.0)
         # ~1 ms naps: every round sleeps (not a spin), ~1000 of them; asleep for whole 20 ms
         # ticks it would be ~50 (the threshold leaves 10x for a loaded machine)
         assert sleeps > 100 and rounds - sleeps < 10, (rounds, sleeps)
         engine.call(setattr, engine, "transfers_open", False)
-        time.sleep(engine.SPIN_S + 0.05)
-        rounds = rounds_during(engine, 0.3)
-        assert rounds < 20
+        past_spin_window(engine)
+        assert_asleep(engine)
 
 
 def test_both_engines_know_while_a_transfer_is_open(listener, sender, sink):
@@ -168,11 +173,9 @@ def test_a_verify_pool_hashes_arrived_chunks_off_the_engine_thread(backend, sink
 def test_an_adaptive_engine_polls_while_a_transfer_is_open_and_sleeps_otherwise(engine_cls):
     with running(engine_cls(TransferConfig(backend="ucx", ucx_progress=UcxProgress.ADAPTIVE), "test")) as engine:
         engine.call(setattr, engine, "transfers_open", True)
-        time.sleep(engine.SPIN_S + 0.05)  # past the spin window: still polling
-        rounds, sleeps = rounds_and_sleeps_during(engine, 0.2)
-        assert rounds > 0 and sleeps == 0, (rounds, sleeps)  # spinning: never a nap
+        past_spin_window(engine)
+        assert_polling(engine)  # still, while the transfer is open
         engine.call(setattr, engine, "transfers_open", False)
-        time.sleep(engine.SPIN_S + 0.05)
-        rounds = rounds_during(engine, 0.3)
-        assert rounds < 20
+        past_spin_window(engine)
+        assert_asleep(engine)
         assert engine.call(lambda: 3) == 3
