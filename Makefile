@@ -3,17 +3,26 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TSTAMP := $(VENV)/.installed-test
 ARGS   ?=
 
-.PHONY: install sysdeps serve test test-fast proto bench clean
+.PHONY: install install-test sysdeps serve test test-fast proto bench clean
 
+# The daemon alone: no torch, transformers or vLLM.
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "need Python >= 3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test,torch,ucx]'
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# What the tests need on top: torch (CPU build), transformers, UCX, and the real vLLM.
+$(TSTAMP): $(STAMP) scripts/install_vllm.sh
+	$(PY) -m pip install -q -e '.[test,torch,ucx,hf]'
+	./scripts/install_vllm.sh $(PY)
 	touch $@
 
 install: $(STAMP)
+install-test: $(TSTAMP)
 
 # System tools the tests use: fio (same-run NVMe reference). Installed only when missing.
 sysdeps:
@@ -24,10 +33,10 @@ sysdeps:
 serve: $(STAMP)
 	$(VENV)/bin/kvstore serve $(ARGS)
 
-test: $(STAMP) sysdeps
+test: $(TSTAMP) sysdeps
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
-proto: $(STAMP)
+proto: $(TSTAMP)
 	./scripts/gen_proto.sh
 
 bench: $(STAMP)

