@@ -5,11 +5,14 @@ arena (mapped here from an fd the daemon passes over its unix socket); the daemo
 touches the bytes. Tensors are layer-major ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
 ``[layers, tokens, kv_lora_rank + qk_rope_head_dim]``), numpy arrays or CPU torch tensors.
 
-Not thread-safe: use one client per thread (they can share a daemon and a namespace).
+Not thread-safe: use one client per thread (they can share a daemon and a namespace). Each
+registered client runs one light background thread that keeps its session alive
+(:mod:`kvstore.clients.session`); ``close()`` ends the session and every lease under it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -29,6 +32,14 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from kvstore.clients.leases import RESERVED, IncomingTransfer, KVStoreError, ReadLease, WriteLease, _Future
+from kvstore.clients.session import SessionKeeper, refusal
+
+log = logging.getLogger("kvstore.client")
+
+# Fields by which a request names something that lives only as long as its session (a lease, a
+# prefetch handle): such a request is not sent again under a new session.
+_SESSION_BOUND_FIELDS = ("lease_id", "lease_ids", "handle")
+
 
 def default_socket_path() -> str:
     return os.environ.get("KVSTORE_SERVER_SOCKET_PATH") or Config().resolved_socket_path()
@@ -126,6 +137,8 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.namespace: Namespace | None = None
         self.info: pb.RegisterResponse | None = None
+        self._registration: pb.RegisterRequest | None = None  # to register again after the session ended
+        self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
         self._copier: ThreadPoolExecutor | None = None  # second copy thread for large runs
 
@@ -135,18 +148,46 @@ class KVStoreClient:
 
     # --- plumbing ---------------------------------------------------------------------------
     def _call(self, method: str, request, timeout_s: float | None = None):
-        try:
-            return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise KVStoreError(e.code(), e.details() or "") from None
+        """One RPC; a refusal raises KVStoreError. A request that names only this client's
+        session (no lease, no prefetch handle) and finds that session ended in the daemon
+        (expired while this process was stopped, or the daemon restarted) registers again with
+        the same arguments and is sent once more under the new session."""
+        for again in (False, True):
+            if self._keeper is not None and getattr(request, "session_id", None) == self.session_id:
+                self._keeper.used = time.monotonic()  # the daemon renews the session on arrival
+            try:
+                return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as e:
+                err = KVStoreError(e.code(), e.details() or "", refusal(e))
+            if again or not self._may_resend(err, request):
+                raise err
+            log.warning("%s: %s; registering again", method, err.message)
+            self._keeper.abandon()
+            self._open(self._registration)
+            request.session_id = self.session_id
 
-    def close(self) -> None:
+    def _may_resend(self, err: KVStoreError, request) -> bool:
+        return (err.refusal == pb.REFUSAL_SESSION_UNKNOWN and self._keeper is not None
+                and getattr(request, "session_id", b"") == self.session_id
+                and not any(getattr(request, f, 0) for f in _SESSION_BOUND_FIELDS))
+
+    def _end_session(self) -> None:
+        """Close the session, if any, once the releases in flight have landed."""
         for f in self._pending:
             try:
                 f.result()
             except grpc.RpcError:
                 pass  # the lease TTL reclaims it
         self._pending.clear()
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
+        self.session_id = b""
+
+    def close(self) -> None:
+        """End the session (CloseSession: its reserved, uncommitted slots are freed and its pins
+        released at once) and the connection. Safe to call twice."""
+        self._end_session()
         if self._copier is not None:
             self._copier.shutdown()
             self._copier = None
@@ -164,28 +205,40 @@ class KVStoreClient:
     # --- session ----------------------------------------------------------------------------
     def register(self, layout: KVLayout, model_id: str, tp_rank: int = 0, tp_world: int = 1,
                  tenant_salt: str = "", prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> None:
-        """Open a session for one namespace and map the daemon's arena."""
-        self.namespace = Namespace(model_id, layout, tp_rank, tp_world, tenant_salt)
-        self.layout = layout
-        d = layout.to_dict()
+        """Open a session for one namespace and map the daemon's arena. A session this client
+        already has is closed first, and its leases with it (commit or release them before)."""
+        namespace = Namespace(model_id, layout, tp_rank, tp_world, tenant_salt)
         req = pb.RegisterRequest(model_id=model_id, tp_rank=tp_rank, tp_world=tp_world, tenant_salt=tenant_salt,
                                  prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params,
-                                 layout=pb.Layout(**d), client_name=f"pid{os.getpid()}")
+                                 layout=pb.Layout(**layout.to_dict()), client_name=f"pid{os.getpid()}")
+        self._end_session()
+        self.namespace, self.layout = namespace, layout
+        self._open(req)
+
+    def _open(self, req: pb.RegisterRequest) -> None:
         resp = self._call("Register", req)
         if resp.namespace_id != self.namespace.root:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "daemon and client disagree on the namespace id; versions differ")
-        self.info = resp
-        self.session_id = resp.session_id
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if self.remote:
-            return  # no shared memory across nodes: control calls only
+        self.info, self.session_id, self._registration = resp, resp.session_id, req
+        self._keeper = SessionKeeper(self, resp.session_id, resp.session_ttl_s)
+        if not self.remote:  # no shared memory across nodes: control calls only
+            self._map_arena(resp)
+
+    def _map_arena(self, resp: pb.RegisterResponse) -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(self.timeout_s)
             s.connect(resp.arena_socket)
             s.sendall(resp.session_id)
             fd, size = recv_fd(s)
+        if self.arena is not None:
+            old, new = os.fstat(self.arena.fd), os.fstat(fd)
+            if size == self.arena.size_bytes and (old.st_dev, old.st_ino) == (new.st_dev, new.st_ino):
+                # The same arena (a new session with the same daemon): keep the mapping, whose
+                # page tables are filled, and the views callers hold into it.
+                os.close(fd)
+                return
+            self.arena.close()  # another daemon's arena (it restarted)
+            self.arena = None
         self.arena = Arena(size, fd=fd, prefault=False)
         if self.prefault:
             self.arena_mapped = self.arena.map_in_background()
@@ -206,7 +259,8 @@ class KVStoreClient:
             try:
                 fd, size = recv_header(s)
             except ConnectionError:
-                raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes)") from None
+                raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes), "
+                                   "or this session ended (register again)") from None
             body = b""
             while len(body) < size:
                 chunk = s.recv(size - len(body))
@@ -268,6 +322,13 @@ class KVStoreClient:
         resp = self._call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
                                                        allow_partial=allow_partial, wait_s=wait_s))
         return ReadLease(self, resp)
+
+    def keepalive(self, lease_ids: Sequence[int] = ()) -> list[int]:
+        """Renew the session and extend ``lease_ids`` by the lease TTL (``info.lease_ttl_s``
+        seconds); returns those that had already expired. The session renews itself in the
+        background; call this for leases held longer than the lease TTL."""
+        r = self._call("KeepAlive", pb.KeepAliveRequest(session_id=self.session_id, lease_ids=list(lease_ids)))
+        return list(r.expired)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._call("Delete", pb.DeleteRequest(session_id=self.session_id, keys=pack(keys))).deleted

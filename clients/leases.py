@@ -20,12 +20,14 @@ RESERVED, PRESENT, BUSY = 0, 1, 2
 
 
 class KVStoreError(RuntimeError):
-    """A request the daemon refused; ``code`` is the gRPC status code."""
+    """A request the daemon refused; ``code`` is the gRPC status code, ``refusal`` the
+    ``pb.Refusal`` the daemon named for clients to act on (0 = none)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, refusal: int = 0) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.refusal = refusal
 
 
 class CommitOnExit:

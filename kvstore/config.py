@@ -65,7 +65,8 @@ class ServerConfig:
     grpc_workers: int = field(default=64, metadata={"help": "gRPC server threads (durable Commits hold one each while NVMe writes)"})
     max_keys_per_request: int = field(default=65536, metadata={"help": "most keys one RPC may carry (blocks)"})
     lease_ttl_s: float = field(default=30.0, metadata={"help": "lifetime of a write reservation or read pin without renewal (seconds)"})
-    reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases are reclaimed (seconds)"})
+    session_ttl_s: float = field(default=60.0, metadata={"help": "a client session the daemon has heard no call of for this long is ended with its leases, so a killed worker leaks nothing; clients send KeepAlive every third of it (seconds, >= 1)"})
+    reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases and sessions are reclaimed (seconds)"})
     reserve_wait_s: float = field(default=0.5, metadata={"help": "longest a Reserve waits in the daemon for demotion to free DRAM before RESOURCE_EXHAUSTED (seconds; 0 = refuse at once)"})
     shutdown_grace_s: float = field(default=10.0, metadata={"help": "bound on finishing in-flight work at SIGTERM (seconds)"})
     log_json: bool = field(default=False, metadata={"help": "log one JSON object per line"})
@@ -150,6 +151,9 @@ class Config:
         _check(s.grpc_workers >= 1, "server.grpc_workers", "must be >= 1")
         _check(1 <= s.max_keys_per_request <= 1 << 22, "server.max_keys_per_request", "must be in [1, 4194304]")
         _check(s.lease_ttl_s > 0, "server.lease_ttl_s", "must be > 0 seconds")
+        # Below a second an idle client's keep-alive (every third of the TTL) would have to win
+        # against a busy core lock and a busy worker within a few hundred milliseconds.
+        _check(1 <= s.session_ttl_s <= 86400, "server.session_ttl_s", "must be in [1, 86400] seconds")
         _check(s.reaper_interval_s > 0, "server.reaper_interval_s", "must be > 0 seconds")
         _check(0 <= s.reserve_wait_s <= 60, "server.reserve_wait_s", "must be in [0, 60] seconds")
         _check(s.log_level in ("debug", "info", "warning", "error"), "server.log_level", "must be debug, info, warning or error")

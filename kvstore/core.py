@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,10 +23,9 @@ from kvstore.errors import Code, KVError, invalid, not_found
 from kvstore.index import Block, BlockState, Lru
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.leases import Lease, LeaseKind, LeaseOps
+from kvstore.sessions import MAX_SESSIONS, Session, SessionEnd, SessionOps  # noqa: F401 - re-exported
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
-
-MAX_SESSIONS = 65536
 
 
 @dataclass(slots=True, eq=False)
@@ -41,13 +40,6 @@ class NsState:
     cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
 
 
-@dataclass(slots=True, eq=False)
-class Session:
-    id: bytes
-    ns: NsState
-    leases: dict[int, Lease] = field(default_factory=dict)
-
-
 def split_keys(packed: bytes, limit: int) -> list[bytes]:
     """Packed 32-byte keys -> list; INVALID_ARGUMENT on a bad length or over ``limit``."""
     if len(packed) % KEY_BYTES:
@@ -58,8 +50,8 @@ def split_keys(packed: bytes, limit: int) -> list[bytes]:
     return [packed[i:i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
 
-class Core(LeaseOps):
-    def __init__(self, dram: DramTier, *, lease_ttl_s: float, max_keys: int, metrics=None,
+class Core(LeaseOps, SessionOps):
+    def __init__(self, dram: DramTier, *, lease_ttl_s: float, session_ttl_s: float, max_keys: int, metrics=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.RLock()
         # Notified (under the lock) when blocks finish moving between tiers: demotions and
@@ -67,11 +59,13 @@ class Core(LeaseOps):
         self.changed = threading.Condition(self.lock)
         self.dram = dram
         self.lease_ttl_s = lease_ttl_s
+        self.session_ttl_s = session_ttl_s
         self.max_keys = max_keys
         self.metrics = metrics
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
-        self.sessions: dict[bytes, Session] = {}
+        self.sessions: OrderedDict[bytes, Session] = OrderedDict()  # least recently heard from first
+        self._ended: OrderedDict[bytes, tuple[SessionEnd, float]] = OrderedDict()  # recently ended: how, when
         self.leases: dict[int, Lease] = {}
         self._lrus: dict[tuple[TierKind, bytes], Lru] = {}  # per tier and namespace
         self.tick = 0  # recency counter behind every Block.tick
@@ -102,8 +96,7 @@ class Core(LeaseOps):
             raise KVError(Code.RESOURCE_EXHAUSTED,
                           f"layout: one block is {block_bytes} bytes, larger than a DRAM extent "
                           f"({self.dram.alloc.extent_bytes} bytes); lower block_tokens or raise dram.extent_bytes")
-        if len(self.sessions) >= MAX_SESSIONS:
-            raise KVError(Code.RESOURCE_EXHAUSTED, f"too many sessions ({MAX_SESSIONS}); close idle clients")
+        self._check_room()
         st = self.namespaces.get(ns.root)
         if st is None:
             st = self.namespaces[ns.root] = NsState(ns, ns.root, block_bytes)
@@ -111,16 +104,7 @@ class Core(LeaseOps):
             st.prefill_tokens_per_s = prefill_tokens_per_s
         if model_params > 0:
             st.model_params = model_params
-        st.sessions += 1
-        s = Session(os.urandom(16), st)
-        self.sessions[s.id] = s
-        return s
-
-    def session(self, sid: bytes) -> Session:
-        s = self.sessions.get(sid)
-        if s is None:
-            raise not_found("session: unknown session id; call Register first (the daemon may have restarted)")
-        return s
+        return self._open_session(st)
 
     def _keys(self, packed: bytes) -> list[bytes]:
         return split_keys(packed, self.max_keys)
@@ -161,6 +145,7 @@ class Core(LeaseOps):
     # --- write path ------------------------------------------------------------------------
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
                 ) -> tuple[Lease | None, list[int], bytes]:
+        self._check_open(s)
         keys = self._keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")

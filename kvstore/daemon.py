@@ -1,8 +1,8 @@
 """``kvstore serve``: builds the tiers and the core from a Config, serves gRPC on the unix socket,
-hands the arena out over ``<socket>.arena``, runs the lease reaper and exports /metrics.
+hands the arena out over ``<socket>.arena``, runs the lease and session reaper and exports /metrics.
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
-thread, the lease reaper, and the tier-movement workers once those tiers are enabled.
+thread, the reaper, and the tier-movement workers once those tiers are enabled.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.daemon")
 SERVICE_NAME = "kvstore.v1.KVStore"
+SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the reaper
 
 
 class StartupError(RuntimeError):
@@ -107,7 +108,7 @@ class Daemon:
         except OSError as e:
             raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
-        self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s,
+        self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s, session_ttl_s=cfg.server.session_ttl_s,
                          max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
         self.core.doorbells = doorbell.Doorbells(self.arena.buf, dram_bytes)
         self.core.ns_quota_bytes = cfg.dram.namespace_quota_bytes
@@ -170,6 +171,7 @@ class Daemon:
             reads = sum(1 for lease in self.core.leases.values() if lease.kind == "read")
             m.leases_active.labels(kind="read").set(reads)
             m.leases_active.labels(kind="write").set(len(self.core.leases) - reads)
+            m.sessions.set(len(self.core.sessions))
         for st in self.tier_stats():
             name = st.kind.name.lower()
             m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
@@ -277,8 +279,9 @@ class Daemon:
         except C.ConfigError as e:
             log.error("reload refused, keeping the running config: %s", e)
             return
-        live = {("server", "lease_ttl_s"), ("server", "reaper_interval_s"), ("server", "reserve_wait_s"),
-                ("server", "max_keys_per_request"), ("server", "log_level"), ("server", "shutdown_grace_s"),
+        live = {("server", "lease_ttl_s"), ("server", "session_ttl_s"), ("server", "reaper_interval_s"),
+                ("server", "reserve_wait_s"), ("server", "max_keys_per_request"), ("server", "log_level"),
+                ("server", "shutdown_grace_s"),
                 ("nvme", "high_watermark"), ("nvme", "low_watermark"), ("nvme", "admit_after_hits"),
                 ("policy", "prefill_tokens_per_s"), ("transport", "timeout_s")}
         changed, frozen = [], []
@@ -294,6 +297,7 @@ class Daemon:
                         frozen.append(f"{section}.{f.name}")
         with self.core.lock:
             self.core.lease_ttl_s = self.cfg.server.lease_ttl_s
+            self.core.session_ttl_s = self.cfg.server.session_ttl_s
             self.core.max_keys = self.cfg.server.max_keys_per_request
         logging.getLogger().setLevel(self.cfg.server.log_level.upper())
         log.info("reloaded config: changed %s; need a restart: %s", changed or "nothing", frozen or "nothing")
@@ -310,10 +314,17 @@ class Daemon:
         self._threads.append(t)
 
     def _reaper(self) -> None:
-        interval = self.cfg.server.reaper_interval_s
-        while not self.stopping.wait(interval):
+        """Reclaim expired leases and sessions every ``server.reaper_interval_s`` seconds, so a
+        killed worker's state goes within ``session_ttl_s + reaper_interval_s``."""
+        while not self.stopping.wait(self.cfg.server.reaper_interval_s):  # re-read: SIGHUP may change it
             with self.core.lock:
                 self.core.expire()
+            # In batches, letting go of the lock in between: a node whose workers all died at
+            # once must not hold every RPC up while thousands of sessions end.
+            while True:
+                with self.core.lock:
+                    if self.core.expire_sessions(SESSION_EXPIRY_BATCH) < SESSION_EXPIRY_BATCH:
+                        break
             self.refresh_gauges()
 
     def _start_arena_handout(self) -> None:

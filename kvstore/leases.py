@@ -57,6 +57,7 @@ class LeaseOps:
 
     # --- read path -------------------------------------------------------------------------
     def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
+        self._check_open(s)
         keys = self._keys(packed)
         blocks = []
         for i, k in enumerate(keys):
@@ -92,6 +93,7 @@ class LeaseOps:
     def pin(self, s: Session, blocks: list[Block]) -> Lease:
         """A read lease over blocks in any state (a decode worker reading slots that a transfer
         is still filling); their slots outlive a failed transfer until the lease ends."""
+        self._check_open(s)
         lease = Lease(next(self._lease_ids), LeaseKind.READ, s, list(blocks), self.clock() + self.lease_ttl_s)
         for b in blocks:
             if b.ref_cnt == 0:
@@ -122,6 +124,15 @@ class LeaseOps:
             self.dram.free(b.ns_id, b.offset)
             b.offset = -1
 
+    def _drop_lease(self, lease: Lease) -> None:
+        """End a lease whatever its kind: a write lease's uncommitted slots are freed, a read
+        lease's blocks are unpinned."""
+        if lease.kind == LeaseKind.WRITE:
+            self._free_reserved(lease)
+            self._end_lease(lease)
+        else:
+            self._unpin(lease)
+
     def keepalive(self, s: Session, lease_ids: list[int]) -> list[int]:
         expired = []
         until = self.clock() + self.lease_ttl_s
@@ -138,11 +149,7 @@ class LeaseOps:
         now = self.clock()
         dead = [lease for lease in self.leases.values() if lease.expires <= now]
         for lease in dead:
-            if lease.kind == LeaseKind.WRITE:
-                self._free_reserved(lease)
-                self._end_lease(lease)
-            else:
-                self._unpin(lease)
+            self._drop_lease(lease)
             if self.metrics:
                 self.metrics.lease_expiries.labels(kind=lease.kind).inc()
         return len(dead)

@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from kvstore.core import Core
-from kvstore.errors import KVError, invalid
+from kvstore.core import Core, SessionEnd
+from kvstore.errors import REFUSAL_KEY, KVError, invalid
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout, LayoutError
 from kvstore.tiers.base import TierKind
@@ -46,6 +46,8 @@ def rpc(method):
             return method(self, request, context)
         except KVError as e:
             self._reject(name, e.code.value)
+            if e.refusal:
+                context.set_trailing_metadata(((REFUSAL_KEY, pb.Refusal.Name(e.refusal)),))
             context.abort(getattr(grpc.StatusCode, e.code.value), e.message)
         except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("%s failed", name)
@@ -84,8 +86,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid(str(e)) from None
         with self.core.lock:
             s = self.core.register(ns, req.prefill_tokens_per_s, req.model_params)
+            self._count_sessions()
             if self.metrics:
-                self.metrics.sessions.set(len(self.core.sessions))
                 self.metrics.namespaces.set(len(self.core.namespaces))
             self.d.on_register(s)
         return pb.RegisterResponse(
@@ -93,7 +95,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
             layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.lease_ttl_s,
             max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated,
-            durable_commit=self.d.durable_commit)
+            durable_commit=self.d.durable_commit, session_ttl_s=self.core.session_ttl_s)
+
+    def _count_sessions(self) -> None:
+        """The sessions gauge at once (the reaper refreshes it after expiries); under the lock."""
+        if self.metrics:
+            self.metrics.sessions.set(len(self.core.sessions))
+
+    @rpc
+    def CloseSession(self, req, context):
+        with self.core.lock:
+            ended = self.core.close_session(self._session(req.session_id), SessionEnd.CLOSED)
+            self._count_sessions()
+        return pb.CloseSessionResponse(leases_ended=ended)
 
     @rpc
     def Lookup(self, req, context):
@@ -156,6 +170,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if req.wait_s > 0:
             self.d.make_resident(s, self.core._keys(req.keys), min(req.wait_s, 60.0))
         with self.core.lock:
+            s = self._session(req.session_id)  # again after the wait: it may have ended
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
             hbm = [b.hbm_slot for b in blocks] if self.core.hot_after else []
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
@@ -172,7 +187,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def KeepAlive(self, req, context):
         with self.core.lock:
             expired = self.core.keepalive(self._session(req.session_id), list(req.lease_ids))
-        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.lease_ttl_s)
+        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.lease_ttl_s,
+                                    session_ttl_s=self.core.session_ttl_s)
 
     @rpc
     def Delete(self, req, context):

@@ -150,6 +150,7 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
     sock = tmp_path / "k.sock"
     for args, key in ((["--dram-capacity-bytes", "lots"], "dram.capacity_bytes"),
                       (["--server-lease-ttl-s", "-1"], "server.lease_ttl_s"),
+                      (["--server-session-ttl-s", "0.5"], "server.session_ttl_s"),
                       (["--server-reserve-wait-s", "-1"], "server.reserve_wait_s"),
                       (["--transport-backend", "carrier-pigeon"], "transport.backend"),
                       (["--transport-ucx-progress", "spin"], "transport.ucx_progress"),

@@ -4,12 +4,13 @@ import hashlib
 
 import pytest
 
-from kvstore.core import Core
+from kvstore.core import Core, SessionEnd
 from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.dram import DramTier
+from kvstore.v1 import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(2, 1, 64, "fp16", block_tokens=16)  # 8 KiB blocks
 EXTENT = 16 * 4096
@@ -27,7 +28,7 @@ class Clock:
 def env():
     clock = Clock()
     arena = Arena(4 * EXTENT, prefault=False)  # 4 extents x 8 slots of 8 KiB = 32 blocks
-    core = Core(DramTier(arena, EXTENT), lease_ttl_s=5.0, max_keys=1024, clock=clock)
+    core = Core(DramTier(arena, EXTENT), lease_ttl_s=5.0, session_ttl_s=60.0, max_keys=1024, clock=clock)
     s = core.register(Namespace("m", LAYOUT))
     yield core, s, clock
     arena.close()
@@ -307,3 +308,33 @@ def test_core_victims_merges_namespaces_by_recency(env):
     assert got == order[:3]
     # The ones not taken, and the heads fetched but not taken, are back on their LRUs.
     assert len(core.lru(TierKind.DRAM, s.ns.id)) + len(core.lru(TierKind.DRAM, s2.ns.id)) == 3
+
+
+def test_sessions_not_heard_from_for_the_ttl_end_oldest_first_with_their_leases(env):
+    core, s, clock = env                               # session TTL 60 s
+    a, b = core.register(Namespace("m", LAYOUT)), core.register(Namespace("m", LAYOUT))
+    keys = chain(7, 2)
+    put(core, b, keys[:1])
+    core.acquire(b, keys[0], False)                    # b pins keys[0]
+    core.reserve(b, keys[1], keys[0])                  # and reserves keys[1], never committed
+    used = core.dram.stats().used_bytes
+    clock.t += 40
+    core.session(a.id)                                 # a call from a renews it
+    clock.t += 21                                      # s and b: 61 s without a call
+    assert core.expire_sessions(1) == 1 and list(core.sessions) == [b.id, a.id]  # s first: the oldest
+    assert core.expire_sessions(5) == 1 and list(core.sessions) == [a.id]        # then b; a is live
+    ns = core.namespaces[s.ns.id]
+    assert ns.sessions == 1 and not core.leases and b.closed
+    assert keys[1] not in ns.blocks and core.dram.stats().used_bytes == used - core.dram.slot_stride(LAYOUT.block_bytes)
+    assert ns.blocks[keys[0]].ref_cnt == 0 and core.delete(a, keys[0]) == (1, 0)  # unpinned
+    with pytest.raises(KVError) as e:
+        core.session(b.id)
+    assert e.value.code is Code.NOT_FOUND and e.value.refusal == pb.REFUSAL_SESSION_UNKNOWN
+    assert "expired" in e.value.message and "server.session_ttl_s" in e.value.message
+    with pytest.raises(KVError) as e:                  # a handler still holding b gets no lease
+        core.reserve(b, keys[1], b"")
+    assert e.value.code is Code.NOT_FOUND
+    core.close_session(a, SessionEnd.CLOSED)
+    with pytest.raises(KVError, match="closed by its client"):
+        core.session(a.id)
+    assert not core.sessions and ns.sessions == 0

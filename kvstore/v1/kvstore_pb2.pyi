@@ -15,6 +15,11 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_NVME: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
 
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    REFUSAL_SESSION_UNKNOWN: _ClassVar[Refusal]
+
 class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SLOT_RESERVED: _ClassVar[SlotState]
@@ -39,6 +44,8 @@ TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
 TIER_REMOTE: Tier
+REFUSAL_UNSPECIFIED: Refusal
+REFUSAL_SESSION_UNKNOWN: Refusal
 SLOT_RESERVED: SlotState
 SLOT_PRESENT: SlotState
 SLOT_BUSY: SlotState
@@ -92,7 +99,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_world: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., model_params: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit")
+    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit", "session_ttl_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +110,7 @@ class RegisterResponse(_message.Message):
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
     DURABLE_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_id: bytes
     arena_socket: str
@@ -113,7 +121,8 @@ class RegisterResponse(_message.Message):
     max_keys_per_request: int
     hbm_emulated: bool
     durable_commit: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ...) -> None: ...
+    session_ttl_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "keys")
@@ -242,12 +251,26 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("expired", "expires_in_s")
+    __slots__ = ("expired", "expires_in_s", "session_ttl_s")
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     expired: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
-    def __init__(self, expired: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    session_ttl_s: float
+    def __init__(self, expired: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("leases_ended",)
+    LEASES_ENDED_FIELD_NUMBER: _ClassVar[int]
+    leases_ended: int
+    def __init__(self, leases_ended: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("session_id", "keys")

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvstore.v1.KVStore/CloseSession',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KVStore/Delete',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
@@ -172,7 +177,16 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """Unary. Extends leases by the server's TTL. Unknown (expired) leases are listed in the answer.
+        """Unary. Renews the session (an idle client's heartbeat) and extends `lease_ids` by the lease
+        TTL. Unknown (expired) leases are listed in the answer; an unknown session is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Unary. Ends a session now (a client that closes): its write leases are aborted (uncommitted
+        slots freed) and its read leases released. NOT_FOUND when the session already ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,6 +291,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.KeepAliveRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -530,6 +549,33 @@ class KVStore:
             '/kvstore.v1.KVStore/KeepAlive',
             kvstore_dot_v1_dot_kvstore__pb2.KeepAliveRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CloseSession',
+            kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
