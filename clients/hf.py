@@ -8,19 +8,22 @@ prefix in kvstore and stores the prompt's new full blocks after prefill.
 
 ``generate`` sees a cache that already holds ``cache.plan.load_tokens`` tokens and runs the
 model on the rest of the prompt only (the partial last block and any blocks the policy chose to
-recompute). Llama-architecture models (MHA/GQA/MQA, full attention), batch size 1.
+recompute). Llama-architecture models (MHA/GQA/MQA, full attention), batch size 1; transformers
+5 (the ``>=5.16.1,<5.20`` the ``hf`` extra pins), which sizes positions and the causal mask from
+the cache's ``get_seq_length`` and calls ``update(k, v, layer_idx)`` with nothing else.
 
 How loading overlaps compute. ``cache_for`` runs on the caller's thread: Lookup (the daemon's
 load-or-recompute answer, ``load_blocks``) and Acquire, which pins the blocks to load in the
 DRAM arena (promoting NVMe blocks first). It then queues one copy per layer, in layer order,
 on the adapter's side thread (:class:`kvstore.tiers.hbm_device.EmuStream`), each followed by
-an event. Copies go straight from the pinned arena slots (layer-major, ``[2, tokens, heads,
-dim]`` per block and layer) into that layer's ``[1, heads, tokens, dim]`` K and V tensors. The
-forward starts at once: HF calls ``cache.update(k, v, l)`` from layer ``l``'s attention, and
-only that call waits, for layer ``l``'s event. So while the main thread computes layer ``l``
-(attention, MLP, then layer ``l+1``'s projections), the side thread copies layer ``l+1``;
-torch and numpy copies release the GIL, so the two really run at once. ``cache.timings``
-records how long the main thread blocked (``load_wait_s``) against the side thread's copy time.
+an event. Copies go straight from the pinned arena slots (kvstore's canonical layout, the same
+bytes the vLLM connector stores: layer-major, ``[2, tokens, heads, dim]`` per block and layer)
+into that layer's ``[1, heads, tokens, dim]`` K and V tensors. The forward starts at once: HF
+calls ``cache.update(k, v, l)`` from layer ``l``'s attention, and only that call waits, for
+layer ``l``'s event. So while the main thread computes layer ``l`` (attention, MLP, then layer
+``l+1``'s projections), the side thread copies layer ``l+1``; torch and numpy copies release
+the GIL, so the two really run at once. ``cache.timings`` records how long the main thread
+blocked (``load_wait_s``) against the side thread's copy time.
 
 How storing works. The side thread reserves slots for the prompt's full blocks that were not
 loaded (blocks already cached come back PRESENT and are skipped). When ``update`` of layer
@@ -191,13 +194,13 @@ class _PrefixLayer(DynamicLayer):
         if k.dtype != like.dtype:
             raise ValueError(f"kvstore KV is {k.dtype} but the model computes {like.dtype}; "
                              "register the layout with the dtype the model runs in")
-        self.lazy_initialization(like)
-        self.keys, self.values = k.to(like.device), v.to(like.device)
+        self.lazy_initialization(like, like)  # takes dtype and device from the model's KV
+        self.keys, self.values = k.to(self.device), v.to(self.device)
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, *args, **kwargs):
         if self.ready is not None:
             raise RuntimeError("materialize() must run before update() of a loading layer")
-        return super().update(key_states, value_states, cache_kwargs)
+        return super().update(key_states, value_states, *args, **kwargs)
 
 
 class KVStoreCache(DynamicCache):
@@ -279,14 +282,14 @@ class KVStoreCache(DynamicCache):
 
         side.submit(release)
 
-    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError(f"KVStoreCache: batch size must be 1, got {key_states.shape[0]}")
         layer = self.layers[layer_idx]
         if layer.ready is not None:
             layer.materialize(key_states, self.adapter.config.layer_wait_s)
             self.timings["load_wait_s"] += layer.wait_s
-        keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self._store is not None:
             self._store.layer_ready(layer_idx, keys, values)
         return keys, values
@@ -344,8 +347,9 @@ class _PromptStore:
         B = lay.block_bytes
         first, n = self.first, len(self.keys) - self.first
         end = self.end_tokens
-        # [H, tokens, D] each. HF never writes a cache tensor in place (a later update cats into
-        # a new one), so these stay valid while the side thread copies them.
+        # [H, tokens, D] each. A DynamicLayer never writes its tensors in place (update cats into
+        # new ones, crop slices, reset drops them), so these stay valid while the side thread
+        # copies them.
         k_src, v_src = keys[0].detach(), values[0].detach()
 
         def copy_layer() -> None:
@@ -443,9 +447,9 @@ class HFAdapter:
         past = cache.get_seq_length()
         device = next(self.model.parameters()).device
         rest = torch.tensor([ids[past:]], device=device)
-        pos = torch.arange(past, len(ids), device=device)
-        out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, cache_position=pos,
-                         logits_to_keep=1)
+        # Positions and the causal mask start at the cache's length (transformers 5 has no
+        # cache_position): the loaded prefix counts before its copies have run.
+        out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], cache
 
     @torch.no_grad()

@@ -8,31 +8,22 @@ from pathlib import Path
 
 import torch
 
+from kvstore.bench.vllm_engine import llama_config
 from kvstore.local import LocalDaemon
 from kvstore.local import start_daemon as _start
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Llama-architecture shapes small enough for a 2-core CPU. initializer_range 0.2 (HF's default
-# is 0.02) gives peaked, prompt-dependent greedy outputs instead of one repeated token, so a
-# wrong KV byte shows up as different tokens.
-MODEL_SIZES = {
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                  num_attention_heads=6, num_key_value_heads=2),
-}
-
 
 def build_llama(size: str = "tiny", dtype: str = "fp32", seed: int = 0, max_positions: int = 8192):
-    """A ``LlamaForCausalLM`` with seeded random weights from a ``LlamaConfig`` (eval mode).
-    The same (size, dtype, seed) gives the same weights in every process."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A ``LlamaForCausalLM`` with seeded random weights (eval mode). The same (size, dtype,
+    seed) gives the same weights in every process, and the same as the model
+    :func:`kvstore.bench.vllm_engine.save_llama` writes for vLLM (one config for both), so a
+    test can hand a prefix from one engine to the other."""
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=max_positions, initializer_range=0.2,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(llama_config(size, max_positions)).eval()
     return model.to(DTYPES[dtype])
 
 

