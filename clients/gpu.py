@@ -33,12 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
 import torch
 
 from kvstore.tiers.hbm import PoolMapping, open_pool
 from kvstore.tiers.hbm_device import CudaEvent, EmuStream
 from kvstore.tiers.hbm_paged import KVMover, PagedKV, wait_events
-from kvstore.clients.leases import RESERVED, CommitOnExit  # RESERVED: WriteLease state of a slot to fill
+from kvstore.clients.leases import RESERVED, CommitOnExit, KVStoreError  # RESERVED: WriteLease state of a slot to fill
 
 __all__ = ["GpuKVPath", "KVMover", "LoadHandle", "PagedKV", "PoolMapping", "StoreHandle", "open_pool", "wait_events"]
 
@@ -191,7 +192,22 @@ class GpuKVPath:
         client._need_session()
         self.client, self.layout = client, client.layout
         self.paged = PagedKV(kv_caches, self.layout)
+        self.arena = client.arena
         self.mover = KVMover(self.paged, self.layout, client.arena.buf)
+
+    def check_arena(self, leases=()) -> None:
+        """Raise (ending ``leases``) when the client re-registered with a restarted daemon since
+        this path was made: slot offsets now point into another arena than the one it copies
+        to and from. Make a new path."""
+        if self.client.arena is self.arena:
+            return
+        for lease in leases:
+            try:
+                (lease.abort if hasattr(lease, "abort") else lease.release)()
+            except Exception:  # noqa: BLE001 - that daemon is gone or the TTL reclaims it
+                pass
+        raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "the daemon restarted since this GpuKVPath was made; "
+                           "its slots live in a new arena: make a new path")
 
     @property
     def emulated(self) -> bool:
@@ -221,6 +237,7 @@ class GpuKVPath:
             for w in leases:
                 w.abort()
             raise
+        self.check_arena(leases)
         return StoreHandle(self, leases, offsets, self.mover.device_rows(rows))
 
     def store(self, token_ids, block_table, after=None) -> StoreHandle:
@@ -247,6 +264,7 @@ class GpuKVPath:
                 offsets += list(r.offsets[:r.count])
                 if r.count < len(chunk):
                     break
+            self.check_arena()
             rows = self.paged.token_rows(block_table, len(offsets) * bt)
             self.mover.after(after)
             return LoadHandle(self, leases, offsets, self.mover.device_rows(rows))

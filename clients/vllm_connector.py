@@ -483,7 +483,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         client = self.link.get()
         if client is None or not self._pages:
             return None
-        if self._path is None or self._path_generation != self.link.generation:
+        if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
             if self._path is not None:
                 self._path.close()
             self._path = GpuKVPath(client, self._pages)
@@ -532,6 +532,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         client = path.client
         keys = client.keys(span.token_ids)[span.start:span.end]
         lease = client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
+        path.check_arena([lease])  # the client re-registered with a restarted daemon: offsets are not ours
         if lease.count == 0:
             lease.release()
             return None
@@ -585,6 +586,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if self.link.client is None:
                     break
                 continue
+            try:
+                path.check_arena([w])
+            except KVStoreError as e:
+                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
+                break
             offsets = [o if st == RESERVED else None for st, o in zip(w.states, w.offsets)]
             self._saves.append((span, StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span)))))
         return self._saves

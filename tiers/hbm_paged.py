@@ -153,7 +153,10 @@ class KVMover:
         self.choice = _choice_for(paged.device)
         self.stream = make_stream(self.choice, "kvstore-gpu-side")
         self.pin = HostPin(self.choice, host.ctypes.data, host.nbytes)
-        self.host = torch.from_numpy(host)
+        with torch.inference_mode(False):
+            # Copies run on the side stream's thread, where the caller's inference mode (vLLM
+            # runs its forward under it) does not hold: an inference tensor could not be written.
+            self.host = torch.from_numpy(host)
         self.chunk = layout.layer_chunk_bytes
 
     @property

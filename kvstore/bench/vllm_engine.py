@@ -59,7 +59,7 @@ def save_llama(directory: Path, size: str = "tiny", seed: int = 0, dtype: str = 
         return directory
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(size, max_positions)).eval().to(getattr(torch, dtype))
-    model.config.torch_dtype = dtype
+    model.config.dtype = dtype
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
@@ -88,6 +88,7 @@ class EngineProc:
 
     def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
         self.proc, self.log_path = proc, log_path
+        self._buf = b""
 
     @classmethod
     def start(cls, spec: EngineSpec, log_path: Path, timeout_s: float = 300.0) -> "EngineProc":
@@ -102,26 +103,35 @@ class EngineProc:
         return e
 
     def _read(self, timeout_s: float) -> dict:
+        """The child's next answer. Its stdout is read unbuffered (a buffered reader would
+        hold lines the selector cannot see); other lines are vLLM's log and go to the log."""
         import selectors
 
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                self.kill()
-                raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s:\n{self.log_tail()}")
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait()
-                raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}:\n{self.log_tail()}")
-            text = line.decode(errors="replace")
-            if text.startswith(RESULT):
-                out = json.loads(text[len(RESULT):])
-                if "error" in out:
-                    raise RuntimeError(f"vLLM engine: {out['error']}\n{self.log_tail()}")
-                return out
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self._buf:
+                    line, self._buf = self._buf.split(b"\n", 1)
+                    text = line.decode(errors="replace")
+                    if not text.startswith(RESULT):
+                        with open(self.log_path, "a") as log:
+                            log.write(text + "\n")
+                        continue
+                    out = json.loads(text[len(RESULT):])
+                    if "error" in out:
+                        raise RuntimeError(f"vLLM engine: {out['error']}\n{self.log_tail()}")
+                    return out
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.kill()
+                    raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s:\n{self.log_tail()}")
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self.proc.wait()
+                    raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+                self._buf += chunk
 
     def call(self, timeout_s: float = 300.0, **cmd) -> dict:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
@@ -207,11 +217,14 @@ def _generate(llm, cmd: dict) -> dict:
 
 
 def _metrics(llm) -> dict:
-    out = {}
+    out: dict[str, float] = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)
-        if isinstance(value, (int, float)):
-            out[m.name] = out.get(m.name, 0) + value
+        if not isinstance(value, (int, float)):
+            continue
+        labels = {k: v for k, v in (getattr(m, "labels", None) or {}).items() if k not in ("engine", "model_name")}
+        name = m.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+        out[name] = out.get(name, 0) + value
     return {"metrics": out}
 
 

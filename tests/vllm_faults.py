@@ -1,0 +1,39 @@
+"""A KVStoreConnector whose first ``KVSTORE_TEST_FAIL_LOADS`` loads fail half-way, for the
+real-engine test of load failures. vLLM imports it by ``kv_connector_module_path``
+(``vllm_faults``, with tests/ on PYTHONPATH); each injected failure appends a line to the file
+named by ``KVSTORE_TEST_FAULT_LOG``, so the test can tell that it fired."""
+
+from __future__ import annotations
+
+import os
+
+from kvstore.clients.vllm_connector import KVStoreConnector
+
+
+class FailingCopies:
+    """A load handle whose copies fail from layer ``from_layer`` on, as a dead DMA would."""
+
+    def __init__(self, handle, from_layer: int) -> None:
+        self.handle, self.from_layer = handle, from_layer
+        self.blocks = handle.blocks
+
+    def wait_layer(self, l: int, stream=None, timeout_s: float | None = None) -> None:
+        if l >= self.from_layer:
+            raise RuntimeError(f"injected: copy of layer {l} failed")
+        self.handle.wait_layer(l, stream, timeout_s)
+
+    def release(self) -> None:
+        self.handle.release()
+
+
+class FaultyLoadConnector(KVStoreConnector):
+    def _start_load(self, path, span):
+        h = super()._start_load(path, span)
+        left = int(os.environ.get("KVSTORE_TEST_FAIL_LOADS", "0"))
+        log = os.environ["KVSTORE_TEST_FAULT_LOG"]
+        done = len(open(log).read().splitlines()) if os.path.exists(log) else 0
+        if h is None or self.scheduler_side or done >= left:
+            return h
+        with open(log, "a") as f:
+            f.write(f"{span.req_id} blocks {span.start}-{span.end}\n")
+        return FailingCopies(h, self.layout.num_layers // 2)
