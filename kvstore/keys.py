@@ -15,7 +15,7 @@ from typing import NewType, Sequence
 
 import numpy as np
 
-from kvstore.layout import KVLayout, LayoutError
+from kvstore.layout import BLOCK_FORMAT, KVLayout, LayoutError
 
 BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 32
@@ -39,6 +39,7 @@ class Namespace:
 
     def canonical(self) -> bytes:
         return json.dumps({"v": 1, "model_id": self.model_id, "layout": self.layout.to_dict(),
+                           "block_format": BLOCK_FORMAT,
                            "tp_rank": self.tp_rank, "tp_world": self.tp_world,
                            "tenant_salt": self.tenant_salt}, sort_keys=True).encode()
 

@@ -4,12 +4,20 @@ A block holds the KV of ``block_tokens`` consecutive tokens for all layers, stor
 layer ``l`` of a block is one contiguous chunk of ``layer_chunk_bytes``. Inside a chunk the
 order is ``[2 (k, v), block_tokens, kv_heads, head_dim]`` for MHA/GQA/MQA and
 ``[block_tokens, kv_lora_rank + qk_rope_head_dim]`` for MLA (one latent, no separate V).
+
+That order is the one canonical block format, whoever writes the block: ``put``, the HF adapter
+and the vLLM connector on any attention backend convert at the edge, in the copy they make
+anyway, so engines of different kinds share prefixes. :data:`BLOCK_FORMAT` names it inside
+every namespace hash, so blocks of another format can never be read as these.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass
+
+
+BLOCK_FORMAT = "layer-major/kv/token-rows/v1"
 
 
 class LayoutError(ValueError):

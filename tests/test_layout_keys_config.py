@@ -1,5 +1,6 @@
 """Layout sizes, chained keys and config precedence."""
 
+import json
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 
 from kvstore import config as C
 from kvstore.keys import Namespace, chain_keys
-from kvstore.layout import KVLayout, LayoutError
+from kvstore.layout import BLOCK_FORMAT, KVLayout, LayoutError
 
 
 def test_exact_sizes():
@@ -59,6 +60,15 @@ def test_everything_that_namespaces_a_key_is_in_the_hash():
                 Namespace("llama", KVLayout(2, 2, 64, "bf16", block_tokens=32))]
     roots = {v.root for v in variants} | {base.root}
     assert len(roots) == len(variants) + 1
+    assert json.loads(base.canonical())["block_format"] == BLOCK_FORMAT  # another byte order, another root
+
+
+def test_block_format_changes_the_root(monkeypatch):
+    import kvstore.keys as keys
+
+    before = Namespace("llama", KVLayout(2, 2, 64, "bf16")).root
+    monkeypatch.setattr(keys, "BLOCK_FORMAT", "some-other-order/v2")
+    assert Namespace("llama", KVLayout(2, 2, 64, "bf16")).root != before
 
 
 def test_config_precedence_and_units(tmp_path):

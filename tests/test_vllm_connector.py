@@ -42,7 +42,9 @@ P1 = SYSTEM + tokens(100, seed=2)   # 300 tokens: 9 full blocks loadable (one to
 P2 = SYSTEM + tokens(90, seed=3)    # shares 6 blocks with P1
 P3 = tokens(260, seed=4)
 P4 = tokens(230, seed=5)
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
+P5 = tokens(270, seed=6)            # stored by vLLM, loaded by the HF adapter
+P6 = tokens(250, seed=7)            # stored by the HF adapter, loaded by vLLM
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5, "P6": P6}
 
 
 def loadable(p: list[int]) -> int:
@@ -189,6 +191,35 @@ def test_preempted_requests_resume_with_the_same_output(model, workdir, daemon, 
         assert e.metrics()["metrics"]["vllm:num_preemptions"] > 0
     for g, w in zip(got, ref["batch48"]):
         same(g, w, exact=False)
+
+
+def test_vllm_and_the_hf_adapter_share_prefixes(model, writer, reader, daemon, ref):
+    """One canonical block layout: a prefix vLLM (CPU backend, K transposed in its pages)
+    stored loads into transformers, and the reverse; each generates what it does alone."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from kvstore.clients import KVStoreClient
+    from kvstore.clients.hf import HFAdapter, HFAdapterConfig
+
+    sys.path.insert(0, str(TESTS.parent / "examples"))
+    from common import plain_generate
+
+    hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    writer.generate([P5])
+    with KVStoreClient(daemon.socket_path, timeout_s=10) as c, \
+            HFAdapter(c, hf, HFAdapterConfig(model_id=model, block_tokens=BT)) as a:
+        cache = a.cache_for(P5, follow_policy=False)
+        assert cache.plan.load_blocks * BT == loadable(P5)  # vLLM's blocks, found by the same keys
+        got, _ = a.generate(P5, 8, cache=cache)
+        assert got == plain_generate(hf, P5, 8)
+        _, cache = a.generate(P6, 8, cache=a.cache_for(P6, follow_policy=False))  # HF stores P6
+        assert cache.plan.load_blocks == 0
+    got = reader.generate([P6])["results"][0]
+    assert got["cached_tokens"] == loadable(P6)
+    assert got["tokens"] == ref["P6"]["tokens"]
+    for g, w in zip(got["logprobs"], ref["P6"]["logprobs"]):  # HF computed that KV with other kernels
+        assert [t for t, _ in g] == [t for t, _ in w] and max(abs(x[1] - y[1]) for x, y in zip(g, w)) < 1e-3
 
 
 # --- restart and loss of the daemon -------------------------------------------------------------

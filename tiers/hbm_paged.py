@@ -24,12 +24,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.layout import AttnKind, KVLayout
+from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.tiers.arena import slot_runs
 from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin,
                                       choose_device, make_stream)
 
 BULK_STAGING_BYTES = 64 << 20  # device staging per bulk store/load step (bytes)
+
+# Element types a cache of each KV dtype may have (engines keep fp8 and packed caches as bytes).
+TORCH_DTYPES = {
+    DType.FP32: (torch.float32,), DType.FP16: (torch.float16,), DType.BF16: (torch.bfloat16,),
+    DType.FP8_E4M3: (torch.float8_e4m3fn, torch.uint8), DType.FP8_E5M2: (torch.float8_e5m2, torch.uint8),
+    DType.INT8: (torch.int8, torch.uint8), DType.INT4: (torch.uint8,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,9 @@ class PagedKV:
         self.pages = [p if isinstance(p, LayerPages) else legacy_pages(p, layout) for p in layers]
         first = self.pages[0].halves[0]
         self.device, self.dtype = first.device, first.dtype
+        if self.dtype not in TORCH_DTYPES[layout.dtype]:
+            raise ValueError(f"kv_caches: {self.dtype} elements cannot hold the layout's {layout.dtype.label} KV "
+                             f"(blocks are keyed by dtype; expected {' or '.join(map(str, TORCH_DTYPES[layout.dtype]))})")
         kblocks, _, self.kernel_block, _ = (int(x) for x in first.shape)
         self.ratio = self.pages[0].ratio
         self.num_blocks, self.block_size = kblocks // self.ratio, self.kernel_block * self.ratio
