@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from daemon_util import start_daemon, stop_all  # noqa: E402
+from daemon_util import free_port, start_daemon, stop_all  # noqa: E402
 from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
@@ -102,6 +102,25 @@ def kvstore_json(sock: str, *args: str) -> dict:
 def blocks_in(sock: str) -> int:
     """Blocks the daemon holds (a block in DRAM and on NVMe counts once)."""
     return sum(max(ns["blocks"].values(), default=0) for ns in kvstore_json(sock, "ls"))
+
+
+def replayed_events(replay: str, timeout_s: float = 30.0) -> list:
+    """Every KV event batch vLLM's publisher still buffers, through its replay socket."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
+        s.connect(replay)
+        s.send_multipart([b"", (0).to_bytes(8, "big")])
+        events = []
+        while s.poll(int(timeout_s * 1000)):
+            _, _, seq, payload = s.recv_multipart()
+            if not payload:  # end of the replay
+                return events
+            events += decode(payload).events
+    raise AssertionError(f"no end of replay from {replay} within {timeout_s} s")
 
 
 def engine(model: str, log: Path, ktc: dict | None, **kw) -> EngineProc:
@@ -227,8 +246,17 @@ def test_vllm_and_the_hf_adapter_share_prefixes(model, writer, reader, daemon, r
 def test_prefix_from_nvme_after_a_daemon_restart(model, workdir, ref):
     nvme = ["--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true"]
     d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
-    with engine(model, workdir / "nvme-a.log", connector(d.socket_path)) as e:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
+    with engine(model, workdir / "nvme-a.log", connector(d.socket_path), kv_events=events) as e:
         same(e.generate([P1])["results"][0], ref["P1"])
+        stored = wait_for(lambda: [ev for ev in replayed_events(replay)
+                                   if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"], 30,
+                          "kvstore's BlockStored events from vLLM's publisher")
+    # The connector's events name kvstore's blocks: keys as hashes, chained, with their tokens.
+    assert sum(len(ev.block_hashes) for ev in stored) == loadable(P1) // BT
+    assert [t for ev in stored for t in ev.token_ids] == P1[:loadable(P1)]
+    assert stored[0].parent_block_hash is None and all(len(h) == 32 for ev in stored for h in ev.block_hashes)
     assert d.stop() == 0
     d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
     try:

@@ -78,6 +78,7 @@ class EngineSpec:
     kv_transfer: dict | None = None
     max_num_batched_tokens: int | None = None   # set small to force chunked prefill
     num_gpu_blocks_override: int | None = None  # set small to force preemption
+    kv_events: dict | None = None               # vLLM's kv_events_config (KV cache event publisher)
     kv_cache_gib: int = 1                       # VLLM_CPU_KVCACHE_SPACE
     multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
     env: dict = field(default_factory=dict)
@@ -190,6 +191,8 @@ def _build(spec: EngineSpec):
               seed=0, enable_prefix_caching=spec.prefix_caching, disable_log_stats=False)
     if spec.kv_transfer is not None:
         kw["kv_transfer_config"] = spec.kv_transfer
+    if spec.kv_events is not None:
+        kw["kv_events_config"] = spec.kv_events
     if spec.max_num_batched_tokens:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
     if spec.num_gpu_blocks_override:
