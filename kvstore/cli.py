@@ -184,11 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("rest", nargs=argparse.REMAINDER)
     pl.set_defaults(fn=_delegate("kvstore.plan"))
 
-    b = sub.add_parser("bench", help="bandwidth benchmarks against same-run raw references")
+    b = sub.add_parser("bench", help="benchmarks against same-run references (raw paths, plain vLLM)")
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, module, help_ in (("store", "kvstore.bench.store", "put/get through the daemon vs memcpy; Lookup latency"),
                                 ("tiers", "kvstore.bench.tiers", "NVMe through the daemon vs fio; promotion latency"),
-                                ("transfer", "kvstore.transport.bench", "daemon-to-daemon transfer vs raw socket / ucx")):
+                                ("transfer", "kvstore.transport.bench", "daemon-to-daemon transfer vs raw socket / ucx"),
+                                ("vllm", "kvstore.bench.vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(module))
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
-             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer"}
+             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
+             ("bench", "vllm"): "kvstore.bench.vllm"}
 
 
 def main(argv: list[str] | None = None) -> int:
