@@ -299,7 +299,7 @@ def test_prefill_on_daemon_a_decode_on_daemon_b(model, workdir, ref, backend):
     if backend == "ucx":
         pytest.importorskip("ucxx")
     a = start_daemon(workdir / f"pa-{backend}", dram="64MiB", transfer=backend)
-    b = start_daemon(workdir / f"pb-{backend}", dram="64MiB", transfer=backend)
+    b = start_daemon(workdir / f"pb-{backend}", "--server-session-ttl-s", "3", dram="64MiB", transfer=backend)
     try:
         prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
         with engine(model, workdir / f"prefill-{backend}.log", prefill) as e:
@@ -310,5 +310,8 @@ def test_prefill_on_daemon_a_decode_on_daemon_b(model, workdir, ref, backend):
             assert got["cached_tokens"] == loadable(P1)
             same(got, ref["P1"])
         assert blocks_in(b.socket_path) == loadable(P1) // BT  # a consumer stores nothing
+        # The decode engine exited: its scheduler and worker sessions are gone, none leaks.
+        wait_for(lambda: kvstore_json(b.socket_path, "stats")["counters"]["sessions"] == 0, 30,
+                 "daemon B's session count back at 0 after vLLM exited")
     finally:
         stop_all(a, b)
