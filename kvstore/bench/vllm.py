@@ -1,0 +1,290 @@
+"""``kvstore bench vllm``: time to first token in the real vLLM engine, four ways, one run.
+
+For each prompt length: TTFT (``generate`` with ``max_tokens=1``) and the time of a whole
+request (``--new-tokens``), median over ``--reps`` distinct random prompts, for
+
+- ``no_cache``: a plain engine's first sight of the prompt (no connector; prefix caching is on,
+  but nothing of the prompt is cached: ``cached_tokens == 0`` is checked);
+- ``vllm_hit``: the same prompt again in that process, from vLLM's own prefix cache;
+- ``kvstore_dram``: a fresh engine with the KVStoreConnector, whose first sight of the prompt
+  it is: the prefix was stored by another engine (W) and comes from the daemon's DRAM;
+- ``kvstore_nvme``: the same after the daemon was restarted (SIGTERM, started again on the same
+  directories: DRAM empty, the NVMe index recovered), in another fresh engine.
+
+Every engine is its own process (:mod:`kvstore.bench.vllm_engine`) and answers one throw-away
+request before timing. A kvstore hit counts only if vLLM reports the whole loadable prefix
+cached, from the right tier, and its tokens equal the no-cache engine's for that prompt. The
+model is a seeded random Llama (no download); figures are same-run ratios, not absolute claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.bench.vllm_engine import MODEL_SIZES, EngineProc, EngineSpec, save_llama
+from kvstore.local import start_daemon
+
+BT = 32  # tokens per block; vLLM's CPU backend wants a multiple of 32
+CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
+SOURCE = {"kvstore_dram": "vllm:prompt_tokens_cached_by_source{source=host}",
+          "kvstore_nvme": "vllm:prompt_tokens_cached_by_source{source=disk}"}
+TARGET_TOKENS, TARGET_OF_HIT, TARGET_SPEEDUP = 2048, 1.5, 5.0  # the issue's target
+
+
+def loadable(n: int) -> int:
+    """Prompt tokens a hit can supply: full blocks, leaving at least one token to compute."""
+    return (n - 1) // BT * BT
+
+
+@dataclass
+class Prompts:
+    """Distinct random prompts: ``ttft[L][i]`` timed with one new token, ``req[L][i]`` as a
+    whole request (a prompt is seen first only once per engine, so the two sets are apart)."""
+
+    warm: list[int]
+    ttft: dict[int, list[list[int]]]
+    req: dict[int, list[list[int]]]
+
+    @classmethod
+    def make(cls, lengths: list[int], reps: int, vocab: int, seed: int = 0) -> "Prompts":
+        r = random.Random(seed)
+
+        def one(n: int) -> list[int]:
+            return [r.randrange(vocab) for _ in range(n)]
+
+        return cls(one(min(lengths)), {n: [one(n) for _ in range(reps)] for n in lengths},
+                   {n: [one(n) for _ in range(reps)] for n in lengths})
+
+    def all(self) -> list[list[int]]:
+        return [self.warm] + [p for s in (self.ttft, self.req) for ps in s.values() for p in ps]
+
+
+def timed(e: EngineProc, prompt: list[int], max_tokens: int, source: str | None = None) -> dict:
+    """One request alone: wall ms, output tokens, cached tokens (and those from ``source``)."""
+    before = e.metrics()["metrics"].get(source, 0) if source else 0
+    out = e.generate([prompt], max_tokens=max_tokens, logprobs=0)
+    r = out["results"][0]
+    rec = {"ms": 1e3 * out["wall_s"], "tokens": r["tokens"], "cached": r["cached_tokens"]}
+    if source:
+        rec["from_source"] = e.metrics()["metrics"].get(source, 0) - before
+    return rec
+
+
+def plain_phase(spec: EngineSpec, p: Prompts, new: int, log: Path) -> dict:
+    """no_cache and vllm_hit, one plain engine: each prompt twice in a row, miss then hit."""
+    out = {"no_cache": {}, "vllm_hit": {}}
+    with EngineProc.start(spec, log) as e:
+        for _ in range(2):
+            e.generate([p.warm], max_tokens=1, logprobs=0)
+        for n in p.ttft:
+            for case in out:
+                out[case][n] = []
+            for tp, rp in zip(p.ttft[n], p.req[n]):
+                t_miss, t_hit = timed(e, tp, 1), timed(e, tp, 1)
+                r_miss, r_hit = timed(e, rp, new), timed(e, rp, new)
+                out["no_cache"][n].append({"ttft": t_miss, "req": r_miss})
+                out["vllm_hit"][n].append({"ttft": t_hit, "req": r_hit})
+    return out
+
+
+def store_phase(spec: EngineSpec, p: Prompts, log: Path) -> dict:
+    """Engine W stores every prompt; its TTFT on the timed prompts is a miss that also saves."""
+    with EngineProc.start(spec, log) as e:
+        e.generate([p.warm], max_tokens=1, logprobs=0)
+        for ps in p.req.values():
+            for q in ps:
+                e.generate([q], max_tokens=1, logprobs=0)
+        return {n: [{"ttft": timed(e, q, 1)} for q in ps] for n, ps in p.ttft.items()}
+
+
+def read_phase(spec: EngineSpec, p: Prompts, new: int, case: str, log: Path) -> dict:
+    """A fresh connector engine's first sight of each prompt (its warm-up is a kvstore hit too)."""
+    with EngineProc.start(spec, log) as e:
+        e.generate([p.warm], max_tokens=1, logprobs=0)
+        return {n: [{"ttft": timed(e, tp, 1, SOURCE[case]), "req": timed(e, rp, new, SOURCE[case])}
+                    for tp, rp in zip(p.ttft[n], p.req[n])] for n in p.ttft}
+
+
+def problems(case: str, n: int, i: int, got: dict, ref: dict, follow_policy: bool) -> list[str]:
+    """What is wrong with one case's request ``got`` next to the no-cache one ``ref``."""
+    bad = []
+    want = loadable(n) if case in ("vllm_hit", *SOURCE) else 0
+    for kind, rec in got.items():
+        where = f"{case} {n} tokens #{i} {kind}"
+        if rec["cached"] != want and not (follow_policy and case in SOURCE and rec["cached"] < want):
+            bad.append(f"{where}: {rec['cached']} cached tokens, expected {want}")
+        if case in SOURCE and rec["from_source"] != rec["cached"]:
+            bad.append(f"{where}: {rec['from_source']} of {rec['cached']} cached tokens from {SOURCE[case]}")
+        if rec["tokens"] != ref[kind]["tokens"]:
+            bad.append(f"{where}: output tokens differ from no_cache's")
+    return bad
+
+
+def summarise(runs: dict, lengths: list[int], follow_policy: bool) -> list[dict]:
+    rows = []
+    for n in lengths:
+        refs = runs["no_cache"][n]
+        bad = [b for case, per in runs.items() for i, got in enumerate(per[n])
+               for b in problems(case, n, i, got, refs[i], follow_policy)]
+        ttft = {c: statistics.median(g["ttft"]["ms"] for g in per[n]) for c, per in runs.items()}
+        req = {c: statistics.median(g["req"]["ms"] for g in per[n]) for c, per in runs.items() if "req" in per[n][0]}
+        row = {"tokens": n, "loadable_tokens": loadable(n),
+               "ttft_ms": {c: round(v, 2) for c, v in ttft.items()},
+               "request_ms": {c: round(v, 2) for c, v in req.items()},
+               "ttft_ms_samples": {c: [round(g["ttft"]["ms"], 2) for g in per[n]] for c, per in runs.items()},
+               "ratios": {"ttft_kvstore_dram_over_vllm_hit": ttft["kvstore_dram"] / ttft["vllm_hit"],
+                          "ttft_no_cache_over_kvstore_dram": ttft["no_cache"] / ttft["kvstore_dram"],
+                          "ttft_kvstore_nvme_over_vllm_hit": ttft["kvstore_nvme"] / ttft["vllm_hit"],
+                          "ttft_no_cache_over_kvstore_nvme": ttft["no_cache"] / ttft["kvstore_nvme"],
+                          "request_no_cache_over_kvstore_dram": req["no_cache"] / req["kvstore_dram"],
+                          "request_no_cache_over_kvstore_nvme": req["no_cache"] / req["kvstore_nvme"]},
+               "cached_tokens_min": {c: min(r["cached"] for g in runs[c][n] for r in g.values()) for c in SOURCE},
+               "verified": not bad, "problems": bad}
+        row["ratios"] = {k: round(v, 3) for k, v in row["ratios"].items()}
+        rows.append(row)
+    return rows
+
+
+def target(rows: list[dict]) -> dict:
+    row = next((r for r in rows if r["tokens"] == TARGET_TOKENS), None)
+    out = {"tokens": TARGET_TOKENS, "ttft_of_vllm_hit_at_most": TARGET_OF_HIT, "speedup_at_least": TARGET_SPEEDUP}
+    if row is None:
+        return {**out, "measured": False}
+    for tier in ("dram", "nvme"):
+        x = row["ratios"]
+        of_hit, speedup = x[f"ttft_kvstore_{tier}_over_vllm_hit"], x[f"ttft_no_cache_over_kvstore_{tier}"]
+        out[tier] = {"ttft_of_vllm_hit": of_hit, "speedup": speedup,
+                     "met": of_hit <= TARGET_OF_HIT and speedup >= TARGET_SPEEDUP and row["verified"]}
+    return {**out, "measured": True}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    except OSError:
+        name = "unknown CPU"
+    return f"{name}, {len(os.sched_getaffinity(0))} CPUs usable"
+
+
+def run(a) -> dict:
+    lengths = sorted(set(a.lengths))
+    if a.reps < 1 or a.new_tokens < 1 or lengths[0] <= BT:
+        raise SystemExit("--reps and --new-tokens must be >= 1, every length > 32 tokens")
+    shape = MODEL_SIZES[a.size]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim * 4  # float32 K and V
+    max_len = -(-(lengths[-1] + a.new_tokens) // BT) * BT
+    p = Prompts.make(lengths, a.reps, shape["vocab_size"])
+    os.makedirs(a.dir, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-", dir=a.dir))
+    d = None
+    try:
+        model = str(save_llama(work / "model", a.size, max_positions=max_len))
+        weights = os.path.getsize(Path(model) / "model.safetensors")
+        # DRAM and NVMe both hold every stored block, twice over (plus one extent per block size).
+        stored = sum(-(-len(x) // BT) * BT for x in p.all()) * kv_token
+        extent = max(4 << 20, -(-BT * kv_token // 4096) * 4096)
+        cap = str(-(-(2 * stored + 16 * extent) // extent) * extent)
+        flags = ("--dram-capacity-bytes", cap, "--dram-extent-bytes", str(extent), "--nvme-dir", str(work / "nvme"),
+                 "--nvme-capacity-bytes", cap, "--nvme-file-bytes", cap, "--nvme-durable-commit", "true")
+        spec = dict(model=model, block_size=BT, max_model_len=max_len)
+        runs = plain_phase(EngineSpec(**spec, prefix_caching=True), p, a.new_tokens, work / "plain.log")
+        extra = {"follow_policy": a.follow_policy}
+        if a.follow_policy:  # the policy weighs a load against this engine's prefill rate, measured here
+            extra["prefill_tokens_per_s"] = lengths[-1] / (statistics.median(
+                g["ttft"]["ms"] for g in runs["no_cache"][lengths[-1]]) / 1e3)
+        d = start_daemon(work, "kvstore", *flags)
+        ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
+               "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_socket": d.socket_path, **extra}}
+        kv = EngineSpec(**spec, kv_transfer=ktc)
+        runs["kvstore_store"] = store_phase(kv, p, work / "writer.log")
+        runs["kvstore_dram"] = read_phase(kv, p, a.new_tokens, "kvstore_dram", work / "reader-dram.log")
+        if d.stop() != 0:
+            raise RuntimeError(f"daemon exited with {d.proc.returncode} on SIGTERM:\n{d.log_path.read_text()[-4000:]}")
+        d = start_daemon(work, "kvstore", *flags)  # DRAM empty; the NVMe index recovered
+        runs["kvstore_nvme"] = read_phase(kv, p, a.new_tokens, "kvstore_nvme", work / "reader-nvme.log")
+    finally:
+        if d is not None:
+            d.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    rows = summarise(runs, lengths, a.follow_policy)
+    return {"bench": "vllm", "unit": "milliseconds of wall time around LLM.generate; ratios of same-run medians",
+            "model": {"size": a.size, **shape, "head_dim": head_dim, "dtype": "float32", "weights_bytes": weights,
+                      "kv_bytes_per_token": kv_token, "block_tokens": BT},
+            "cpu": cpu_name(), "follow_policy": a.follow_policy, "reps": a.reps, "new_tokens": a.new_tokens,
+            "rows": rows, "verified": all(r["verified"] for r in rows), "target": target(rows)}
+
+
+def table(r: dict) -> str:
+    m = r["model"]
+    lines = [
+        f"kvstore bench vllm: TTFT (generate, max_tokens=1) and request time (max_tokens={r['new_tokens']}) in vLLM, "
+        f"median of {r['reps']} distinct prompts per length",
+        f"model: '{m['size']}' random Llama, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
+        f"{m['dtype']}, {m['weights_bytes'] / 1e6:.0f} MB weights, KV {m['kv_bytes_per_token']} bytes/token, "
+        f"{m['block_tokens']}-token blocks",
+        f"CPU: {r['cpu']} (vLLM CPU backend, eager)",
+        f"follow_policy: {str(r['follow_policy']).lower()} "
+        + ("(the daemon's load-or-recompute policy decides)" if r["follow_policy"]
+           else "(every hit block is loaded; --follow-policy lets the daemon's policy decide)"),
+        "no-cache: a plain engine's first sight of the prompt (its prefix caching on, 0 tokens cached: checked); "
+        "vllm-hit: the same prompt again there; "
+        "kv-dram / kv-nvme: a fresh engine, prefix from kvstore DRAM / from NVMe after a daemon restart; "
+        "store: the engine that stored it (miss + save, durable NVMe commits)",
+        "figures are same-run ratios on this host, not absolute claims",
+        f"{'':>6}  {'TTFT ms':^50}  {'request ms':^34}  {'TTFT ratios (same run)':^46}",
+        f"{'tokens':>6}  {'no-cache':>9}{'vllm-hit':>9}{'kv-dram':>9}{'kv-nvme':>9}{'store':>9}  "
+        f"   {'no-cache':>9}{'vllm-hit':>9}{'kv-dram':>9}{'kv-nvme':>9}"
+        f"  {'dram/hit':>9}{'nc/dram':>9}{'nvme/hit':>9}{'nc/nvme':>9}  verified",
+    ]
+    for x in r["rows"]:
+        t, q, k = x["ttft_ms"], x["request_ms"], x["ratios"]
+        lines.append(f"{x['tokens']:>6}  " + "".join(f"{t[c]:9.1f}" for c in (*CASES, "kvstore_store"))
+                     + "     " + "".join(f"{q[c]:9.1f}" for c in CASES)
+                     + f"  {k['ttft_kvstore_dram_over_vllm_hit']:9.2f}{k['ttft_no_cache_over_kvstore_dram']:9.2f}"
+                     f"{k['ttft_kvstore_nvme_over_vllm_hit']:9.2f}{k['ttft_no_cache_over_kvstore_nvme']:9.2f}  "
+                     + ("verified" if x["verified"] else "NOT VERIFIED"))
+        lines += [f"        {b}" for b in x["problems"]]
+        if r["follow_policy"]:
+            lines.append(f"        least cached tokens of {x['loadable_tokens']} loadable: {x['cached_tokens_min']}")
+    g = r["target"]
+    if not g["measured"]:
+        lines.append(f"target: no {g['tokens']}-token row measured")
+    for tier in ("dram", "nvme") if g["measured"] else ():
+        lines.append(f"target at {g['tokens']} tokens, kvstore {tier.upper()}: TTFT {g[tier]['ttft_of_vllm_hit']:.2f}x "
+                     f"vLLM's hit (want <= {g['ttft_of_vllm_hit_at_most']}), {g[tier]['speedup']:.2f}x faster than no "
+                     f"cache (want >= {g['speedup_at_least']}): {'met' if g[tier]['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvstore bench vllm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="prompt lengths (tokens)")
+    ap.add_argument("--reps", type=int, default=3, help="distinct prompts per length and case; medians reported")
+    ap.add_argument("--new-tokens", type=int, default=32, help="max_tokens of the timed whole requests")
+    ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="small", help="random Llama shape")
+    ap.add_argument("--follow-policy", action="store_true",
+                    help="let the daemon's load-or-recompute policy decide (default: load every hit block)")
+    ap.add_argument("--dir", default="/var/tmp", help="where the temporary model, daemon and NVMe files go")
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--table", action="store_true", help="a table for people (the default)")
+    out.add_argument("--json", action="store_true", help="one JSON object")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    r = run(a)
+    print(json.dumps(r, indent=2) if a.json else table(r))
+    return 0 if r["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`kvstore bench vllm` runs end to end on the tiny model (its figures go in notes, not asserts)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
+
+
+def test_bench_vllm_json_tiny(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm", "--lengths", "256", "--reps", "1",
+                        "--size", "tiny", "--new-tokens", "4", "--json", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-6000:] + p.stdout
+    r = json.loads(p.stdout)
+    assert r["follow_policy"] is False and r["model"]["size"] == "tiny" and r["new_tokens"] == 4
+    assert r["verified"] is True and r["target"]["measured"] is False  # no 2048-token row
+    [row] = r["rows"]
+    assert row["tokens"] == 256 and row["loadable_tokens"] == 224
+    assert row["verified"] is True and row["problems"] == []
+    assert row["cached_tokens_min"] == {"kvstore_dram": 224, "kvstore_nvme": 224}  # whole prefix, both tiers
+    assert set(row["ttft_ms"]) == {*CASES, "kvstore_store"} and set(row["request_ms"]) == set(CASES)
+    for v in (*row["ttft_ms"].values(), *row["request_ms"].values(), *row["ratios"].values()):
+        assert v > 0
+    t = row["ttft_ms"]
+    assert abs(row["ratios"]["ttft_kvstore_dram_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 0.01
+    assert abs(row["ratios"]["ttft_no_cache_over_kvstore_nvme"] - t["no_cache"] / t["kvstore_nvme"]) < 0.01
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+    from kvstore.bench.vllm import table
+
+    text = table(r)  # the default output, from the same figures
+    assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1
