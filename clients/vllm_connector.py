@@ -538,8 +538,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None
         part = BlockSpan(span.req_id, span.token_ids, span.start, span.start + lease.count, span.block_table)
         h = LoadHandle(path, [lease], list(lease.offsets[:lease.count]), path.mover.device_rows(self._rows(path, part)))
-        for l in range(self.layout.num_layers):
-            h.load_layer(l)
+        if path.emulated:
+            # CPU caches: a copy thread per layer only competes with the forward for the cores
+            # (and the GIL); one bulk copy before the forward costs less than it could hide.
+            h.load_all()
+        else:
+            for l in range(self.layout.num_layers):  # layer l+1 crosses the bus while layer l computes
+                h.load_layer(l)
         return h
 
     def _fail_load(self, span: BlockSpan, first_block: int, removed: bool = False) -> None:
