@@ -265,3 +265,25 @@ def test_flash_attn_blocks_load_into_the_cpu_backend(client_factory):
         write(dst, want, s_dst, (k, v))
         assert torch.equal(bits(got), bits(want))
         assert torch.equal(bits(read(dst, got, s_dst)[1]), bits(v))
+
+
+def test_connector_stats_go_through_vllms_own_logging():
+    """Worker stats reach vLLM's KV-transfer logger as the connector's own stats class,
+    summed over workers and intervals."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    from kvstore.clients.vllm_connector import KVStoreConnectorStats
+
+    logging_ = KVConnectorLogging(KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                                                   kv_connector_module_path="kvstore.clients.vllm_connector"))
+    a, b = KVStoreConnectorStats(), KVStoreConnectorStats()
+    a.data.update(loaded_blocks=9, load_s=0.25)
+    b.data.update(loaded_blocks=3, saved_blocks=7, load_failed_blocks=2)
+    assert KVStoreConnectorStats().is_empty() and not a.is_empty()
+    for s in (a, b):
+        logging_.observe(s.to_dict())
+    lines = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines == ["KV Transfer metrics: loaded_blocks=12, load_failed_blocks=2, saved_blocks=7, "
+                     "save_failed_blocks=0, load_s=0.25, save_s=0"]
