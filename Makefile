@@ -17,8 +17,7 @@ $(STAMP): pyproject.toml
 
 # What the tests need on top: torch (CPU build), transformers, UCX, and the real vLLM.
 $(TSTAMP): $(STAMP) scripts/install_vllm.sh
-	$(PY) -m pip install -q -e '.[test,torch,ucx,hf]'
-	./scripts/install_vllm.sh $(PY)
+	KVSTORE_PIP_EXTRA="-e .[test,torch,ucx,hf]" ./scripts/install_vllm.sh $(PY)
 	touch $@
 
 install: $(STAMP)

@@ -320,7 +320,8 @@ class KVStoreClient:
     def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
         self._need_session()
         resp = self._call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
-                                                       allow_partial=allow_partial, wait_s=wait_s))
+                                                       allow_partial=allow_partial, wait_s=wait_s),
+                          timeout_s=self.timeout_s + wait_s)  # the daemon may wait wait_s for promotions
         return ReadLease(self, resp)
 
     def keepalive(self, lease_ids: Sequence[int] = ()) -> list[int]:

@@ -223,6 +223,7 @@ class _Link:
         self.client: KVStoreClient | None = None
         self.generation = 0          # bumped on every new session: views into the old arena are stale
         self._next_try = 0.0
+        self._retired: list[KVStoreClient] = []
         self.connect(raise_errors=True)
 
     def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
@@ -255,14 +256,22 @@ class _Link:
         code = getattr(getattr(e, "code", None), "name", "")
         if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
             log.warning("kvstore daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
-            try:
-                self.client.close()
-            except Exception:  # noqa: BLE001 - the daemon is gone; nothing to tell it
-                pass
+            # This step's handles still hold the client: close it once they are done (retire).
+            self._retired.append(self.client)
             self.client = None
             self._next_try = time.monotonic() + self.settings.reconnect_s
 
+    def retire(self) -> None:
+        """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight."""
+        retired, self._retired = self._retired, []
+        for c in retired:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - the daemon is gone; nothing to tell it
+                pass
+
     def close(self) -> None:
+        self.retire()
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -316,6 +325,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saves: list[tuple[BlockSpan, StoreHandle]] | None = None  # None: not reserved this step
         self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
+        # vLLM blocks whose load failed in this step or the one before: with async scheduling
+        # the next step is built before vLLM hears of the failure, and another request may have
+        # hit those blocks in vLLM's own prefix cache. No save covering one of them is committed.
+        self._bad_blocks: set[int] = set()
+        self._bad_blocks_before: set[int] = set()
         self._stats = KVStoreConnectorStats()
         self._worker_events: list[KVCacheEvent] = []
 
@@ -323,6 +337,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         """None: the connector reads every layout vLLM 0.32 allocates (see vllm_pages)."""
         return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: a full CUDA graph would replay attention without ``wait_for_layer_load``, over
+        blocks the side stream may still be writing."""
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -518,7 +538,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 got = h.blocks if h is not None else 0
                 if h is not None:
                     self._loads.append((span, h))
-            except (KVStoreError, RuntimeError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
                 log.warning("kvstore load of %s failed; vLLM recomputes it: %s", span.req_id, e)
                 if isinstance(e, KVStoreError):
                     self.link.lost(e)
@@ -537,18 +557,33 @@ class KVStoreConnector(KVConnectorBase_V1):
             lease.release()
             return None
         part = BlockSpan(span.req_id, span.token_ids, span.start, span.start + lease.count, span.block_table)
-        h = LoadHandle(path, [lease], list(lease.offsets[:lease.count]), path.mover.device_rows(self._rows(path, part)))
+        try:
+            h = LoadHandle(path, [lease], list(lease.offsets[:lease.count]),
+                           path.mover.device_rows(self._rows(path, part)))
+        except BaseException:
+            lease.release()
+            raise
+        try:
+            self._issue_load(path, h)
+        except BaseException:
+            _quietly(h.release)
+            raise
+        return h
+
+    @staticmethod
+    def _issue_load(path: GpuKVPath, h: LoadHandle) -> None:
         if path.emulated:
             # CPU caches: a copy thread per layer only competes with the forward for the cores
             # (and the GIL); one bulk copy before the forward costs less than it could hide.
             h.load_all()
         else:
-            for l in range(self.layout.num_layers):  # layer l+1 crosses the bus while layer l computes
+            for l in range(h.path.layout.num_layers):  # layer l+1 crosses the bus while layer l computes
                 h.load_layer(l)
-        return h
 
     def _fail_load(self, span: BlockSpan, first_block: int, removed: bool = False) -> None:
-        self._load_errors |= self._vllm_blocks(span, first_block)
+        bad = self._vllm_blocks(span, first_block)
+        self._load_errors |= bad
+        self._bad_blocks |= bad
         self._failed_reqs.add(span.req_id)
         self._stats.data["load_failed_blocks"] += span.end - first_block
         if removed:
@@ -568,7 +603,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             try:
                 h.wait_layer(l, timeout_s=self.settings.load_wait_s)
-            except (RuntimeError, TimeoutError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - a failed copy is a load error, not a failed step
                 log.warning("kvstore load of %s failed at layer %d; vLLM recomputes it: %s", span.req_id, l, e)
                 self._fail_load(span, span.start)
         self._stats.data["load_s"] += time.perf_counter() - t0
@@ -584,9 +619,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             keys = path.client.keys(span.token_ids)
             try:
                 w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"")
-            except KVStoreError as e:  # a save is best effort: the blocks stay uncached
+            except Exception as e:  # noqa: BLE001 - a save is best effort: the blocks stay uncached
                 log.warning("kvstore save of %s skipped: %s", span.req_id, e)
-                self.link.lost(e)
+                if isinstance(e, KVStoreError):
+                    self.link.lost(e)
                 self._stats.data["save_failed_blocks"] += span.end - span.start
                 if self.link.client is None:
                     break
@@ -618,16 +654,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         failed, self._failed_reqs = self._failed_reqs, set()
         stored: list[KVCacheEvent] = []
         try:
+            bad = self._bad_blocks | self._bad_blocks_before
             for span, h in saves:
-                if span.req_id in failed:
-                    h.abort()  # computed from a prefix that failed to load
+                if span.req_id in failed or bad & self._vllm_blocks(span, 0):
+                    _quietly(h.abort)  # computed from (or over) a prefix that failed to load
+                    self._stats.data["save_failed_blocks"] += span.end - span.start
                     continue
                 try:
                     h.store_all()
                     n = h.commit(self.settings.save_timeout_s)
-                except (KVStoreError, RuntimeError, TimeoutError) as e:
+                except Exception as e:  # noqa: BLE001 - a save is best effort; never fail vLLM's step
                     log.warning("kvstore save of %s failed (blocks not stored): %s", span.req_id, e)
-                    h.abort()
+                    _quietly(h.abort)
                     self._stats.data["save_failed_blocks"] += span.end - span.start
                     if isinstance(e, KVStoreError):
                         self.link.lost(e)
@@ -640,8 +678,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._stats.data["loaded_blocks"] += h.blocks
                 try:
                     h.release()
-                except (KVStoreError, RuntimeError) as e:  # the lease TTL reclaims the pins
+                except Exception as e:  # noqa: BLE001 - the lease TTL reclaims the pins
                     log.warning("kvstore release after the load of %s failed: %s", span.req_id, e)
+            self._bad_blocks_before, self._bad_blocks = self._bad_blocks, set()
+            self.link.retire()
         self._worker_events += stored
         if saves:
             self._stats.data["save_s"] += time.perf_counter() - t0
@@ -676,17 +716,22 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         for _, h in self._saves or ():
-            h.abort()
+            _quietly(h.abort)
         for _, h in self._loads:
-            try:
-                h.release()
-            except (KVStoreError, RuntimeError):
-                pass
+            _quietly(h.release)
         self._saves, self._loads = None, []
         if self._path is not None:
-            self._path.close()
+            _quietly(self._path.close)
             self._path = None
         self.link.close()
+
+
+def _quietly(fn) -> None:
+    """Run a clean-up step whose failure must not stop the next (the lease TTL is the backstop)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        log.warning("kvstore clean-up failed: %s", e)
 
 
 def _cpu_isa(connector: KVStoreConnector, view: torch.Tensor) -> str:

