@@ -15,10 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# What the tests need on top: torch (CPU build), transformers, UCX, and the real vLLM.
-$(TSTAMP): $(STAMP) scripts/install_vllm.sh
+# What the tests need on top: torch (CPU build), transformers, UCX, and the real vLLM, in one
+# pip resolution with the project itself.
+$(TSTAMP): pyproject.toml scripts/install_vllm.sh
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "need Python >= 3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	KVSTORE_PIP_EXTRA="-e .[test,torch,ucx,hf]" ./scripts/install_vllm.sh $(PY)
-	touch $@
+	touch $(STAMP) $@
 
 install: $(STAMP)
 install-test: $(TSTAMP)
