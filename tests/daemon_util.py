@@ -92,8 +92,5 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | No
 def stop_all(*daemons: DaemonProc) -> None:
     """Stop every daemon, then check that each exited cleanly (one that did not still lets the
     others be stopped)."""
-    for d in daemons:  # signal all first: their shutdowns overlap
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
     codes = [d.stop() for d in daemons]
     assert codes == [0] * len(codes), codes
