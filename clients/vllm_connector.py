@@ -52,96 +52,18 @@ import torch
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
-from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.clients.client import KVStoreClient, KVStoreError, pack
+from kvstore.clients.client import KVStoreError, pack
 from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
 from kvstore.clients.leases import RESERVED
 from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
+from kvstore.clients.vllm_setup import (HIT_SOURCES, ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents,
+                                        _Link, _tp_rank, kv_layout)
 from kvstore.keys import Namespace, chain_keys
-from kvstore.layout import DType, KVLayout
-from kvstore.modelcfg import from_hf
-from kvstore.tiers.base import TierKind
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
-
-CACHE_DTYPES = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3, "fp8_e5m2": DType.FP8_E5M2}
-TORCH_DTYPES = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
-HIT_SOURCES = {TierKind.HBM: CacheHitSource.HOST, TierKind.DRAM: CacheHitSource.HOST,
-               TierKind.NVME: CacheHitSource.DISK, TierKind.REMOTE: CacheHitSource.P2P}
-
-
-# --- settings ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """What the connector reads from ``kv_connector_extra_config`` (seconds, tokens/s)."""
-
-    socket_path: str | None = None       # "kvstore_socket"; None = the daemon's default socket
-    model_id: str = ""                   # "model_id"; "" = vLLM's model name
-    block_tokens: int = 0                # "block_tokens"; 0 = vLLM's block_size
-    tenant_salt: str = ""                # "tenant_salt"
-    prefill_tokens_per_s: float = 0.0    # "prefill_tokens_per_s": this engine's measured prefill rate
-    model_params: float = 0.0            # "model_params"; 0 = the daemon derives it
-    follow_policy: bool = True           # "follow_policy": False loads every hit block
-    load_wait_s: float = 10.0            # "load_wait_s": Acquire may wait this long for NVMe blocks
-    save_timeout_s: float = 30.0         # "save_timeout_s": bound on wait_for_save
-    rpc_timeout_s: float = 5.0           # "rpc_timeout_s": bound on one control call to the daemon
-    reconnect_s: float = 2.0             # "reconnect_s": least time between tries to reach a lost daemon
-    transfer_peer: str = ""              # "transfer_peer": host:port of a decode daemon's transfer listener
-    tp_rank: int | None = None           # "tp_rank"; None = vLLM's tensor-parallel rank
-
-    NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
-             "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
-             "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
-             "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
-             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank"}
-
-    @classmethod
-    def from_vllm(cls, vllm_config) -> "ConnectorSettings":
-        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-        unknown = sorted(set(extra) - set(cls.NAMES))
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(cls.NAMES))}")
-        s = cls(**{cls.NAMES[k]: v for k, v in extra.items()})
-        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s"):
-            if not isinstance(getattr(s, name), (int, float)) or getattr(s, name) <= 0:
-                raise ValueError(f"kv_connector_extra_config: {name} must be a positive number of seconds, "
-                                 f"got {getattr(s, name)!r}")
-        if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
-            raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
-        return s
-
-
-
-def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
-    """The KV layout one TP rank holds: shape from the HF config, dtype from the cache dtype."""
-    mc = vllm_config.model_config
-    hf = mc.hf_config
-    cfg = from_hf(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf), str(getattr(mc, "model", "model")))
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
-    if cache_dtype == "auto":
-        dt = mc.dtype
-        dtype = TORCH_DTYPES.get(dt) if isinstance(dt, torch.dtype) else DType.parse(str(dt))
-        if dtype is None:
-            raise ValueError(f"model_config.dtype: {dt} has no kvstore KV dtype")
-    elif cache_dtype in CACHE_DTYPES:
-        dtype = CACHE_DTYPES[cache_dtype]
-    else:
-        dtype = DType.parse(cache_dtype)
-    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-    return cfg.gpu_layout(dtype, tp, block_tokens)
-
-
-def _tp_rank(settings: ConnectorSettings) -> int:
-    if settings.tp_rank is not None:
-        return int(settings.tp_rank)
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-    return int(get_tensor_model_parallel_rank()) if model_parallel_is_initialized() else 0
-
 
 # --- metadata: scheduler -> workers -----------------------------------------------------------
 
@@ -175,106 +97,6 @@ class _Match:
     local: int     # tokens vLLM's own prefix cache holds
     external: int  # tokens to load from kvstore
     tiers: bytes   # tier of each hit block (kvstore.v1.Tier)
-
-
-# --- worker -> scheduler: stats and events ----------------------------------------------------
-
-STAT_KEYS = ("loaded_blocks", "load_failed_blocks", "saved_blocks", "save_failed_blocks", "load_s", "save_s")
-
-
-@dataclass
-class KVStoreConnectorStats(KVConnectorStats):
-    """Counters of one logging interval, summed over workers (blocks, seconds)."""
-
-    def __post_init__(self) -> None:
-        for k in STAT_KEYS:
-            self.data.setdefault(k, 0)
-
-    def reset(self) -> None:
-        self.data = {k: 0 for k in STAT_KEYS}
-
-    def aggregate(self, other: KVConnectorStats) -> "KVStoreConnectorStats":
-        for k in STAT_KEYS:
-            self.data[k] += other.data.get(k, 0)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.data.items()}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class KVStoreKVEvents(LMCacheKVEvents):
-    """Blocks stored into and found gone from kvstore, as vLLM KV cache events (kept when
-    every worker reported them, like LMCache's)."""
-
-
-# --- the connection -------------------------------------------------------------------------
-
-class _Link:
-    """The client and its session, re-made when the daemon went away (at most every
-    ``reconnect_s``). ``client`` is None while there is no daemon to talk to."""
-
-    def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str, tp_rank: int,
-                 tp_world: int) -> None:
-        self.settings, self.layout, self.model_id = settings, layout, model_id
-        self.tp_rank, self.tp_world = tp_rank, tp_world
-        self.client: KVStoreClient | None = None
-        self.generation = 0          # bumped on every new session: views into the old arena are stale
-        self._next_try = 0.0
-        self._retired: list[KVStoreClient] = []
-        self.connect(raise_errors=True)
-
-    def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
-        s = self.settings
-        c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s)
-        try:
-            c.register(self.layout, self.model_id, tp_rank=self.tp_rank, tp_world=self.tp_world,
-                       tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),
-                       model_params=float(s.model_params))
-        except KVStoreError as e:
-            c.close()
-            self._next_try = time.monotonic() + s.reconnect_s
-            if raise_errors and e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise  # a real refusal (layout too large, ...) is a configuration error
-            log.warning("kvstore daemon not reachable (%s); vLLM runs without it and retries every %s s",
-                        e, s.reconnect_s)
-            return None
-        self.client = c
-        self.generation += 1
-        return c
-
-    def get(self) -> KVStoreClient | None:
-        if self.client is None and time.monotonic() >= self._next_try:
-            if self.connect() is not None:
-                log.info("kvstore daemon reached again; session %s", self.client.session_id.hex()[:8])
-        return self.client
-
-    def lost(self, e: Exception) -> None:
-        """A call failed: drop the session if the daemon is gone or forgot it."""
-        code = getattr(getattr(e, "code", None), "name", "")
-        if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
-            log.warning("kvstore daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
-            # This step's handles still hold the client: close it once they are done (retire).
-            self._retired.append(self.client)
-            self.client = None
-            self._next_try = time.monotonic() + self.settings.reconnect_s
-
-    def retire(self) -> None:
-        """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight."""
-        retired, self._retired = self._retired, []
-        for c in retired:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001 - the daemon is gone; nothing to tell it
-                pass
-
-    def close(self) -> None:
-        self.retire()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
 
 
 # --- the connector ----------------------------------------------------------------------------
