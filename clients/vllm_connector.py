@@ -62,6 +62,7 @@ from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
 from kvstore.clients.vllm_setup import (HIT_SOURCES, ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents,
                                         _Link, _tp_rank, kv_layout)
 from kvstore.keys import Namespace, chain_keys
+from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
 
