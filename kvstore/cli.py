@@ -40,8 +40,7 @@ def cmd_serve(args) -> int:
         return 0
     _setup_logging(cfg.server.log_level, cfg.server.log_json)
     try:
-        from kvstore.node import NodeDaemon
-        return run(cfg, NodeDaemon, args.config, C.cli_overrides(args))
+        return run(cfg, config_path=args.config, cli_overrides=C.cli_overrides(args))
     except (StartupError, C.ConfigError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
         return 1

@@ -100,6 +100,8 @@ class NvmeConfig:
     file_bytes: int = field(default=16 * 1024**3, metadata={"help": "size of each preallocated data file (bytes)"})
     io_threads: int = field(default=8, metadata={"help": "NVMe I/Os in flight (threads doing O_DIRECT reads and writes)"})
     coalesce_bytes: int = field(default=1024**2, metadata={"help": "blocks in neighbouring slots move in one vectored I/O up to this size (bytes; 0 = off)"})
+    io_timeout_s: float = field(default=120.0, metadata={"help": "a batch of NVMe writes still running after this long is logged as stuck (its slots stay reserved until it ends) (seconds)"})
+    prefetch_deadline_s: float = field(default=30.0, metadata={"help": "deadline of a Prefetch that names none (seconds)"})
 
 
 @dataclass
@@ -164,6 +166,8 @@ class Config:
         _check(d.capacity_bytes >= 0, "dram.capacity_bytes", "must be >= 0")
         _check(d.namespace_quota_bytes >= 0, "dram.namespace_quota_bytes", "must be >= 0")
         _check(self.nvme.namespace_quota_bytes >= 0, "nvme.namespace_quota_bytes", "must be >= 0")
+        _check(self.nvme.io_timeout_s > 0, "nvme.io_timeout_s", "must be > 0 seconds")
+        _check(self.nvme.prefetch_deadline_s > 0, "nvme.prefetch_deadline_s", "must be > 0 seconds")
         _check(d.extent_bytes >= 4096 and d.extent_bytes % 4096 == 0, "dram.extent_bytes", "must be a positive multiple of 4096")
         _check(d.capacity_bytes == 0 or d.capacity_bytes >= d.extent_bytes, "dram.capacity_bytes",
                f"must be at least one extent ({d.extent_bytes} bytes)")

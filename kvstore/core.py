@@ -1,8 +1,15 @@
-"""The daemon's state: namespaces, sessions, the block index, leases and eviction.
+"""The daemon's state: namespaces, sessions, the block index, leases and DRAM eviction.
 
-Single-threaded and plain: every method is called with ``Core.lock`` held (the gRPC servicer
-takes it; background workers take it for their short metadata steps). Data never moves under
-the lock except DRAM memcpy-speed copies the caller chose to make there.
+Single-threaded and plain: every method is called with ``Core.lock`` held. The lock is taken at
+the edges of the daemon, never inside the core: by the gRPC servicer (one hold per RPC's
+metadata step) and by each background worker (tier movement, HBM copies, transfers, the reaper)
+for its short metadata steps, with the lock released while data moves. See
+docs/architecture.md.
+
+What the core needs from the tiers around DRAM is :class:`LowerTiers`, passed to its
+constructor: whether an NVMe copy exists, whether a block must reach NVMe before DRAM drops it,
+and notices when a copy or a DRAM slot goes. The core never calls tier movement back; tier
+movement calls the core's public methods.
 
 Eviction is leaves-first LRU: the least recently used unpinned block that has no cached
 children in its tier goes first. A miss is a normal answer; failures are :class:`KVError`.
@@ -10,22 +17,112 @@ children in its tier goes first. A miss is a normal answer; failures are :class:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, Protocol
 
+from kvstore.config import Config
+from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
-from kvstore.index import Block, BlockState, Lru
+from kvstore.index import Block, BlockState, Lru, TierLrus
 from kvstore.keys import KEY_BYTES, Namespace
-from kvstore.leases import Lease, LeaseKind, LeaseOps
-from kvstore.sessions import MAX_SESSIONS, Session, SessionEnd, SessionOps  # noqa: F401 - re-exported
+from kvstore.sessions import Session, SessionEnd, SessionTable
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
+
+DRAM, NVME = TierKind.DRAM, TierKind.NVME
+
+
+@dataclass(slots=True)
+class CoreConfig:
+    lease_ttl_s: float = 30.0  # an unrenewed lease is reclaimed after this long (seconds)
+    session_ttl_s: float = 60.0  # a session not heard from for this long is ended (seconds)
+    max_keys: int = 8192  # keys per request
+    ns_quota_bytes: int = 0  # DRAM bytes one namespace may hold (0 = no quota)
+    hot_after_reads: int = 0  # Acquires after which a block is queued for an HBM copy (0 = never)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "CoreConfig":
+        s = cfg.server
+        return cls(lease_ttl_s=s.lease_ttl_s, session_ttl_s=s.session_ttl_s, max_keys=s.max_keys_per_request,
+                   ns_quota_bytes=cfg.dram.namespace_quota_bytes,
+                   hot_after_reads=cfg.hbm.admit_reads if cfg.hbm.capacity_bytes else 0)
+
+
+class LowerTiers(Protocol):
+    """What the core asks of the tiers below and beside DRAM (:class:`kvstore.tiering.NvmeCopies`,
+    :class:`kvstore.hbm_cache.HbmCopies`; :class:`DramOnly` when there are none). Called under
+    the core lock; none of them calls the core."""
+
+    def holds_copy(self, b: Block) -> bool:
+        """``b`` (``on_nvme``) is being evicted from DRAM: True if its NVMe copy is usable, so
+        the block stays, on NVMe."""
+
+    def must_demote(self, b: Block) -> bool:
+        """True if ``b``'s data exists only in DRAM and must reach NVMe before DRAM drops it;
+        the answer True also asks the demoter to move it (back-pressure, not loss)."""
+
+    def delete_copy(self, b: Block) -> None:
+        """``b`` is deleted: drop its NVMe copy."""
+
+    def dram_freed(self, b: Block, reason: str) -> None:
+        """``b``'s DRAM slot is about to be freed (``reason``: capacity, delete, abort, dropped):
+        copies that live only as long as it (HBM) go with it."""
+
+
+class DramOnly:
+    """:class:`LowerTiers` of a daemon with nothing below DRAM."""
+
+    def holds_copy(self, b: Block) -> bool:
+        return False
+
+    def must_demote(self, b: Block) -> bool:
+        return False
+
+    def delete_copy(self, b: Block) -> None:
+        pass
+
+    def dram_freed(self, b: Block, reason: str) -> None:
+        pass
+
+
+class TierCopies:
+    """:class:`LowerTiers` over an NVMe side and an HBM side, either of which may be absent."""
+
+    def __init__(self, nvme: LowerTiers | None = None, hbm: LowerTiers | None = None) -> None:
+        self.nvme = nvme or DramOnly()
+        self.hbm = hbm or DramOnly()
+
+    def holds_copy(self, b: Block) -> bool:
+        return self.nvme.holds_copy(b)
+
+    def must_demote(self, b: Block) -> bool:
+        return self.nvme.must_demote(b)
+
+    def delete_copy(self, b: Block) -> None:
+        self.nvme.delete_copy(b)
+
+    def dram_freed(self, b: Block, reason: str) -> None:
+        self.hbm.dram_freed(b, reason)
+
+
+@dataclass(slots=True)
+class DramPressure:
+    """Back-pressure between writers and the demoter, shared by the core (which refuses a
+    reservation as transient while these say room is coming) and tier movement (which sets
+    ``moving`` and reads ``waiting`` and ``demand_bytes``)."""
+
+    waiting: bool = False  # a writer was refused for lack of room that demotion would make
+    moving: int = 0  # blocks whose DRAM slot is being copied to NVMe right now
+    demand_bytes: int = 0  # room the last such refusal needed
+
+
+@dataclass(slots=True)
+class QuotaFlag:
+    hit: bool = False  # an allocation failed on the namespace quota, not on the tier
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +137,25 @@ class NsState:
     cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
 
 
+class LeaseKind:
+    WRITE = "write"
+    READ = "read"
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    kind: str
+    session: Session
+    blocks: list[Block]
+    expires: float
+    doorbell: int = 0  # arena offset of the lease's layer doorbell (write leases that asked)
+    # Write leases committed in pieces: a committed block whose chain parent is still reserved
+    # under this lease, by that parent's key; linked when the parent commits (pieces of one
+    # lease may commit in any order).
+    orphans: dict = field(default_factory=dict)
+
+
 def split_keys(packed: bytes, limit: int) -> list[bytes]:
     """Packed 32-byte keys -> list; INVALID_ARGUMENT on a bad length or over ``limit``."""
     if len(packed) % KEY_BYTES:
@@ -50,64 +166,96 @@ def split_keys(packed: bytes, limit: int) -> list[bytes]:
     return [packed[i:i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
 
-class Core(LeaseOps, SessionOps):
-    def __init__(self, dram: DramTier, *, lease_ttl_s: float, session_ttl_s: float, max_keys: int, metrics=None,
+class Core:
+    def __init__(self, dram: DramTier, cfg: CoreConfig, *, lower: LowerTiers | None = None,
+                 doorbells: Doorbells | None = None, metrics=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.RLock()
         # Notified (under the lock) when blocks finish moving between tiers: demotions and
         # durable writes free DRAM, promotions land.
         self.changed = threading.Condition(self.lock)
         self.dram = dram
-        self.lease_ttl_s = lease_ttl_s
-        self.session_ttl_s = session_ttl_s
-        self.max_keys = max_keys
+        self.cfg = cfg
+        self.lower: LowerTiers = lower if lower is not None else DramOnly()
+        self.doorbells = doorbells
         self.metrics = metrics
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
-        self.sessions: OrderedDict[bytes, Session] = OrderedDict()  # least recently heard from first
-        self._ended: OrderedDict[bytes, tuple[SessionEnd, float]] = OrderedDict()  # recently ended: how, when
+        self.sessions = SessionTable(cfg.session_ttl_s, clock)
         self.leases: dict[int, Lease] = {}
-        self._lrus: dict[tuple[TierKind, bytes], Lru] = {}  # per tier and namespace
+        self.lrus = TierLrus()
+        self.pressure = DramPressure()
         self.tick = 0  # recency counter behind every Block.tick
         self._lease_ids = itertools.count(1)
-        self.evicted: list[bytes] = []  # recent DRAM evictions, oldest first (for tests and ls)
-        # Hooks the tier movement layer sets: called with a DRAM block about to be dropped; it
-        # returns True when the block's data was kept in a lower tier instead.
-        self.on_evict: Callable[[Block], bool] | None = None
-        # Set by tier movement: True for a block that must reach NVMe before DRAM may drop it.
-        self.must_demote: Callable[[Block], bool] | None = None
-        self.waiting_for_demotion = False
-        self.demoting = 0  # blocks whose DRAM slot is being copied to NVMe right now
-        self.demand_bytes = 0  # room the last reservation refused for demotion needed
-        self.doorbells = None  # kvstore.doorbell.Doorbells, set by the daemon
-        self.ns_quota_bytes = 0  # DRAM bytes one namespace may hold (0 = no quota)
-        self.quota_hit = False
-        # HBM residency (kvstore.hbm_cache): blocks read ``hot_after`` times queue up in ``hot``;
-        # ``on_dram_free`` is told when a block's DRAM copy goes.
-        self.hot_after = 0
-        self.hot: list[Block] = []
-        self.on_dram_free: Callable[[Block], None] | None = None
-        self._passes: dict[bytes, object] | None = None  # open DRAM victim streams (eviction_pass)
+        self._own_ids = itertools.count(1)
+        self._hot: list[Block] = []  # blocks read hot_after_reads times, for the HBM copier
+        self._passes: dict[bytes, Iterator[Block]] | None = None  # open DRAM victim streams (eviction_pass)
 
-    # --- sessions --------------------------------------------------------------------------
+    def configure(self, cfg: CoreConfig) -> None:
+        """Apply a reloaded config (SIGHUP): TTLs and limits take effect on the next call."""
+        self.cfg = cfg
+        self.sessions.ttl_s = cfg.session_ttl_s
+
+    # --- namespaces and sessions -----------------------------------------------------------
+    def ns_state(self, ns: Namespace) -> NsState:
+        """The namespace's state, created on first use (Register, an incoming transfer, NVMe
+        recovery)."""
+        st = self.namespaces.get(ns.root)
+        if st is None:
+            st = self.namespaces[ns.root] = NsState(ns, ns.root, ns.layout.block_bytes)
+        return st
+
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
         block_bytes = ns.layout.block_bytes
         if not self.dram.fits(block_bytes):
             raise KVError(Code.RESOURCE_EXHAUSTED,
                           f"layout: one block is {block_bytes} bytes, larger than a DRAM extent "
                           f"({self.dram.alloc.extent_bytes} bytes); lower block_tokens or raise dram.extent_bytes")
-        self._check_room()
-        st = self.namespaces.get(ns.root)
-        if st is None:
-            st = self.namespaces[ns.root] = NsState(ns, ns.root, block_bytes)
+        st = self.namespaces.get(ns.root) or NsState(ns, ns.root, block_bytes)
+        s = self.sessions.open(st)  # RESOURCE_EXHAUSTED when the table is full: nothing created
+        self.namespaces[ns.root] = st
         if prefill_tokens_per_s > 0:
             st.prefill_tokens_per_s = prefill_tokens_per_s
         if model_params > 0:
             st.model_params = model_params
-        return self._open_session(st)
+        return s
 
-    def _keys(self, packed: bytes) -> list[bytes]:
-        return split_keys(packed, self.max_keys)
+    def own_session(self, st: NsState) -> Session:
+        """A session of the daemon's own in ``st`` (an incoming transfer's): not in the session
+        table, so it never expires and no client can name it; its leases end with its work."""
+        return Session(b"daemon:" + next(self._own_ids).to_bytes(8, "big"), st, seen=self.clock())
+
+    def session(self, sid: bytes) -> Session:
+        """The open session ``sid``, renewed (NOT_FOUND with the reason if it is unknown)."""
+        return self.sessions.get(sid)
+
+    def close_session(self, s: Session, how: SessionEnd) -> int:
+        """End ``s`` and every lease it holds: write leases are aborted (their uncommitted slots
+        freed), read leases released (their blocks evictable again). Returns leases ended."""
+        leases = list(s.leases.values())
+        for lease in leases:
+            self._drop_lease(lease)
+        self.sessions.end(s, how)
+        if self.metrics:
+            self.metrics.session_ends.labels(reason=how.value).inc()
+        return len(leases)
+
+    def expire_sessions(self, limit: int) -> int:
+        """End at most ``limit`` sessions not heard from for ``session_ttl_s`` seconds, oldest
+        first; returns how many (``limit`` means there may be more: call again, having let go of
+        the lock in between so that RPCs are not held up behind a mass expiry)."""
+        n = 0
+        while n < limit:
+            s = self.sessions.oldest_expired()
+            if s is None:
+                break
+            self.close_session(s, SessionEnd.EXPIRED)
+            n += 1
+        return n
+
+    def keys(self, packed: bytes) -> list[bytes]:
+        """A request's packed keys, checked against ``max_keys``."""
+        return split_keys(packed, self.cfg.max_keys)
 
     # --- lookup ----------------------------------------------------------------------------
     def lookup(self, s: Session, packed: bytes) -> tuple[list[Block], bytes]:
@@ -117,7 +265,7 @@ class Core(LeaseOps, SessionOps):
         committed = BlockState.COMMITTED
         hits: list[Block] = []
         append = hits.append
-        for k in self._keys(packed):
+        for k in self.keys(packed):
             b = get(k)
             if b is None or b.state is not committed:
                 break
@@ -133,10 +281,7 @@ class Core(LeaseOps, SessionOps):
         return hits, bytes(tiers)
 
     def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
-        lru = self._lrus.get((tier, ns_id))
-        if lru is None:
-            lru = self._lrus[(tier, ns_id)] = Lru()
-        return lru
+        return self.lrus.lru(tier, ns_id)
 
     def touch(self, b: Block) -> None:
         self.tick += 1
@@ -145,8 +290,8 @@ class Core(LeaseOps, SessionOps):
     # --- write path ------------------------------------------------------------------------
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
                 ) -> tuple[Lease | None, list[int], bytes]:
-        self._check_open(s)
-        keys = self._keys(packed)
+        self.sessions.check_open(s)
+        keys = self.keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
         ns = s.ns
@@ -171,19 +316,19 @@ class Core(LeaseOps, SessionOps):
         offsets = [0] * len(keys)
         if not todo:
             return None, offsets, bytes(states)
-        lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.lease_ttl_s)
-        self.quota_hit = False
+        lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.cfg.lease_ttl_s)
+        quota = QuotaFlag()
         try:
             with self.eviction_pass():
                 for i in todo:
-                    off = self._allocate(ns)
-                    if off is None and self.quota_hit:
+                    off = self._allocate(ns, quota)
+                    if off is None and quota.hit:
                         raise KVError(Code.RESOURCE_EXHAUSTED,
-                                      f"namespace quota of {self.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
+                                      f"namespace quota of {self.cfg.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
                                       "is reached and none of this namespace's blocks can be evicted")
-                    if off is None and (self.waiting_for_demotion or self.demoting):
-                        self.waiting_for_demotion = True
-                        self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
+                    if off is None and (self.pressure.waiting or self.pressure.moving):
+                        self.pressure.waiting = True
+                        self.pressure.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
                                       transient=True)
@@ -205,21 +350,26 @@ class Core(LeaseOps, SessionOps):
             b.offset = off
         for i, b in zip(todo, lease.blocks):
             offsets[i] = b.offset
-        self.demand_bytes = 0
-        self.waiting_for_demotion = False
+        self.pressure.demand_bytes = 0
+        self.pressure.waiting = False
         if doorbell and self.doorbells is not None:
             lease.doorbell = self.doorbells.alloc()
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
         return lease, offsets, bytes(states)
 
-    def _allocate(self, ns: NsState) -> int | None:
-        quota = self.ns_quota_bytes
-        if quota:  # over its quota a namespace makes room among its own blocks only
+    def allocate_slot(self, ns: NsState) -> int | None:
+        """A DRAM slot for one of ``ns``'s blocks, evicting leaves-first to make room; None when
+        nothing more can be evicted."""
+        return self._allocate(ns, QuotaFlag())
+
+    def _allocate(self, ns: NsState, quota: QuotaFlag) -> int | None:
+        limit = self.cfg.ns_quota_bytes
+        if limit:  # over its quota a namespace makes room among its own blocks only
             stride = self.dram.slot_stride(ns.block_bytes)
-            while self.dram.ns_bytes.get(ns.id, 0) + stride > quota:
+            while self.dram.ns_bytes.get(ns.id, 0) + stride > limit:
                 if not self._evict_one(ns, own_only=True):
-                    self.quota_hit = True
+                    quota.hit = True
                     return None
         off = self.dram.allocate(ns.id, ns.block_bytes)
         while off is None:
@@ -246,98 +396,65 @@ class Core(LeaseOps, SessionOps):
 
     @staticmethod
     def _dram_leaf(b: Block) -> bool:
-        return not b.busy and not b.has_kids_in(TierKind.DRAM)
+        return not b.busy and not b.has_kids_in(DRAM)
 
     def _dram_victim(self, ns_id: bytes) -> Block | None:
         """Pop ``ns_id``'s least recent evictable DRAM leaf, from the open pass if there is one."""
         if self._passes is None:
-            return self.lru(TierKind.DRAM, ns_id).pop_victim(self._dram_leaf)
+            return self.lru(DRAM, ns_id).pop_victim(self._dram_leaf)
         g = self._passes.get(ns_id)
         if g is None:
-            g = self._passes[ns_id] = self.lru(TierKind.DRAM, ns_id).victims(self._dram_leaf)
+            g = self._passes[ns_id] = self.lru(DRAM, ns_id).victims(self._dram_leaf)
         return next(g, None)
 
     def _evict_one(self, ns: NsState, own_only: bool = False) -> bool:
         """Evict one DRAM block: this namespace's least recent leaf (its slots fit exactly),
         else the least recent leaf of the namespace whose LRU head is oldest, until one of
         that namespace's extents frees up."""
-        tier = TierKind.DRAM
         victim = self._dram_victim(ns.id)
         if victim is None and not own_only:
-            victim = self.pop_victim(tier, self._dram_leaf, exclude=ns.id, take=self._dram_victim)
+            victim = self.lrus.pop_victim(DRAM, self._dram_leaf, exclude=ns.id, take=self._dram_victim)
         if victim is None:
             return False
-        if self.must_demote is not None and self.must_demote(victim):
+        if self.lower.must_demote(victim):
             # Its data would be lost: put it back and let the writer retry once the
             # background demotion has moved it (back-pressure, not loss).
-            self.lru(tier, victim.ns_id).add(victim)
-            self.waiting_for_demotion = True
+            self.lru(DRAM, victim.ns_id).add(victim)
+            self.pressure.waiting = True
             return False
-        self._drop_from_dram(victim, "capacity")
+        self.evict_from_dram(victim)
         return True
 
-    def pop_victim(self, tier: TierKind, ok: Callable[[Block], bool], prefer_ns: bytes | None = None,
-                   exclude: bytes | None = None, take: Callable[[bytes], Block | None] | None = None
-                   ) -> Block | None:
-        """Remove from ``tier``'s LRUs and return the least recent block with ``ok(block)``:
-        from ``prefer_ns`` first if given, else from the namespace (other than ``exclude``)
-        whose oldest block is oldest. ``take(ns_id)``, if given, does the popping."""
-        if prefer_ns is not None:
-            victim = self.lru(tier, prefer_ns).pop_victim(ok)
-            if victim is not None:
-                return victim
-        skip = prefer_ns or exclude
-        heads = [(lru.peek_tick(), ns_id) for (t, ns_id), lru in self._lrus.items()
-                 if t is tier and ns_id != skip and len(lru)]
-        for _tick, ns_id in sorted(h for h in heads if h[0] is not None):
-            victim = take(ns_id) if take is not None else self.lru(tier, ns_id).pop_victim(ok)
-            if victim is not None:
-                return victim
-        return None
-
-    def victims(self, tier: TierKind, ok: Callable[[Block], bool]):
-        """Yield ``tier``'s blocks with ``ok(block)`` least recent first across namespaces, in
-        one pass (``Lru.victims`` per namespace, merged by recency). Each yielded block is off
-        its LRU, as with ``pop_victim``; close the generator (under the same hold of the lock)
-        to put back the ones looked at and not taken."""
-        streams, heads = {}, []
-        try:
-            for (t, ns_id), lru in list(self._lrus.items()):
-                if t is tier and len(lru):
-                    streams[ns_id] = lru.victims(ok)
-                    b = next(streams[ns_id], None)
-                    if b is not None:
-                        heads.append((b.tick, ns_id, b))
-            heapq.heapify(heads)
-            while heads:
-                _tick, ns_id, b = heapq.heappop(heads)
-                yield b
-                nxt = next(streams[ns_id], None)  # after the caller dealt with b
-                if nxt is not None:
-                    heapq.heappush(heads, (nxt.tick, ns_id, nxt))
-        finally:
-            for _tick, ns_id, b in heads:  # fetched, not taken: back on their LRU
-                self.lru(tier, ns_id).add(b)
-            for g in streams.values():
-                g.close()
+    def evict_from_dram(self, b: Block) -> None:
+        """Drop ``b``'s DRAM copy for room: it stays as an NVMe block if its NVMe copy is
+        usable, else it is forgotten."""
+        self._drop_from_dram(b, "capacity")
 
     def _drop_from_dram(self, b: Block, reason: str) -> None:
-        kept = self.on_evict is not None and reason == "capacity" and self.on_evict(b)
-        self.lru(TierKind.DRAM, b.ns_id).discard(b)
-        if self.on_dram_free is not None:
-            self.on_dram_free(b)
-        self.dram.free(b.ns_id, b.offset)
+        kept = reason == "capacity" and b.on_nvme and self.lower.holds_copy(b)
+        self.lru(DRAM, b.ns_id).discard(b)
+        self._free_slot(b, reason)
         if kept:
-            b.tier, b.offset = TierKind.NVME, -1
+            b.tier, b.offset = NVME, -1
+            self.lru(NVME, b.ns_id).add(b)
         else:
-            self._forget(b)
-        if reason == "capacity":
-            self.evicted.append(b.key)
-            del self.evicted[:-4096]
+            self.forget(b)
         if self.metrics:
             self.metrics.evictions.labels(tier="dram", reason=reason).inc()
 
-    def _forget(self, b: Block) -> None:
+    def _free_slot(self, b: Block, reason: str) -> None:
+        self.lower.dram_freed(b, reason)
+        self.dram.free(b.ns_id, b.offset)
+
+    def free_dropped(self, b: Block) -> None:
+        """Free the DRAM slot of a block that was deleted or dropped while pinned or under I/O
+        (once its last reader or the I/O let go)."""
+        if b.tier is DRAM and b.offset >= 0 and b.ref_cnt == 0:
+            self._free_slot(b, "dropped")
+            b.offset = -1
+
+    def forget(self, b: Block) -> None:
+        """Take ``b`` out of the index and its chain (its slots are the caller's business)."""
         ns = self.namespaces.get(b.ns_id)
         if ns is not None and ns.blocks.get(b.key) is b:
             del ns.blocks[b.key]
@@ -348,10 +465,26 @@ class Core(LeaseOps, SessionOps):
         b.kids = set()
         b.state = BlockState.RESERVED
 
+    def add_recovered(self, st: NsState, key: bytes, parent_key: bytes | None) -> Block:
+        """Index a committed block found on NVMe at start (chains are linked by
+        :meth:`link_recovered` once every block is in)."""
+        b = Block(key, st.id, NVME, -1, state=BlockState.COMMITTED, parent_key=parent_key, on_nvme=True)
+        st.blocks[key] = b
+        self.touch(b)
+        return b
+
+    def link_recovered(self) -> None:
+        for st in self.namespaces.values():
+            for b in st.blocks.values():
+                p = st.blocks.get(b.parent_key) if b.parent_key else None
+                if p is not None:
+                    b.parent = p
+                    p.kids.add(b)
+
     def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
-        lease = self._lease(s, lease_id, LeaseKind.WRITE)
+        lease = self.lease(s, lease_id, LeaseKind.WRITE)
         if packed:
-            wanted = self._keys(packed)
+            wanted = self.keys(packed)
             by_key = {b.key: b for b in lease.blocks}
             missing = [k for k in wanted if k not in by_key]
             if missing:
@@ -391,7 +524,7 @@ class Core(LeaseOps, SessionOps):
         return chosen
 
     def abort(self, s: Session, lease_id: int) -> int:
-        lease = self._lease(s, lease_id, LeaseKind.WRITE)
+        lease = self.lease(s, lease_id, LeaseKind.WRITE)
         n = self._free_reserved(lease)
         self._end_lease(lease)
         return n
@@ -401,16 +534,131 @@ class Core(LeaseOps, SessionOps):
         for b in lease.blocks:
             if b.state is BlockState.RESERVED:
                 if b.ref_cnt == 0:  # a reader of the incoming slot frees it when it lets go
-                    self.dram.free(b.ns_id, b.offset)
-                self._forget(b)
+                    self._free_slot(b, "abort")
+                self.forget(b)
                 n += 1
         lease.blocks = []
         return n
 
+    # --- read path -------------------------------------------------------------------------
+    def lease(self, s: Session, lease_id: int, kind: str) -> Lease:
+        """``s``'s open lease ``lease_id`` of ``kind`` (NOT_FOUND, PERMISSION_DENIED or
+        FAILED_PRECONDITION otherwise)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise not_found(f"lease {lease_id}: unknown or expired (TTL {self.cfg.lease_ttl_s} s); "
+                            "reserve or acquire again")
+        if lease.session is not s:
+            raise KVError(Code.PERMISSION_DENIED, f"lease {lease_id}: belongs to another session")
+        if lease.kind != kind:
+            raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: is a {lease.kind} lease, not a {kind} lease")
+        return lease
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.doorbell and self.leases.get(lease.id) is lease:
+            self.doorbells.release(lease.doorbell)
+        self.leases.pop(lease.id, None)
+        lease.session.leases.pop(lease.id, None)
+
+    def _open_lease(self, kind: str, s: Session, blocks: list[Block]) -> Lease:
+        lease = Lease(next(self._lease_ids), kind, s, blocks, self.clock() + self.cfg.lease_ttl_s)
+        self.leases[lease.id] = lease
+        s.leases[lease.id] = lease
+        return lease
+
+    def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
+        self.sessions.check_open(s)
+        keys = self.keys(packed)
+        blocks = []
+        for i, k in enumerate(keys):
+            b = s.ns.blocks.get(k)
+            if b is None or b.tier is not DRAM or b.state is not BlockState.COMMITTED:
+                if allow_partial:
+                    break
+                if b is None:
+                    raise not_found(f"key {i} ({k.hex()[:16]}...): no such block in this session's namespace")
+                if b.state is not BlockState.COMMITTED:
+                    raise KVError(Code.FAILED_PRECONDITION,
+                                  f"key {i} ({k.hex()[:16]}...): reserved but not committed; it cannot be read yet")
+                raise KVError(Code.FAILED_PRECONDITION,
+                              f"key {i} ({k.hex()[:16]}...): not resident in DRAM ({b.tier.name}); prefetch it first")
+            blocks.append(b)
+        if not blocks:
+            return None, []
+        lru = self.lru(DRAM, s.ns.id)
+        hot_after = self.cfg.hot_after_reads
+        for b in reversed(blocks):
+            self.touch(b)
+            b.reads += 1
+            if b.reads == hot_after:
+                self._hot.append(b)
+            if b.ref_cnt == 0:
+                lru.discard(b)
+            b.ref_cnt += 1
+        return self._open_lease(LeaseKind.READ, s, blocks), blocks
+
+    def take_hot(self) -> list[Block]:
+        """Blocks that became hot (read ``hot_after_reads`` times) since the last call."""
+        hot, self._hot = self._hot, []
+        return hot
+
+    def pin(self, s: Session, blocks: list[Block]) -> Lease:
+        """A read lease over blocks in any state (a decode worker reading slots that a transfer
+        is still filling); their slots outlive a failed transfer until the lease ends."""
+        self.sessions.check_open(s)
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.lru(b.tier, b.ns_id).discard(b)
+            b.ref_cnt += 1
+        return self._open_lease(LeaseKind.READ, s, list(blocks))
+
+    def release(self, s: Session, lease_id: int) -> None:
+        self._unpin(self.lease(s, lease_id, LeaseKind.READ))
+
+    def _unpin(self, lease: Lease) -> None:
+        for b in reversed(lease.blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.state is BlockState.COMMITTED and self.namespaces[b.ns_id].blocks.get(b.key) is b:
+                    self.lru(b.tier, b.ns_id).add(b)
+                else:
+                    self.free_dropped(b)
+        self._end_lease(lease)
+
+    def _drop_lease(self, lease: Lease) -> None:
+        """End a lease whatever its kind: a write lease's uncommitted slots are freed, a read
+        lease's blocks are unpinned."""
+        if lease.kind == LeaseKind.WRITE:
+            self._free_reserved(lease)
+            self._end_lease(lease)
+        else:
+            self._unpin(lease)
+
+    def keepalive(self, s: Session, lease_ids: list[int]) -> list[int]:
+        expired = []
+        until = self.clock() + self.cfg.lease_ttl_s
+        for lid in lease_ids:
+            lease = self.leases.get(lid)
+            if lease is None or lease.session is not s:
+                expired.append(lid)
+            else:
+                lease.expires = until
+        return expired
+
+    def expire(self) -> int:
+        """Reclaim every lease past its TTL (a client that died mid-write or mid-read)."""
+        now = self.clock()
+        dead = [lease for lease in self.leases.values() if lease.expires <= now]
+        for lease in dead:
+            self._drop_lease(lease)
+            if self.metrics:
+                self.metrics.lease_expiries.labels(kind=lease.kind).inc()
+        return len(dead)
+
     # --- delete ----------------------------------------------------------------------------
     def delete(self, s: Session, packed: bytes) -> tuple[int, int]:
         """Delete committed blocks; pinned or moving ones are kept. Returns (deleted, busy)."""
-        return self._delete_all([b for b in map(s.ns.blocks.get, self._keys(packed)) if b is not None])
+        return self._delete_all([b for b in map(s.ns.blocks.get, self.keys(packed)) if b is not None])
 
     def _delete_all(self, blocks: list[Block]) -> tuple[int, int]:
         deleted = busy = 0
@@ -425,14 +673,19 @@ class Core(LeaseOps, SessionOps):
         return deleted, busy
 
     def _delete_block(self, b: Block) -> None:
-        if b.on_nvme and self.on_delete is not None:
-            self.on_delete(b)
-        if b.tier is TierKind.DRAM:
+        if b.on_nvme:
+            self.drop_nvme_copy(b)
+        if b.tier is DRAM:
             self._drop_from_dram(b, "delete")
         else:
-            self._forget(b)
+            self.forget(b)
 
-    on_delete: Callable[[Block], None] | None = None
+    def drop_nvme_copy(self, b: Block) -> None:
+        """``b`` no longer has an NVMe copy (deleted, or the tier lost it)."""
+        if b.on_nvme:
+            b.on_nvme = False
+            self.lru(NVME, b.ns_id).discard(b)
+            self.lower.delete_copy(b)
 
     def drop_namespace(self, ns_id_hex: str) -> tuple[int, int]:
         text = ns_id_hex.lower()

@@ -1,22 +1,27 @@
-"""``kvstore serve``: builds the tiers and the core from a Config, serves gRPC on the unix socket,
-hands the arena out over ``<socket>.arena``, runs the lease and session reaper and exports /metrics.
+"""``kvstore serve``: the composition root. :class:`Daemon` builds every part from a Config,
+each given only its own config section and the collaborators it uses, and starts and stops
+them in order; :func:`run` is the process around it (signals, reload).
+
+Parts, in the order a block meets them (docs/architecture.md has the picture): the gRPC
+servicer (:mod:`kvstore.service`) over the core (:mod:`kvstore.core`: index, leases, DRAM
+eviction), the DRAM tier in the shared arena, tier movement to NVMe (:mod:`kvstore.tiering`),
+HBM copies (:mod:`kvstore.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.transfer`), the
+arena handout (:mod:`kvstore.handout`) and the reporter behind Stats and /metrics
+(:mod:`kvstore.stats`).
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
-thread, the reaper, and the tier-movement workers once those tiers are enabled.
+thread, the reaper, the demoter and HBM promoter when those tiers are on, and the transport's.
 """
 
 from __future__ import annotations
 
 import hmac
-import itertools
-import json
 import logging
 import os
 import signal
 import socket
 import stat
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -24,17 +29,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__, doorbell
+from kvstore.advice import Advisor
 from kvstore.config import Config
-from kvstore.core import Core
-from kvstore.errors import Code, KVError
-from kvstore.index import BlockState
+from kvstore.core import Core, CoreConfig, TierCopies
+from kvstore.handout import ArenaHandout
 from kvstore.metrics import Metrics
-from kvstore.policy import LoadPolicy, PrefillCostModel
+from kvstore.policy import LoadPolicy
 from kvstore.service import KVStoreService
-from kvstore.tiers.arena import SHMEM_THP, Arena, send_fd, shmem_thp_mode
-from kvstore.tiers.base import TierKind
+from kvstore.stats import Reporter
+from kvstore.tiers.arena import SHMEM_THP, Arena, shmem_thp_mode
+from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
-from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.daemon")
@@ -90,13 +95,10 @@ class Daemon:
         self.cfg = cfg
         self.config_path = config_path
         self.cli_overrides = cli_overrides or {}
-        self.tcp_server = None
-        self.started = time.monotonic()
         self.metrics = Metrics()
         self.socket_path = cfg.resolved_socket_path()
         self.arena_socket = self.socket_path + ".arena"
         self.stopping = threading.Event()
-        self.hbm_emulated = False
         _prepare_socket_path(self.socket_path)
         dram_bytes = cfg.resolved_dram_bytes()
         thp = shmem_thp_mode()
@@ -108,104 +110,83 @@ class Daemon:
         except OSError as e:
             raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
-        self.core = Core(self.dram, lease_ttl_s=cfg.server.lease_ttl_s, session_ttl_s=cfg.server.session_ttl_s,
-                         max_keys=cfg.server.max_keys_per_request, metrics=self.metrics)
-        self.core.doorbells = doorbell.Doorbells(self.arena.buf, dram_bytes)
-        self.core.ns_quota_bytes = cfg.dram.namespace_quota_bytes
+        self.hbm, hbm_copies = self._open_hbm()
+        self.nvme, nvme_copies, nvme_error = self._open_nvme()
+        self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=TierCopies(nvme_copies, hbm_copies),
+                         doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics)
         self.policy = LoadPolicy()
+        self.tiering = None
+        if nvme_copies is not None:
+            from kvstore.tiering import Tiering
+
+            self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, metrics=self.metrics, policy=self.policy)
+        self.hbm_cache = None
+        if hbm_copies is not None:
+            from kvstore.hbm_cache import HbmCache
+
+            self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
+        self.transfers = self._transfer_service() if cfg.transport.listen else None
+        self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
+                                 nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
+        self.handout = ArenaHandout(self.arena_socket, cfg.server.socket_mode, self.arena, self.core, self.hbm_cache)
         self.server: grpc.Server | None = None
+        self.tcp_server: grpc.Server | None = None
+        self.metrics_server = None
+        self.transfer_address = ""
         self._threads: list[threading.Thread] = []
 
-    # --- hooks the servicer calls; later tiers and the transport extend them --------------
-    def on_register(self, session) -> None:
-        st = session.ns
-        # Without a parameter count the cost model prices recompute as tokens / throughput
-        # (no quadratic attention term).
-        params = st.model_params or self.cfg.policy.model_params
-        st.cost = PrefillCostModel.for_layout(
-            st.ns.layout, params=params, tokens_per_s=st.prefill_tokens_per_s or self.cfg.policy.prefill_tokens_per_s)
+    # --- parts ------------------------------------------------------------------------------
+    def _open_hbm(self):
+        """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
+        if not self.cfg.hbm.capacity_bytes:
+            return None, None
+        from kvstore.hbm_cache import HbmCopies
+        from kvstore.tiers.hbm import HbmTier, HbmTierConfig
 
-    def advise(self, session, hits, tiers: bytes) -> dict:
-        """Load-or-recompute advice for the matched prefix, from measured bandwidths and the
-        namespace's prefill cost model. Called under the core lock."""
-        if not hits:
-            return {"load_blocks": 0, "reason": "no cached prefix"}
-        st = session.ns
-        runs = [(TierKind(t).name.lower(), len(list(g))) for t, g in itertools.groupby(tiers)]
-        d = self.policy.decide(runs, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes, cost=st.cost)
-        if d.outcome.value in ("load", "recompute", "partial"):
-            self.metrics.policy_decisions.labels(decision=d.outcome.value).inc()
-        return {"load_blocks": d.load_blocks, "est_load_s": d.load_s, "est_recompute_s": d.all_recompute_s,
-                "reason": d.reason}
+        try:
+            hbm = HbmTier(HbmTierConfig.from_config(self.cfg))
+        except (TierError, RuntimeError, ValueError) as e:
+            raise StartupError(f"hbm: {e}") from None
+        hbm.register_host(self.arena)
+        st = hbm.stats()
+        log.info("HBM tier: %.2f GiB on %s", st.capacity_bytes / 2**30,
+                 "an EMULATED device (" + st.extra.get("reason", "") + ")" if hbm.emulated else "the GPU")
+        return hbm, HbmCopies(hbm)
 
-    def after_commit(self, blocks) -> None:
-        pass
+    def _open_nvme(self):
+        """(tier, its copies, error): the tier's failure to open leaves the daemon serving from
+        DRAM, with stats and metrics showing the tier disabled and why."""
+        n = self.cfg.nvme
+        if not n.dir:
+            return None, None, ""
+        from kvstore.tiering import NvmeCopies
+        from kvstore.tiers.nvme import NvmeConfig, NvmeError, NvmeTier
 
-    @property
-    def durable_commit(self) -> bool:
-        """Commits wait for a lower tier (see NodeDaemon)."""
-        return False
+        extent = self.cfg.dram.extent_bytes
+        cap = n.capacity_bytes // extent * extent
+        file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
+        try:
+            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
+                                       io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
+                            metrics=self.metrics)
+        except (NvmeError, OSError, ValueError) as e:
+            log.error("NVMe tier disabled: nvme.dir: %s", e)
+            return None, None, f"nvme.dir: {e}"
+        return tier, NvmeCopies(tier, n), ""
 
-    def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
-        pass
+    def _transfer_service(self):
+        from kvstore.transfer import TransferService
 
-    def prefetch(self, session, keys: list[bytes], target: TierKind, deadline_s: float) -> int:
-        raise KVError(Code.UNAVAILABLE, "prefetch: no lower tier is enabled (set nvme.dir); DRAM blocks are already resident")
+        try:
+            return TransferService(self.core, self.cfg.transport, metrics=self.metrics, policy=self.policy)
+        except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
+            raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
+                               f"listener on {self.cfg.transport.listen}: {e}") from None
 
-    def prefetch_status(self, session, handle: int, wait_s: float):
-        raise KVError(Code.NOT_FOUND, f"prefetch {handle}: unknown handle")
-
-    def transfer(self, session, keys, peer: str, deadline_s: float, pipelined: bool, lease_id: int = 0):
-        raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
-
-    def await_transfer(self, session, keys, wait_s: float):
-        raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
-
-    # --- stats ------------------------------------------------------------------------------
-    def tier_stats(self):
-        return [self.dram.stats()]
-
-    def refresh_gauges(self) -> None:
-        m = self.metrics
-        with self.core.lock:
-            reads = sum(1 for lease in self.core.leases.values() if lease.kind == "read")
-            m.leases_active.labels(kind="read").set(reads)
-            m.leases_active.labels(kind="write").set(len(self.core.leases) - reads)
-            m.sessions.set(len(self.core.sessions))
-        for st in self.tier_stats():
-            name = st.kind.name.lower()
-            m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
-            m.tier_used.labels(tier=name).set(st.used_bytes)
-            m.tier_usage.labels(tier=name).set(st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0)
-            m.tier_blocks.labels(tier=name).set(st.blocks)
-            m.tier_enabled.labels(tier=name).set(1 if st.enabled else 0)
-        m.hbm_emulated.set(1 if self.hbm_emulated else 0)
-        for path, est in self.policy.bandwidth.snapshot().items():
-            m.tier_bandwidth.labels(path=path).set(est.bytes_per_s)
-
-    def stats_pb(self) -> pb.StatsResponse:
-        with self.core.lock:
-            tiers = self.tier_stats()
-            nss = []
-            for st in self.core.namespaces.values():
-                usage = _ns_usage(st)
-                nss.append(pb.NamespaceStats(
-                    namespace_id=st.id, model_id=st.ns.model_id, block_bytes=st.block_bytes,
-                    blocks_by_tier={k: v[0] for k, v in usage.items()},
-                    bytes_by_tier={k: v[1] for k, v in usage.items()}, sessions=st.sessions))
-            counters = {"sessions": float(len(self.core.sessions)), "leases": float(len(self.core.leases))}
-        self.refresh_gauges()
-        for metric in self.metrics.registry.collect():
-            if metric.type == "counter":
-                for sample in metric.samples:
-                    if sample.name.endswith("_total"):
-                        counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
-        return pb.StatsResponse(
-            version=__version__, uptime_s=time.monotonic() - self.started, hbm_emulated=self.hbm_emulated,
-            tiers=[pb.TierStats(tier=int(t.kind), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-                                blocks=t.blocks, emulated=t.emulated, enabled=t.enabled,
-                                detail=json.dumps(t.extra) if t.extra else "") for t in tiers],
-            namespaces=nss, counters=counters)
+    def _service(self) -> KVStoreService:
+        return KVStoreService(self.core, self.cfg.server, advisor=Advisor(self.policy, self.cfg.policy, self.metrics),
+                              reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
+                              transfers=self.transfers, arena_socket=self.arena_socket)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,7 +195,8 @@ class Daemon:
                                                              thread_name_prefix="grpc"),
                                   options=[("grpc.max_receive_message_length", 64 << 20),
                                            ("grpc.max_send_message_length", 64 << 20)])
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreService(self), self.server)
+        service = self._service()
+        pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -223,12 +205,23 @@ class Daemon:
         try:
             if not self.server.add_insecure_port(f"unix:{self.socket_path}"):
                 raise StartupError(f"server.socket_path: cannot bind {self.socket_path}")
-            self._start_arena_handout()
+            self.handout.start()
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, cfg.server.socket_mode)
-        self.tcp_server = self._start_tcp() if cfg.server.tcp_listen else None
-        self.start_extras()
+        self.tcp_server = self._start_tcp(service) if cfg.server.tcp_listen else None
+        if self.hbm_cache is not None:
+            self.hbm_cache.start()
+        if self.tiering is not None:
+            blocks = self.tiering.recover()
+            log.info("NVMe tier at %s: %d blocks recovered (%s I/O)", cfg.nvme.dir, blocks, self.nvme.io_mode.value)
+            self.tiering.start()
+        if self.transfers is not None:
+            try:
+                self.transfer_address = self.transfers.start()
+            except Exception as e:  # noqa: BLE001 - a port in use stops start-up
+                raise StartupError(f"transport.listen: cannot start the {cfg.transport.backend} "
+                                   f"listener on {cfg.transport.listen}: {e}") from None
         self.server.start()
         if cfg.metrics.port:
             try:
@@ -236,8 +229,8 @@ class Daemon:
             except OSError as e:
                 self.server.stop(0)
                 raise StartupError(f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port}: {e}") from None
-        self.metrics.info.labels(version=__version__, hbm_emulated=str(self.hbm_emulated).lower()).set(1)
-        self.refresh_gauges()
+        self.metrics.info.labels(version=__version__, hbm_emulated=str(self.reporter.hbm_emulated).lower()).set(1)
+        self.reporter.refresh_gauges()
         self._spawn("reaper", self._reaper)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -245,7 +238,7 @@ class Daemon:
                  self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
         _sd_notify("READY=1")
 
-    def _start_tcp(self) -> grpc.Server:
+    def _start_tcp(self, service: KVStoreService) -> grpc.Server:
         """The cross-node control listener: TLS always, client certificates when a CA is set,
         and a bearer token when one is configured. It serves the same servicer."""
         s = self.cfg.server
@@ -258,7 +251,7 @@ class Daemon:
         interceptors = [TokenInterceptor(s.auth_token)] if s.auth_token else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc-tcp"),
                              interceptors=interceptors)
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreService(self), server)
+        pb_grpc.add_KVStoreServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             self.tcp_port = server.add_secure_port(s.tcp_listen, creds)
@@ -296,17 +289,9 @@ class Daemon:
                     else:
                         frozen.append(f"{section}.{f.name}")
         with self.core.lock:
-            self.core.lease_ttl_s = self.cfg.server.lease_ttl_s
-            self.core.session_ttl_s = self.cfg.server.session_ttl_s
-            self.core.max_keys = self.cfg.server.max_keys_per_request
+            self.core.configure(CoreConfig.from_config(self.cfg))
         logging.getLogger().setLevel(self.cfg.server.log_level.upper())
         log.info("reloaded config: changed %s; need a restart: %s", changed or "nothing", frozen or "nothing")
-
-    def start_extras(self) -> None:
-        """Extra listeners and tiers (TLS TCP, NVMe, transport); extended as they land."""
-
-    def hbm_handout(self, conn) -> None:
-        """Send the HBM pool's handle; without an HBM tier the connection just closes."""
 
     def _spawn(self, name: str, fn) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
@@ -325,37 +310,7 @@ class Daemon:
                 with self.core.lock:
                     if self.core.expire_sessions(SESSION_EXPIRY_BATCH) < SESSION_EXPIRY_BATCH:
                         break
-            self.refresh_gauges()
-
-    def _start_arena_handout(self) -> None:
-        path = self.arena_socket
-        if os.path.exists(path):
-            os.unlink(path)
-        self._arena_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._arena_listener.bind(path)
-        os.chmod(path, self.cfg.server.socket_mode)
-        self._arena_listener.listen(64)
-        self._spawn("arena-handout", self._handout_loop)
-
-    def _handout_loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self._arena_listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2.0)
-                try:
-                    req = conn.recv(17)  # session id, then b"H" for the HBM pool's handle
-                    sid, what = req[:16], req[16:]
-                    with self.core.lock:
-                        known = sid in self.core.sessions
-                    if known and what == b"H":
-                        self.hbm_handout(conn)
-                    elif known:
-                        send_fd(conn, self.arena.fd, self.arena.size_bytes)
-                except OSError as e:
-                    log.warning("arena handout failed: %s", e)
+            self.reporter.refresh_gauges()
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.cfg.server.shutdown_grace_s if grace_s is None else grace_s
@@ -370,30 +325,18 @@ class Daemon:
         if self.tcp_server is not None:
             self.tcp_server.stop(grace).wait(grace + 1)
         done.wait(grace + 1)
-        self.stop_extras(grace)
+        if self.transfers is not None:
+            self.transfers.stop(grace)
+        if self.tiering is not None:
+            self.tiering.close(grace)
+        if self.hbm_cache is not None:
+            self.hbm_cache.close()
+            self.hbm.close()
+        self.handout.stop()
         try:
-            self._arena_listener.close()
+            os.unlink(self.socket_path)
         except OSError:
             pass
-        for p in (self.socket_path, self.arena_socket):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
-
-    def stop_extras(self, grace_s: float) -> None:
-        """Flush and stop what start_extras started."""
-
-
-def _ns_usage(st) -> dict[str, tuple[int, int]]:
-    """(blocks, bytes) per tier of one namespace's committed blocks."""
-    out: dict[str, list[int]] = {}
-    for b in st.blocks.values():
-        if b.state is BlockState.COMMITTED:
-            c = out.setdefault(b.tier.name.lower(), [0, 0])
-            c[0] += 1
-            c[1] += st.block_bytes
-    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _sd_notify(state: str) -> None:

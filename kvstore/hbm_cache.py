@@ -15,24 +15,43 @@ import logging
 import socket
 import threading
 
-from kvstore.core import Core
+from kvstore.core import Core, DramOnly
 from kvstore.index import Block, BlockState, Lru
+from kvstore.metrics import Metrics
 from kvstore.tiers.arena import send_fd
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.hbm import HbmTier
 
 log = logging.getLogger("kvstore.hbm")
 
 
-class HbmCache:
-    def __init__(self, daemon, hbm) -> None:
-        self.d = daemon
-        self.core: Core = daemon.core
+class HbmCopies(DramOnly):
+    """The HBM side of :class:`kvstore.core.LowerTiers`: the blocks with an HBM copy, which go
+    when their DRAM copy goes. Built before the core (under whose lock it is called)."""
+
+    def __init__(self, hbm: HbmTier) -> None:
         self.hbm = hbm
         self.lru = Lru()  # blocks with an HBM copy, by recency
+
+    def dram_freed(self, b: Block, reason: str) -> None:
+        """The DRAM copy goes: its HBM copy goes with it."""
+        if b.hbm_slot >= 0:
+            self.lru.discard(b)
+            self.hbm.free(b.ns_id, b.hbm_slot)
+            b.hbm_slot = -1
+
+
+class HbmCache:
+    """The thread that copies hot DRAM blocks (``Core.take_hot``) into the HBM pool."""
+
+    def __init__(self, core: Core, copies: HbmCopies, *, metrics: Metrics) -> None:
+        self.core = core
+        self.copies = copies
+        self.hbm = copies.hbm
+        self.lru = copies.lru
+        self.metrics = metrics
         self.kick = threading.Event()
         self.stopping = threading.Event()
-        self.core.hot_after = daemon.cfg.hbm.admit_reads
-        self.core.on_dram_free = self._drop
         self.thread = threading.Thread(target=self._loop, name="hbm-promoter", daemon=True)
 
     def start(self) -> None:
@@ -42,13 +61,6 @@ class HbmCache:
         self.stopping.set()
         self.kick.set()
         self.thread.join(5.0)
-
-    def _drop(self, b: Block) -> None:
-        """The DRAM copy goes: its HBM copy goes with it (under the core lock)."""
-        if b.hbm_slot >= 0:
-            self.lru.discard(b)
-            self.hbm.free(b.ns_id, b.hbm_slot)
-            b.hbm_slot = -1
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
@@ -62,7 +74,7 @@ class HbmCache:
     def _round(self) -> None:
         core, hbm = self.core, self.hbm
         with core.lock:
-            hot, core.hot = core.hot, []
+            hot = core.take_hot()
             todo = []
             for b in hot:
                 st = core.namespaces.get(b.ns_id)
@@ -91,7 +103,7 @@ class HbmCache:
                 if t.error is None and core.namespaces[b.ns_id].blocks.get(b.key) is b and b.tier is TierKind.DRAM:
                     b.hbm_slot = slot
                     self.lru.add(b)
-                    self.d.metrics.promotions.labels(src="dram", dst="hbm").inc()
+                    self.metrics.promotions.labels(src="dram", dst="hbm").inc()
                 else:
                     hbm.free(b.ns_id, slot)
 

@@ -1,4 +1,5 @@
-"""Block records and the LRU that orders eviction.
+"""Block records and the LRUs that order eviction: one exact LRU per (tier, namespace), and
+:class:`TierLrus`, which picks victims across namespaces.
 
 Single-threaded and plain: the daemon's core lock is the only way in.
 """
@@ -10,6 +11,8 @@ import heapq
 from array import array
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
 from kvstore.tiers.base import TierKind
 
 
@@ -150,9 +153,64 @@ class Lru:
                 if live.get(id(b)) == seq:
                     heapq.heappush(self._heap, (b.tick, seq, b))
 
-    def order(self) -> list[Block]:
-        """Live blocks, least recent first (for tests and `kvstore ls`)."""
-        return sorted((b for _, seq, b in self._heap if self._live.get(id(b)) == seq), key=lambda b: b.tick)
-
     def __len__(self) -> int:
         return len(self._live)
+
+
+class TierLrus:
+    """Every tier's LRUs, one per namespace, and victim choice across them: from one namespace,
+    or from the namespace whose least recent block is oldest. Single-threaded (the core lock)."""
+
+    def __init__(self) -> None:
+        self._lrus: dict[tuple[TierKind, bytes], Lru] = {}
+
+    def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
+        lru = self._lrus.get((tier, ns_id))
+        if lru is None:
+            lru = self._lrus[(tier, ns_id)] = Lru()
+        return lru
+
+    def pop_victim(self, tier: TierKind, ok: Callable[[Block], bool], prefer_ns: bytes | None = None,
+                   exclude: bytes | None = None, take: Callable[[bytes], Block | None] | None = None
+                   ) -> Block | None:
+        """Remove from ``tier``'s LRUs and return the least recent block with ``ok(block)``:
+        from ``prefer_ns`` first if given, else from the namespace (other than ``exclude``)
+        whose oldest block is oldest. ``take(ns_id)``, if given, does the popping."""
+        if prefer_ns is not None:
+            victim = self.lru(tier, prefer_ns).pop_victim(ok)
+            if victim is not None:
+                return victim
+        skip = prefer_ns or exclude
+        heads = [(lru.peek_tick(), ns_id) for (t, ns_id), lru in self._lrus.items()
+                 if t is tier and ns_id != skip and len(lru)]
+        for _tick, ns_id in sorted(h for h in heads if h[0] is not None):
+            victim = take(ns_id) if take is not None else self.lru(tier, ns_id).pop_victim(ok)
+            if victim is not None:
+                return victim
+        return None
+
+    def victims(self, tier: TierKind, ok: Callable[[Block], bool]) -> Iterator[Block]:
+        """Yield ``tier``'s blocks with ``ok(block)`` least recent first across namespaces, in
+        one pass (``Lru.victims`` per namespace, merged by recency). Each yielded block is off
+        its LRU, as with ``pop_victim``; close the generator (under the same hold of the lock)
+        to put back the ones looked at and not taken."""
+        streams, heads = {}, []
+        try:
+            for (t, ns_id), lru in list(self._lrus.items()):
+                if t is tier and len(lru):
+                    streams[ns_id] = lru.victims(ok)
+                    b = next(streams[ns_id], None)
+                    if b is not None:
+                        heads.append((b.tick, ns_id, b))
+            heapq.heapify(heads)
+            while heads:
+                _tick, ns_id, b = heapq.heappop(heads)
+                yield b
+                nxt = next(streams[ns_id], None)  # after the caller dealt with b
+                if nxt is not None:
+                    heapq.heappush(heads, (nxt.tick, ns_id, nxt))
+        finally:
+            for _tick, ns_id, b in heads:  # fetched, not taken: back on their LRU
+                self.lru(tier, ns_id).add(b)
+            for g in streams.values():
+                g.close()

@@ -9,16 +9,25 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
+from kvstore.advice import Advisor
+from kvstore.config import ServerConfig
 from kvstore.core import Core, SessionEnd
-from kvstore.errors import REFUSAL_KEY, KVError, invalid
+from kvstore.errors import REFUSAL_KEY, Code, KVError, invalid, not_found
+from kvstore.metrics import Metrics
+from kvstore.stats import Reporter
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout, LayoutError
 from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.tiering import Tiering
+    from kvstore.transfer import TransferService
 
 
 log = logging.getLogger("kvstore.service")
@@ -61,10 +70,25 @@ def rpc(method):
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, daemon) -> None:
-        self.d = daemon
-        self.core: Core = daemon.core
-        self.metrics = daemon.metrics
+    """Every RPC of kvstore.v1.KVStore. ``tiering`` (NVMe) and ``transfers`` (the transfer
+    listener) are None when off; their RPCs then answer UNAVAILABLE saying what to set."""
+
+    def __init__(self, core: Core, cfg: ServerConfig, *, advisor: Advisor, reporter: Reporter, metrics: Metrics,
+                 arena_socket: str, tiering: Tiering | None = None, transfers: TransferService | None = None) -> None:
+        self.core = core
+        self.cfg = cfg  # SIGHUP may change reserve_wait_s
+        self.advisor = advisor
+        self.reporter = reporter
+        self.metrics = metrics
+        self.arena_socket = arena_socket
+        self.tiering = tiering
+        self.transfers = transfers
+
+    @property
+    def durable_commit(self) -> bool:
+        """Commits wait for NVMe (nvme.durable_commit, with the tier up)."""
+        t = self.tiering
+        return t is not None and t.nvme.enabled and t.cfg.durable_commit
 
     def _reject(self, method: str, code: str) -> None:
         if self.metrics:
@@ -89,13 +113,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._count_sessions()
             if self.metrics:
                 self.metrics.namespaces.set(len(self.core.namespaces))
-            self.d.on_register(s)
+            self.advisor.price(s.ns)
+        if self.tiering is not None:
+            try:
+                self.tiering.remember(s.ns)
+            except OSError as e:
+                log.error("cannot record namespace for NVMe recovery: %s", e)
+        c = self.core.cfg
         return pb.RegisterResponse(
-            session_id=s.id, namespace_id=ns.root, arena_socket=self.d.arena_socket,
+            session_id=s.id, namespace_id=ns.root, arena_socket=self.arena_socket,
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
-            layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.lease_ttl_s,
-            max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated,
-            durable_commit=self.d.durable_commit, session_ttl_s=self.core.session_ttl_s)
+            layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=c.lease_ttl_s,
+            max_keys_per_request=c.max_keys, hbm_emulated=self.reporter.hbm_emulated,
+            durable_commit=self.durable_commit, session_ttl_s=c.session_ttl_s)
 
     def _count_sessions(self) -> None:
         """The sessions gauge at once (the reaper refreshes it after expiries); under the lock."""
@@ -114,7 +144,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             hits, tiers = self.core.lookup(s, req.keys)
-            advice = self.d.advise(s, hits, tiers)
+            advice = self.advisor.advise(s.ns, hits, tiers)
         m = self.metrics
         if m:
             bt = s.ns.ns.layout.block_tokens
@@ -138,14 +168,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 except KVError as e:
                     if deadline is None:
                         budget = context.time_remaining()
-                        wait_s = self.d.cfg.server.reserve_wait_s
+                        wait_s = self.cfg.reserve_wait_s
                         deadline = time.monotonic() + (wait_s if budget is None else min(wait_s, budget))
                     left = deadline - time.monotonic()
                     if not e.transient or left <= 0:
                         raise
                     self.core.changed.wait(min(left, 0.02))
         return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
-                                  expires_in_s=self.core.lease_ttl_s if lease else 0.0,
+                                  expires_in_s=self.core.cfg.lease_ttl_s if lease else 0.0,
                                   doorbell_offset=lease.doorbell if lease else 0)
 
     @rpc
@@ -153,7 +183,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             blocks = self.core.commit(s, req.lease_id, req.keys)
-        self.d.after_commit(blocks)
+        if self.tiering is not None:
+            self.tiering.committed(blocks)
         return pb.CommitResponse(committed=len(blocks))
 
     @rpc
@@ -167,14 +198,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("wait_s: must be >= 0")
         with self.core.lock:
             s = self._session(req.session_id)
-        if req.wait_s > 0:
-            self.d.make_resident(s, self.core._keys(req.keys), min(req.wait_s, 60.0))
+        if req.wait_s > 0 and self.tiering is not None:
+            self.tiering.make_resident(s, self.core.keys(req.keys), min(req.wait_s, 60.0))
         with self.core.lock:
             s = self._session(req.session_id)  # again after the wait: it may have ended
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
-            hbm = [b.hbm_slot for b in blocks] if self.core.hot_after else []
+            hbm = [b.hbm_slot for b in blocks] if self.core.cfg.hot_after_reads else []
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
-                                  acquired=len(blocks), expires_in_s=self.core.lease_ttl_s if lease else 0.0,
+                                  acquired=len(blocks), expires_in_s=self.core.cfg.lease_ttl_s if lease else 0.0,
                                   hbm_offsets=hbm)
 
     @rpc
@@ -187,8 +218,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def KeepAlive(self, req, context):
         with self.core.lock:
             expired = self.core.keepalive(self._session(req.session_id), list(req.lease_ids))
-        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.lease_ttl_s,
-                                    session_ttl_s=self.core.session_ttl_s)
+        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.cfg.lease_ttl_s,
+                                    session_ttl_s=self.core.cfg.session_ttl_s)
 
     @rpc
     def Delete(self, req, context):
@@ -208,9 +239,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("deadline_s: must be >= 0")
         with self.core.lock:
             s = self._session(req.session_id)
-            self.core._keys(req.keys)
+            keys = self.core.keys(req.keys)
         target = TierKind(req.target) if req.target else TierKind.DRAM
-        handle = self.d.prefetch(s, self.core._keys(req.keys), target, req.deadline_s)
+        if target is not TierKind.DRAM:
+            raise invalid(f"target: prefetch into {target.name} is not supported; use TIER_DRAM")
+        if self.tiering is None:
+            raise KVError(Code.UNAVAILABLE, "prefetch: no lower tier is enabled (set nvme.dir); DRAM blocks are already resident")
+        handle = self.tiering.prefetch(s, keys, req.deadline_s)
         return pb.PrefetchResponse(handle=handle)
 
     @rpc
@@ -219,21 +254,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("wait_s: must be >= 0")
         with self.core.lock:
             s = self._session(req.session_id)
-        state, ready, total, detail = self.d.prefetch_status(s, req.handle, min(req.wait_s, 300.0))
+        if self.tiering is None:
+            raise not_found(f"prefetch {req.handle}: unknown handle")
+        state, ready, total, detail = self.tiering.prefetch_status(s, req.handle, min(req.wait_s, 300.0))
         return pb.PrefetchStatusResponse(state=state, ready_blocks=ready, total_blocks=total, detail=detail)
 
     @rpc
     def Transfer(self, req, context):
         with self.core.lock:
             s = self._session(req.session_id)
-            keys = self.core._keys(req.keys)
+            keys = self.core.keys(req.keys)
         if not req.peer:
             raise invalid("peer: host:port of the peer's transfer listener is required")
         if req.deadline_s < 0:
             raise invalid("deadline_s: must be >= 0")
         if req.pipelined and not req.lease_id:
             raise invalid("lease_id: a pipelined transfer names the write lease whose doorbell it follows")
-        blocks, nbytes, secs = self.d.transfer(s, keys, req.peer, req.deadline_s, req.pipelined, req.lease_id)
+        blocks, nbytes, secs = self._transfers().transfer(s, keys, req.peer, req.deadline_s, req.pipelined,
+                                                          req.lease_id)
         return pb.TransferResponse(blocks=blocks, bytes=nbytes, seconds=secs)
 
     @rpc
@@ -242,12 +280,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("wait_s: must be >= 0")
         with self.core.lock:
             s = self._session(req.session_id)
-            keys = self.core._keys(req.keys)
+            keys = self.core.keys(req.keys)
         if not keys:
             raise invalid("keys: name the blocks being shipped here")
-        return self.d.await_transfer(s, keys, min(req.wait_s, 300.0))
+        return self._transfers().await_transfer(s, keys, min(req.wait_s, 300.0))
+
+    def _transfers(self) -> TransferService:
+        if self.transfers is None:
+            raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
+        return self.transfers
 
     @rpc
     def Stats(self, req, context):
-        return self.d.stats_pb()
+        return self.reporter.stats_pb()
 

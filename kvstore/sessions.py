@@ -1,23 +1,24 @@
-"""Sessions of the core: one per registered client, ended by CloseSession or, for a client that
-died or hangs, by the reaper once the daemon has heard no call of it for ``session_ttl_s``.
+"""Client sessions: one per registered client, ended by CloseSession or, for a client that died
+or hangs, by the reaper once the daemon has heard no call of it for ``session_ttl_s``.
 
-A mixin of :class:`kvstore.core.Core` (same single-threaded contract: call with ``Core.lock``
-held). ``Core.sessions`` is kept in order of last use (every call naming a session moves it to
-the end), so finding the expired ones looks at no live session but the first.
+:class:`SessionTable` is the core's table of them (single-threaded: called with the core lock
+held). It is kept in order of last use (every call naming a session moves it to the end), so
+finding the expired ones looks at no live session but the first. Ending a session's leases is
+the core's work (:meth:`kvstore.core.Core.close_session`); the table only keeps the books.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvstore.errors import Code, KVError, session_unknown
 
 if TYPE_CHECKING:
-    from kvstore.core import NsState
-    from kvstore.leases import Lease
+    from kvstore.core import Lease, NsState
 
 MAX_SESSIONS = 65536
 ENDED_REMEMBERED = 4096  # ids of recently ended sessions, kept to say why one is unknown
@@ -37,29 +38,47 @@ class Session:
     closed: bool = False  # ended: no lease may be opened under it any more
 
 
-class SessionOps:
-    def _check_room(self) -> None:
-        if len(self.sessions) >= MAX_SESSIONS:
+class SessionTable:
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s  # SIGHUP may change it
+        self.clock = clock
+        self._open: OrderedDict[bytes, Session] = OrderedDict()  # least recently heard from first
+        self._ended: OrderedDict[bytes, tuple[SessionEnd, float]] = OrderedDict()  # recently ended: how, when
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, sid: bytes) -> bool:
+        return sid in self._open
+
+    def __iter__(self):
+        """Open session ids, least recently heard from first."""
+        return iter(self._open)
+
+    def find(self, sid: bytes) -> Session | None:
+        """The open session ``sid`` or None, without renewing it."""
+        return self._open.get(sid)
+
+    def open(self, st: "NsState") -> Session:
+        if len(self._open) >= MAX_SESSIONS:
             raise KVError(Code.RESOURCE_EXHAUSTED,
                           f"too many sessions ({MAX_SESSIONS}); close idle clients (KVStoreClient.close) "
-                          f"or wait for dead ones to expire (server.session_ttl_s = {self.session_ttl_s:g} s)")
-
-    def _open_session(self, st: "NsState") -> Session:
+                          f"or wait for dead ones to expire (server.session_ttl_s = {self.ttl_s:g} s)")
         s = Session(os.urandom(16), st, seen=self.clock())
         st.sessions += 1
-        self.sessions[s.id] = s
+        self._open[s.id] = s
         return s
 
-    def session(self, sid: bytes) -> Session:
+    def get(self, sid: bytes) -> Session:
         """The open session ``sid``, renewed: this call counts as hearing from its client."""
-        s = self.sessions.get(sid)
+        s = self._open.get(sid)
         if s is None:
             raise session_unknown(self._why_unknown(sid))
         s.seen = self.clock()
-        self.sessions.move_to_end(sid)
+        self._open.move_to_end(sid)
         return s
 
-    def _check_open(self, s: Session) -> None:
+    def check_open(self, s: Session) -> None:
         """Before a lease is opened under ``s``: a handler that let go of the lock after looking
         the session up must not give a lease to a session that ended meanwhile (nothing would
         ever end that lease but its TTL)."""
@@ -75,36 +94,22 @@ class SessionOps:
         ago = self.clock() - when
         if how is SessionEnd.CLOSED:
             return f"session: closed by its client {ago:.1f} s ago (CloseSession); call Register again"
-        return (f"session: expired {ago:.1f} s ago after {self.session_ttl_s:g} s without a call "
+        return (f"session: expired {ago:.1f} s ago after {self.ttl_s:g} s without a call "
                 "(server.session_ttl_s; clients send KeepAlive every third of it), and its leases with it; "
                 "call Register again")
 
-    def close_session(self, s: Session, how: SessionEnd) -> int:
-        """End ``s`` and every lease it holds: write leases are aborted (their uncommitted slots
-        freed), read leases released (their blocks evictable again). Returns leases ended."""
-        leases = list(s.leases.values())
-        for lease in leases:
-            self._drop_lease(lease)
-        del self.sessions[s.id]
+    def end(self, s: Session, how: SessionEnd) -> None:
+        """Take ``s`` out of the table (its leases already ended)."""
+        del self._open[s.id]
         s.closed = True
         s.ns.sessions -= 1
         self._ended[s.id] = (how, self.clock())
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
-        if self.metrics:
-            self.metrics.session_ends.labels(reason=how.value).inc()
-        return len(leases)
 
-    def expire_sessions(self, limit: int) -> int:
-        """End at most ``limit`` sessions not heard from for ``session_ttl_s`` seconds, oldest
-        first; returns how many (``limit`` means there may be more: call again, having let go of
-        the lock in between so that RPCs are not held up behind a mass expiry)."""
-        cutoff = self.clock() - self.session_ttl_s
-        n = 0
-        while n < limit and self.sessions:
-            s = next(iter(self.sessions.values()))
-            if s.seen > cutoff:
-                break
-            self.close_session(s, SessionEnd.EXPIRED)
-            n += 1
-        return n
+    def oldest_expired(self) -> Session | None:
+        """The least recently heard-from session if it is past ``ttl_s``, else None."""
+        if not self._open:
+            return None
+        s = next(iter(self._open.values()))
+        return s if s.seen <= self.clock() - self.ttl_s else None

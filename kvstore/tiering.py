@@ -19,11 +19,14 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from kvstore.core import Core, NsState
+from kvstore.config import NvmeConfig
+from kvstore.core import Core, DramOnly, NsState
 from kvstore.errors import Code, KVError
 from kvstore.index import Block, BlockState
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from kvstore.metrics import Metrics
+from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.nvme import NvmeTier, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
@@ -45,24 +48,50 @@ class Prefetch:
     failed: str = ""
 
 
-class Tiering:
-    def __init__(self, daemon, nvme: NvmeTier) -> None:
-        self.d = daemon
-        self.core: Core = daemon.core
+class NvmeCopies(DramOnly):
+    """The NVMe side of :class:`kvstore.core.LowerTiers`: what the core asks about NVMe copies
+    when it evicts or deletes (under the core lock). Built before the core; wakes the demoter
+    through ``kick`` and never calls the core."""
+
+    def __init__(self, nvme: NvmeTier, cfg: NvmeConfig) -> None:
         self.nvme = nvme
-        self.cfg = daemon.cfg.nvme
-        self.metrics = daemon.metrics
-        self.kick = threading.Event()
+        self.cfg = cfg
+        self.kick = threading.Event()  # set: the demoter should run a round now
+
+    def holds_copy(self, b: Block) -> bool:
+        return self.nvme.enabled
+
+    def must_demote(self, b: Block) -> bool:
+        if b.on_nvme or not self.nvme.enabled or b.hits < self.cfg.admit_after_hits:
+            return False
+        self.kick.set()
+        return True
+
+    def delete_copy(self, b: Block) -> None:
+        try:
+            self.nvme.delete([b.key])
+        except Exception as e:  # noqa: BLE001 - the tier disables itself; DRAM keeps serving
+            log.error("NVMe delete failed: %s", e)
+
+
+class Tiering:
+    """The demoter thread, promotions and prefetches between the core's DRAM tier and NVMe."""
+
+    def __init__(self, core: Core, copies: NvmeCopies, cfg: NvmeConfig, *, metrics: Metrics,
+                 policy: LoadPolicy) -> None:
+        self.core = core
+        self.nvme = copies.nvme
+        self.cfg = cfg
+        self.metrics = metrics
+        self.policy = policy
+        self.kick = copies.kick
         self.stopping = threading.Event()
         self.changed = self.core.changed  # notified when demotions, durable writes and promotions land
         self.prefetches: dict[int, Prefetch] = {}
         self.draining = False  # demoting: went over the high watermark, not yet under the low one
         self._ids = itertools.count(1)
-        self._ns_file = os.path.join(nvme.config.dir, "namespaces.json")
+        self._ns_file = os.path.join(self.nvme.config.dir, "namespaces.json")
         self._known_ns: dict[str, dict] = {}
-        self.core.on_evict = self._keep_on_nvme
-        self.core.must_demote = self._must_demote
-        self.core.on_delete = self._delete_copy
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
 
     # --- restart ----------------------------------------------------------------------------
@@ -78,8 +107,8 @@ class Tiering:
         core = self.core
         for hex_id, d in self._known_ns.items():
             ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
-            if ns.root.hex() == hex_id and ns.root not in core.namespaces:
-                core.namespaces[ns.root] = NsState(ns, ns.root, ns.layout.block_bytes)
+            if ns.root.hex() == hex_id:
+                core.ns_state(ns)
         entries = sorted(self.nvme.entries(), key=lambda e: e.atime)
         orphans, n = [], 0
         with core.lock:
@@ -88,16 +117,9 @@ class Tiering:
                 if st is None or e.nbytes != st.block_bytes:
                     orphans.append(e.key)
                     continue
-                b = Block(e.key, e.ns_id, NVME, -1, state=BlockState.COMMITTED, parent_key=e.parent, on_nvme=True)
-                st.blocks[e.key] = b
-                core.touch(b)
+                core.add_recovered(st, e.key, e.parent)
                 n += 1
-            for st in core.namespaces.values():
-                for b in st.blocks.values():
-                    p = st.blocks.get(b.parent_key) if b.parent_key else None
-                    if p is not None:
-                        b.parent = p
-                        p.kids.add(b)
+            core.link_recovered()
             # Re-file in recency order now that parents are linked.
             for e in entries:
                 st = core.namespaces.get(e.ns_id)
@@ -123,29 +145,6 @@ class Tiering:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._ns_file)
-
-    # --- hooks the core calls (under its lock) ----------------------------------------------
-    def _keep_on_nvme(self, b: Block) -> bool:
-        """A DRAM block is being evicted: keep it as an NVMe block if a copy is there."""
-        if b.on_nvme and self.nvme.enabled:
-            self.core.lru(NVME, b.ns_id).add(b)
-            return True
-        return False
-
-    def _must_demote(self, b: Block) -> bool:
-        if b.on_nvme or not self.nvme.enabled or b.hits < self.cfg.admit_after_hits:
-            return False
-        self.kick.set()
-        return True
-
-    def _delete_copy(self, b: Block) -> None:
-        if b.on_nvme:
-            b.on_nvme = False
-            self.core.lru(NVME, b.ns_id).discard(b)
-            try:
-                self.nvme.delete([b.key])
-            except Exception as e:  # noqa: BLE001 - the tier disables itself; DRAM keeps serving
-                log.error("NVMe delete failed: %s", e)
 
     # --- demotion ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -176,7 +175,7 @@ class Tiering:
 
         if want_bytes <= 0:
             return picked
-        with closing(core.victims(DRAM, ok)) as stream:
+        with closing(core.lrus.victims(DRAM, ok)) as stream:
             for b in stream:
                 picked.append(b)
                 chosen.add(id(b))
@@ -192,13 +191,13 @@ class Tiering:
         core, dram = self.core, self.core.dram
         with core.lock:
             used, cap = dram.alloc.used_bytes, dram.capacity_bytes
-            if used > self.cfg.high_watermark * cap or core.waiting_for_demotion:
+            if used > self.cfg.high_watermark * cap or core.pressure.waiting:
                 self.draining = True
-            want = max(used - int(self.cfg.low_watermark * cap), core.demand_bytes - (cap - used))
+            want = max(used - int(self.cfg.low_watermark * cap), core.pressure.demand_bytes - (cap - used))
             if not self.draining or want <= 0:
-                log.debug("demotion idle: used %d of %d, demand %d", used, cap, core.demand_bytes)
+                log.debug("demotion idle: used %d of %d, demand %d", used, cap, core.pressure.demand_bytes)
                 self.draining = False
-                core.waiting_for_demotion = False
+                core.pressure.waiting = False
                 return False
             victims = self._pick(min(want, 256 << 20))
             if not victims:
@@ -208,22 +207,22 @@ class Tiering:
             for b in victims:
                 st = core.namespaces[b.ns_id]
                 if b.on_nvme:
-                    core._drop_from_dram(b, "capacity")  # a copy is there already: just move
+                    core.evict_from_dram(b)  # a copy is there already: just move
                 elif b.hits < self.cfg.admit_after_hits:
-                    core._drop_from_dram(b, "capacity")  # not admitted to NVMe
+                    core.evict_from_dram(b)  # not admitted to NVMe
                 else:
                     b.busy = True
                     moving.append(b)
                     items.append((b.ns_id, b.key, b.parent_key, st.ns.layout.layer_chunk_bytes,
                                   dram.view(b.offset, st.block_bytes), b.digests))
-            core.demoting += len(moving)
+            core.pressure.moving += len(moving)
         if not items:
             return True
         t0 = time.perf_counter()
         batch = self._put(items)
         sums = batch.digests() if batch is not None else {}
         with core.lock:
-            core.demoting -= len(moving)
+            core.pressure.moving -= len(moving)
             no_space = False
             for b in moving:
                 b.busy = False
@@ -233,24 +232,24 @@ class Tiering:
                 if outcome in (Outcome.OK, Outcome.PRESENT) and live:
                     b.on_nvme = True
                     if b.ref_cnt == 0:
-                        core._drop_from_dram(b, "capacity")  # kept: becomes an NVMe block
+                        core.evict_from_dram(b)  # kept: becomes an NVMe block
                         self.metrics.demotions.labels(src="dram", dst="nvme").inc()
                 elif outcome in (Outcome.OK, Outcome.PRESENT):
                     self._delete_nvme([b.key])  # deleted while it was being written
-                    self._release_dram(b)
+                    core.free_dropped(b)
                 else:
                     no_space |= outcome is Outcome.NO_SPACE
                     if live and b.ref_cnt == 0:
                         core.lru(DRAM, b.ns_id).add(b)
                     elif not live:
-                        self._release_dram(b)
+                        core.free_dropped(b)
             if no_space:
                 self._evict_nvme(len(moving))
             self._enforce_nvme_quota({b.ns_id for b in moving})
             self._drive_prefetches()
             self.changed.notify_all()
         if batch is not None and batch.nbytes:
-            self.d.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
+            self.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
         log.debug("demoted %d blocks in %.4f s (%s)", len(moving), time.perf_counter() - t0,
                   "ok" if batch is not None and batch.error is None else batch.error if batch else "tier off")
         return True
@@ -261,16 +260,10 @@ class Tiering:
         except Exception as e:  # noqa: BLE001 - disabled tier: DRAM keeps serving
             log.error("NVMe put failed: %s", e)
             return None
-        if not batch.wait(self.d.cfg.transport.timeout_s * 4):
+        if not batch.wait(self.cfg.io_timeout_s):
             log.error("NVMe put of %d blocks still running after its bound", len(items))
             batch.wait()  # the slots are under I/O: they must not be reused until it ends
         return batch
-
-    def _release_dram(self, b: Block) -> None:
-        """Free the DRAM slot of a block that was deleted while busy."""
-        if b.tier is DRAM and b.offset >= 0 and b.ref_cnt == 0:
-            self.core.dram.free(b.ns_id, b.offset)
-            b.offset = -1
 
     def _delete_nvme(self, keys: list[bytes]) -> None:
         try:
@@ -285,13 +278,13 @@ class Tiering:
         def ok(b: Block) -> bool:
             return not b.busy and not any(k.on_nvme for k in b.kids)
 
-        stream = core.lru(NVME, ns_id).victims(ok) if ns_id else core.victims(NVME, ok)
+        stream = core.lru(NVME, ns_id).victims(ok) if ns_id else core.lrus.victims(NVME, ok)
         with closing(stream):
             for b in itertools.islice(stream, count):
                 b.on_nvme = False
                 dropped.append(b.key)
                 if b.tier is NVME:
-                    core._forget(b)
+                    core.forget(b)
                 self.metrics.evictions.labels(tier="nvme", reason="capacity").inc()
         if dropped:
             self._delete_nvme(dropped)
@@ -316,9 +309,16 @@ class Tiering:
                     b.on_nvme = False
                     self.core.lru(NVME, b.ns_id).discard(b)
                     if b.tier is NVME and not b.busy:
-                        self.core._forget(b)
+                        self.core.forget(b)
 
     # --- durable commit ---------------------------------------------------------------------
+    def committed(self, blocks: list[Block]) -> None:
+        """Blocks were just committed to DRAM: with ``nvme.durable_commit`` write them through
+        before the Commit is answered; either way wake the demoter."""
+        if self.cfg.durable_commit:
+            self.persist(blocks)
+        self.kick.set()
+
     def persist(self, blocks: list[Block]) -> None:
         """Write committed DRAM blocks through to NVMe before the commit is acknowledged."""
         core = self.core
@@ -326,7 +326,7 @@ class Tiering:
             todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
             for b in todo:
                 b.busy = True
-            core.demoting += len(todo)
+            core.pressure.moving += len(todo)
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
                       core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes), b.digests) for b in todo]
         t0 = time.perf_counter()
@@ -334,7 +334,7 @@ class Tiering:
         log.debug("persisted %d blocks in %.4f s", len(items), time.perf_counter() - t0)
         sums = batch.digests() if batch is not None else {}
         with core.lock:
-            core.demoting -= len(todo)
+            core.pressure.moving -= len(todo)
             for b in todo:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
@@ -360,7 +360,7 @@ class Tiering:
                     break
                 n += 1
                 if b.tier is NVME and not b.busy:
-                    off = core._allocate(st)
+                    off = core.allocate_slot(st)
                     if off is None:
                         break
                     b.busy = True
@@ -399,10 +399,10 @@ class Tiering:
                     if live:  # corrupt or lost on disk: never served
                         b.on_nvme = False
                         core.lru(NVME, st.id).discard(b)
-                        core._forget(b)
+                        core.forget(b)
             self.changed.notify_all()
         if batch.nbytes:
-            self.d.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
+            self.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
 
     def _resident(self, st: NsState, keys: list[bytes]) -> tuple[int, bool]:
         """(leading blocks resident in DRAM, whether more may still arrive: the next one is on
@@ -430,7 +430,7 @@ class Tiering:
 
     def prefetch(self, session, keys: list[bytes], deadline_s: float) -> int:
         p = Prefetch(next(self._ids), session.id, keys, time.monotonic(),
-                     time.monotonic() + (deadline_s or self.d.cfg.transport.timeout_s))
+                     time.monotonic() + (deadline_s or self.cfg.prefetch_deadline_s))
         with self.core.lock:
             self.promote(session.ns, keys)
             self.prefetches[p.id] = p
@@ -470,7 +470,7 @@ class Tiering:
         now = time.monotonic()
         for p in list(self.prefetches.values()):
             if not p.done.is_set() and now < p.deadline:
-                s = self.core.sessions.get(p.session_id)
+                s = self.core.sessions.find(p.session_id)
                 if s is not None:
                     self.promote(s.ns, p.keys)
 

@@ -22,11 +22,14 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvstore import doorbell
+from kvstore.config import TransportConfig
 from kvstore.core import Core, Lease, LeaseKind, Session
 from kvstore.errors import Code, KVError
 from kvstore.index import BlockState
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from kvstore.metrics import Metrics
+from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.transport import (Listener, Sender, TransferConfig, TransferError, TransferHeader,
                                TransferStatus, parse_peer)
@@ -75,12 +78,8 @@ class DaemonSink:
                                 f"chunks of {h.chunk_bytes} bytes x {h.n_layers} layers do not match the layout")
         core = self.core
         with core.lock:
-            st = core.namespaces.get(ns.root)
-            if st is None:
-                from kvstore.core import NsState
-
-                st = core.namespaces[ns.root] = NsState(ns, ns.root, lay.block_bytes)
-            s = Session(b"transfer:" + os.urandom(8), st)
+            st = core.ns_state(ns)
+            s = core.own_session(st)
             try:
                 lease, offsets, states = core.reserve(s, b"".join(h.keys), b"")
             except KVError as e:
@@ -88,7 +87,7 @@ class DaemonSink:
             scratch = []
             for i, state in enumerate(states):
                 if state != 0:  # already here (or arriving): receive into a scratch slot
-                    off = core._allocate(st)
+                    off = core.allocate_slot(st)
                     if off is None:
                         for o in scratch:
                             core.dram.free(st.id, o)
@@ -174,11 +173,12 @@ def _reason(status: TransferStatus) -> str:
 
 
 class TransferService:
-    def __init__(self, daemon) -> None:
-        self.d = daemon
-        self.core: Core = daemon.core
-        self.metrics = daemon.metrics
-        t = daemon.cfg.transport
+    """The daemon's transfer listener (receiving: :class:`DaemonSink`) and its sender."""
+
+    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.policy = policy
         host, port = parse_peer(t.listen)
         self.backend = t.backend
         self.config = TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
@@ -223,7 +223,7 @@ class TransferService:
                 # server): every layer is in, so ship the committed blocks.
                 pipelined = False
             if pipelined:
-                lease = core._lease(s, lease_id, LeaseKind.WRITE)
+                lease = core.lease(s, lease_id, LeaseKind.WRITE)
                 if not lease.doorbell:
                     raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: has no doorbell; Reserve with doorbell=true")
                 by_key = {b.key: b for b in lease.blocks}
@@ -292,7 +292,7 @@ class TransferService:
         m.transfer_bytes.labels(direction="send", backend=self.backend).inc(result.bytes)
         m.transfer_chunks.labels(direction="send", backend=self.backend).inc(result.chunks)
         m.transfer_latency.labels(backend=self.backend).observe(secs)
-        self.d.policy.observe(f"peer:{peer}", result.bytes, secs)
+        self.policy.observe(f"peer:{peer}", result.bytes, secs)
         return len(blocks), result.bytes, secs
 
     def _wait_bell(self, bell: int, layers: int, deadline: float, lease_id: int) -> None:

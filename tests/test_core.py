@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from kvstore.core import Core, SessionEnd
+from kvstore.core import Core, CoreConfig, DramOnly, SessionEnd
 from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout
@@ -24,11 +24,23 @@ class Clock:
         return self.t
 
 
+class EvictionLog(DramOnly):
+    """No lower tiers; records the keys of DRAM evictions for room, oldest first."""
+
+    def __init__(self) -> None:
+        self.evicted: list[bytes] = []
+
+    def dram_freed(self, b, reason: str) -> None:
+        if reason == "capacity":
+            self.evicted.append(b.key)
+
+
 @pytest.fixture
 def env():
     clock = Clock()
     arena = Arena(4 * EXTENT, prefault=False)  # 4 extents x 8 slots of 8 KiB = 32 blocks
-    core = Core(DramTier(arena, EXTENT), lease_ttl_s=5.0, session_ttl_s=60.0, max_keys=1024, clock=clock)
+    core = Core(DramTier(arena, EXTENT), CoreConfig(lease_ttl_s=5.0, session_ttl_s=60.0, max_keys=1024),
+                lower=EvictionLog(), clock=clock)
     s = core.register(Namespace("m", LAYOUT))
     yield core, s, clock
     arena.close()
@@ -62,10 +74,10 @@ def test_capacity_and_exact_leaves_first_lru_order(env):
     # committed first, leaf-first order: a15, a14, a13.
     c = chain(3, 3)
     put(core, s, c)
-    assert core.evicted == [a[15], a[14], a[13]]
+    assert core.lower.evicted == [a[15], a[14], a[13]]
     # Parents are never evicted before their cached children: a12 is now a leaf and goes next.
     put(core, s, chain(4, 1))
-    assert core.evicted[-1] == a[12]
+    assert core.lower.evicted[-1] == a[12]
     assert core.lookup(s, b"".join(a)) and len(core.lookup(s, b"".join(a))[0]) == 12
 
 
@@ -80,7 +92,7 @@ def test_pinned_block_is_never_evicted_and_back_pressure_is_clear(env):
     assert e.value.code is Code.RESOURCE_EXHAUSTED and "pinned" in e.value.message
     core.release(s, lease.id)
     put(core, s, chain(6, 1))
-    assert core.evicted == [keys[31]]
+    assert core.lower.evicted == [keys[31]]
 
 
 def test_reservation_larger_than_tier(env):
@@ -143,7 +155,7 @@ def test_namespace_quota_evicts_its_own_blocks_first(env):
     other = core.register(Namespace("other-model", LAYOUT))
     b_keys = chain(20, 8)
     put(core, other, b_keys)
-    core.ns_quota_bytes = 8 * LAYOUT.block_bytes  # 8 blocks of 8 KiB
+    core.cfg.ns_quota_bytes = 8 * LAYOUT.block_bytes  # 8 blocks of 8 KiB
     a_keys = chain(21, 12)
     for k in range(12):  # one block at a time, as a chain
         put(core, s, [a_keys[k]], parent=a_keys[k - 1] if k else b"")
@@ -151,7 +163,7 @@ def test_namespace_quota_evicts_its_own_blocks_first(env):
     assert len(core.lookup(other, b"".join(b_keys))[0]) == 8  # the other namespace kept everything
     # Leaves first: when a8 arrives the only leaf of the chain is its tip a7; a8 then commits as
     # a root, and each later arrival finds the older leaf a6 (then a5, a4) less recent than a8+.
-    assert [a_keys.index(k) for k in core.evicted] == [7, 6, 5, 4]
+    assert [a_keys.index(k) for k in core.lower.evicted] == [7, 6, 5, 4]
     lease, _ = core.acquire(s, b"".join(a_keys[:4] + a_keys[8:]), allow_partial=False)
     with pytest.raises(KVError) as e:
         core.reserve(s, b"".join(chain(22, 1)), b"")
@@ -253,7 +265,7 @@ def test_reserve_evicts_a_long_chain_tail_first_in_one_pass(env):
     clock.t += 1
     b = chain(6, 8)
     put(core, s, b)
-    assert core.evicted == a[31:23:-1]
+    assert core.lower.evicted == a[31:23:-1]
     assert core._passes is None  # the pass closed with the reservation
     assert len(core.lookup(s, b"".join(a))[0]) == 24
 
@@ -276,7 +288,7 @@ def test_pieces_of_one_lease_commit_in_any_order_and_keep_the_chain(env):
     # Only the tail is a leaf: filling the tier evicts a11, a10, ... in that order.
     clock.t += 1
     put(core, s, chain(8, 24))
-    assert core.evicted[:4] == [a[11], a[10], a[9], a[8]]
+    assert core.lower.evicted[:4] == [a[11], a[10], a[9], a[8]]
 
 
 def test_slots_freed_tail_first_are_handed_out_in_ascending_order(env):
@@ -302,7 +314,7 @@ def test_core_victims_merges_namespaces_by_recency(env):
         order.append(k[0])
         clock.t += 1
     ok = lambda b: not b.busy and not b.has_kids_in(TierKind.DRAM)  # noqa: E731
-    g = core.victims(TierKind.DRAM, ok)
+    g = core.lrus.victims(TierKind.DRAM, ok)
     got = [next(g).key for _ in range(3)]
     g.close()
     assert got == order[:3]
