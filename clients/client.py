@@ -46,6 +46,9 @@ def default_socket_path() -> str:
 
 
 COMMIT_PIECE_BYTES = 32 << 20  # put() commits a reserved batch in pieces of about this size
+# A daemon older than RegisterResponse.slot_stride_bytes sends 0 there; its DRAM slots are
+# block_bytes rounded up to this many bytes.
+OLD_DAEMON_SLOT_ALIGN_BYTES = 4096
 
 
 def pack(keys: Sequence[bytes]) -> bytes:
@@ -137,6 +140,7 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.namespace: Namespace | None = None
         self.info: pb.RegisterResponse | None = None
+        self._stride = 0  # distance between neighbouring slots of the namespace in the arena (bytes)
         self._registration: pb.RegisterRequest | None = None  # to register again after the session ended
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
@@ -219,7 +223,12 @@ class KVStoreClient:
         resp = self._call("Register", req)
         if resp.namespace_id != self.namespace.root:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "daemon and client disagree on the namespace id; versions differ")
-        self.info, self.session_id, self._registration = resp, resp.session_id, req
+        a = OLD_DAEMON_SLOT_ALIGN_BYTES
+        stride = resp.slot_stride_bytes or -(-self.layout.block_bytes // a) * a
+        if stride < self.layout.block_bytes:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, f"daemon's slot stride of {stride} bytes is less than a block "
+                               f"({self.layout.block_bytes} bytes); versions differ")
+        self.info, self.session_id, self._registration, self._stride = resp, resp.session_id, req, stride
         self._keeper = SessionKeeper(self, resp.session_id, resp.session_ttl_s)
         if not self.remote:  # no shared memory across nodes: control calls only
             self._map_arena(resp)
@@ -302,8 +311,10 @@ class KVStoreClient:
     # --- leases -----------------------------------------------------------------------------
     def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0,
                 doorbell: bool = False) -> WriteLease:
-        """Reserve slots for ``keys``. While the daemon answers RESOURCE_EXHAUSTED because blocks
-        are still being demoted to NVMe, retry with backoff for at most ``retry_s`` seconds."""
+        """Reserve slots for ``keys``. While the daemon refuses with ``REFUSAL_DRAM_DEMOTING``
+        (DRAM full of blocks still being demoted to NVMe), retry with backoff for at most
+        ``retry_s`` seconds. (The daemon itself first waits up to ``server.reserve_wait_s`` for
+        a demotion to land; a daemon too old to name the refusal is not retried.)"""
         self._need_session()
         req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell)
         deadline, pause = time.monotonic() + retry_s, 0.002
@@ -311,8 +322,7 @@ class KVStoreClient:
             try:
                 return WriteLease(self, list(keys), self._call("Reserve", req))
             except KVStoreError as e:
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or "demoted" not in e.message \
-                        or time.monotonic() + pause > deadline:
+                if e.refusal != pb.REFUSAL_DRAM_DEMOTING or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -444,11 +454,6 @@ class KVStoreClient:
         f = self._copier.submit(np.copyto, dst[h:], src[h:])
         np.copyto(dst[:h], src[:h])
         f.result()
-
-    @property
-    def _stride(self) -> int:
-        """Distance between neighbouring slots of this namespace in the arena (bytes)."""
-        return -(-self.layout.block_bytes // 4096) * 4096
 
     def _slots(self, offset: int, n: int) -> np.ndarray:
         """``n`` neighbouring slots from ``offset`` as one ``[n, *block_shape]`` view."""

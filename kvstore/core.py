@@ -26,6 +26,7 @@ from kvstore.leases import Lease, LeaseKind, LeaseOps
 from kvstore.sessions import MAX_SESSIONS, Session, SessionEnd, SessionOps  # noqa: F401 - re-exported
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
+from kvstore.v1 import kvstore_pb2 as pb
 
 
 @dataclass(slots=True, eq=False)
@@ -150,7 +151,7 @@ class Core(LeaseOps, SessionOps):
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
         ns = s.ns
-        states = bytearray(len(keys))
+        states = bytearray([pb.SLOT_RESERVED] * len(keys))
         todo = []
         seen = set()
         for i, k in enumerate(keys):
@@ -161,7 +162,7 @@ class Core(LeaseOps, SessionOps):
             if b is None:
                 todo.append(i)
             else:
-                states[i] = 1 if b.state is BlockState.COMMITTED else 2
+                states[i] = pb.SLOT_PRESENT if b.state is BlockState.COMMITTED else pb.SLOT_BUSY
         most = self.dram.max_slots(ns.block_bytes)
         if len(todo) > most:
             raise KVError(Code.RESOURCE_EXHAUSTED,
@@ -186,7 +187,7 @@ class Core(LeaseOps, SessionOps):
                         self.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
-                                      transient=True)
+                                      transient=True, refusal=pb.REFUSAL_DRAM_DEMOTING)
                     if off is None:
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "

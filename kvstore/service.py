@@ -95,7 +95,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
             layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.lease_ttl_s,
             max_keys_per_request=self.core.max_keys, hbm_emulated=self.d.hbm_emulated,
-            durable_commit=self.d.durable_commit, session_ttl_s=self.core.session_ttl_s)
+            durable_commit=self.d.durable_commit, session_ttl_s=self.core.session_ttl_s,
+            slot_stride_bytes=self.core.dram.slot_stride(layout.block_bytes))
 
     def _count_sessions(self) -> None:
         """The sessions gauge at once (the reaper refreshes it after expiries); under the lock."""

@@ -23,7 +23,6 @@ from kvstore.core import Core, NsState
 from kvstore.errors import Code, KVError
 from kvstore.index import Block, BlockState
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.nvme import NvmeTier, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
@@ -77,7 +76,11 @@ class Tiering:
             self._known_ns = {}
         core = self.core
         for hex_id, d in self._known_ns.items():
-            ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
+            try:
+                ns = Namespace.from_dict(d)
+            except ValueError as e:
+                log.error("%s: namespace %s unreadable (%s): its NVMe blocks are dropped", self._ns_file, hex_id[:16], e)
+                continue
             if ns.root.hex() == hex_id and ns.root not in core.namespaces:
                 core.namespaces[ns.root] = NsState(ns, ns.root, ns.layout.block_bytes)
         entries = sorted(self.nvme.entries(), key=lambda e: e.atime)
@@ -115,8 +118,7 @@ class Tiering:
         if hex_id in self._known_ns:
             return
         ns = st.ns
-        self._known_ns[hex_id] = {"model_id": ns.model_id, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
-                                  "tp_world": ns.tp_world, "tenant_salt": ns.tenant_salt}
+        self._known_ns[hex_id] = ns.to_dict()
         tmp = self._ns_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self._known_ns, f)

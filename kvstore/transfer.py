@@ -26,7 +26,6 @@ from kvstore.core import Core, Lease, LeaseKind, Session
 from kvstore.errors import Code, KVError
 from kvstore.index import BlockState
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierKind
 from kvstore.transport import (Listener, Sender, TransferConfig, TransferError, TransferHeader,
                                TransferStatus, parse_peer)
@@ -37,8 +36,7 @@ log = logging.getLogger("kvstore.transfer")
 
 
 def _ns_meta(ns: Namespace) -> bytes:
-    return json.dumps({"model_id": ns.model_id, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
-                       "tp_world": ns.tp_world, "tenant_salt": ns.tenant_salt}).encode()
+    return json.dumps(ns.to_dict()).encode()
 
 
 @dataclass(eq=False)
@@ -65,9 +63,8 @@ class DaemonSink:
 
     def begin(self, h: TransferHeader) -> "_Target":
         try:
-            d = json.loads(h.meta)
-            ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
-        except (ValueError, KeyError, TypeError) as e:
+            ns = Namespace.from_dict(json.loads(h.meta))
+        except ValueError as e:  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not a namespace
             raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: not a namespace: {e}") from None
         lay = ns.layout
         if h.chunk_bytes != lay.layer_chunk_bytes or h.n_layers != lay.num_layers:
@@ -87,7 +84,7 @@ class DaemonSink:
                 raise TransferError(TransferStatus.REFUSED, e.message) from None
             scratch = []
             for i, state in enumerate(states):
-                if state != 0:  # already here (or arriving): receive into a scratch slot
+                if state != pb.SLOT_RESERVED:  # already here (or arriving): receive into a scratch slot
                     off = core._allocate(st)
                     if off is None:
                         for o in scratch:
