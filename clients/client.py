@@ -140,7 +140,9 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.namespace: Namespace | None = None
         self.info: pb.RegisterResponse | None = None
-        self._stride = 0  # distance between neighbouring slots of the namespace in the arena (bytes)
+        # Distance between neighbouring slots of the namespace in the arena (bytes), as the
+        # daemon told it at Register: a run of neighbouring slots moves in one copy.
+        self.slot_stride_bytes = 0
         self._registration: pb.RegisterRequest | None = None  # to register again after the session ended
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
@@ -228,7 +230,7 @@ class KVStoreClient:
         if stride < self.layout.block_bytes:
             raise KVStoreError(grpc.StatusCode.INTERNAL, f"daemon's slot stride of {stride} bytes is less than a block "
                                f"({self.layout.block_bytes} bytes); versions differ")
-        self.info, self.session_id, self._registration, self._stride = resp, resp.session_id, req, stride
+        self.info, self.session_id, self._registration, self.slot_stride_bytes = resp, resp.session_id, req, stride
         self._keeper = SessionKeeper(self, resp.session_id, resp.session_ttl_s)
         if not self.remote:  # no shared memory across nodes: control calls only
             self._map_arena(resp)
@@ -382,7 +384,7 @@ class KVStoreClient:
                     left = len(chunk) - wanted.count(None)
                     for p0 in range(0, len(chunk), per):
                         piece = wanted[p0:p0 + per]
-                        for i, end, off in slot_runs(piece, self._stride):
+                        for i, end, off in slot_runs(piece, self.slot_stride_bytes):
                             self._copy(self._slots(off, end - i), self._blocks_of(src, (start + p0 + i) * bt, end - i),
                                        threads)
                         mine = [chunk[p0 + j] for j, o in enumerate(piece) if o is not None]
@@ -427,7 +429,7 @@ class KVStoreClient:
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
             with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
-                for i, end, off in slot_runs(r.offsets[:r.count], self._stride):
+                for i, end, off in slot_runs(r.offsets[:r.count], self.slot_stride_bytes):
                     self._copy(self._blocks_of(dst, (start + i) * bt, end - i), self._slots(off, end - i))
                 read += r.count
             if r.count < len(chunk):
@@ -458,8 +460,8 @@ class KVStoreClient:
     def _slots(self, offset: int, n: int) -> np.ndarray:
         """``n`` neighbouring slots from ``offset`` as one ``[n, *block_shape]`` view."""
         shape = self._block_shape()
-        base = self.arena.buf[offset:offset + (n - 1) * self._stride + self.layout.block_bytes]
-        inner = np.lib.stride_tricks.as_strided(base, (n, self.layout.block_bytes), (self._stride, 1))
+        base = self.arena.buf[offset:offset + (n - 1) * self.slot_stride_bytes + self.layout.block_bytes]
+        inner = np.lib.stride_tricks.as_strided(base, (n, self.layout.block_bytes), (self.slot_stride_bytes, 1))
         return inner.reshape((n, *shape))
 
     def _blocks_of(self, t: np.ndarray, t0: int, n: int) -> np.ndarray:
