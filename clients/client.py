@@ -46,6 +46,9 @@ def default_socket_path() -> str:
 
 
 COMMIT_PIECE_BYTES = 32 << 20  # put() commits a reserved batch in pieces of about this size
+# A daemon older than RegisterResponse.slot_stride_bytes sends 0 there; its DRAM slots are
+# block_bytes rounded up to this many bytes.
+OLD_DAEMON_SLOT_ALIGN_BYTES = 4096
 
 
 def pack(keys: Sequence[bytes]) -> bytes:
@@ -137,6 +140,9 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.namespace: Namespace | None = None
         self.info: pb.RegisterResponse | None = None
+        # Distance between neighbouring slots of the namespace in the arena (bytes), as the
+        # daemon told it at Register: a run of neighbouring slots moves in one copy.
+        self.slot_stride_bytes = 0
         self._registration: pb.RegisterRequest | None = None  # to register again after the session ended
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
@@ -219,7 +225,12 @@ class KVStoreClient:
         resp = self._call("Register", req)
         if resp.namespace_id != self.namespace.root:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "daemon and client disagree on the namespace id; versions differ")
-        self.info, self.session_id, self._registration = resp, resp.session_id, req
+        a = OLD_DAEMON_SLOT_ALIGN_BYTES
+        stride = resp.slot_stride_bytes or -(-self.layout.block_bytes // a) * a
+        if stride < self.layout.block_bytes:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, f"daemon's slot stride of {stride} bytes is less than a block "
+                               f"({self.layout.block_bytes} bytes); versions differ")
+        self.info, self.session_id, self._registration, self.slot_stride_bytes = resp, resp.session_id, req, stride
         self._keeper = SessionKeeper(self, resp.session_id, resp.session_ttl_s)
         if not self.remote:  # no shared memory across nodes: control calls only
             self._map_arena(resp)
@@ -302,8 +313,10 @@ class KVStoreClient:
     # --- leases -----------------------------------------------------------------------------
     def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0,
                 doorbell: bool = False) -> WriteLease:
-        """Reserve slots for ``keys``. While the daemon answers RESOURCE_EXHAUSTED because blocks
-        are still being demoted to NVMe, retry with backoff for at most ``retry_s`` seconds."""
+        """Reserve slots for ``keys``. While the daemon refuses with ``REFUSAL_DRAM_DEMOTING``
+        (DRAM full of blocks still being demoted to NVMe), retry with backoff for at most
+        ``retry_s`` seconds. (The daemon itself first waits up to ``server.reserve_wait_s`` for
+        a demotion to land; a daemon too old to name the refusal is not retried.)"""
         self._need_session()
         req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell)
         deadline, pause = time.monotonic() + retry_s, 0.002
@@ -311,8 +324,7 @@ class KVStoreClient:
             try:
                 return WriteLease(self, list(keys), self._call("Reserve", req))
             except KVStoreError as e:
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or "demoted" not in e.message \
-                        or time.monotonic() + pause > deadline:
+                if e.refusal != pb.REFUSAL_DRAM_DEMOTING or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -372,7 +384,7 @@ class KVStoreClient:
                     left = len(chunk) - wanted.count(None)
                     for p0 in range(0, len(chunk), per):
                         piece = wanted[p0:p0 + per]
-                        for i, end, off in slot_runs(piece, self._stride):
+                        for i, end, off in slot_runs(piece, self.slot_stride_bytes):
                             self._copy(self._slots(off, end - i), self._blocks_of(src, (start + p0 + i) * bt, end - i),
                                        threads)
                         mine = [chunk[p0 + j] for j, o in enumerate(piece) if o is not None]
@@ -417,7 +429,7 @@ class KVStoreClient:
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
             with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
-                for i, end, off in slot_runs(r.offsets[:r.count], self._stride):
+                for i, end, off in slot_runs(r.offsets[:r.count], self.slot_stride_bytes):
                     self._copy(self._blocks_of(dst, (start + i) * bt, end - i), self._slots(off, end - i))
                 read += r.count
             if r.count < len(chunk):
@@ -445,16 +457,11 @@ class KVStoreClient:
         np.copyto(dst[:h], src[:h])
         f.result()
 
-    @property
-    def _stride(self) -> int:
-        """Distance between neighbouring slots of this namespace in the arena (bytes)."""
-        return -(-self.layout.block_bytes // 4096) * 4096
-
     def _slots(self, offset: int, n: int) -> np.ndarray:
         """``n`` neighbouring slots from ``offset`` as one ``[n, *block_shape]`` view."""
         shape = self._block_shape()
-        base = self.arena.buf[offset:offset + (n - 1) * self._stride + self.layout.block_bytes]
-        inner = np.lib.stride_tricks.as_strided(base, (n, self.layout.block_bytes), (self._stride, 1))
+        base = self.arena.buf[offset:offset + (n - 1) * self.slot_stride_bytes + self.layout.block_bytes]
+        inner = np.lib.stride_tricks.as_strided(base, (n, self.layout.block_bytes), (self.slot_stride_bytes, 1))
         return inner.reshape((n, *shape))
 
     def _blocks_of(self, t: np.ndarray, t0: int, n: int) -> np.ndarray:

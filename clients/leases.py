@@ -16,7 +16,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 if TYPE_CHECKING:
     from kvstore.clients.client import KVStoreClient
 
-RESERVED, PRESENT, BUSY = 0, 1, 2
+RESERVED = pb.SLOT_RESERVED  # WriteLease.states[i] of a slot to fill (the others: pb.SlotState)
 
 
 class KVStoreError(RuntimeError):

@@ -32,6 +32,7 @@ from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.sessions import Session, SessionEnd, SessionTable
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
+from kvstore.v1 import kvstore_pb2 as pb
 
 DRAM, NVME = TierKind.DRAM, TierKind.NVME
 
@@ -295,7 +296,7 @@ class Core:
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
         ns = s.ns
-        states = bytearray(len(keys))
+        states = bytearray([pb.SLOT_RESERVED] * len(keys))
         todo = []
         seen = set()
         for i, k in enumerate(keys):
@@ -306,7 +307,7 @@ class Core:
             if b is None:
                 todo.append(i)
             else:
-                states[i] = 1 if b.state is BlockState.COMMITTED else 2
+                states[i] = pb.SLOT_PRESENT if b.state is BlockState.COMMITTED else pb.SLOT_BUSY
         most = self.dram.max_slots(ns.block_bytes)
         if len(todo) > most:
             raise KVError(Code.RESOURCE_EXHAUSTED,
@@ -331,7 +332,7 @@ class Core:
                         self.pressure.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
-                                      transient=True)
+                                      transient=True, refusal=pb.REFUSAL_DRAM_DEMOTING)
                     if off is None:
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       f"DRAM tier full: {len(todo)} slots of {ns.block_bytes} bytes needed, "

@@ -21,6 +21,9 @@ BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 32
 
 
+_FIELD_TYPES = {"model_id": str, "layout": dict, "tp_rank": int, "tp_world": int, "tenant_salt": str}
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything that must keep two caches apart: model, layout, TP shard and tenant."""
@@ -37,11 +40,40 @@ class Namespace:
         if self.tp_world < 1 or not 0 <= self.tp_rank < self.tp_world:
             raise LayoutError(f"tp_rank: must be in [0, tp_world={self.tp_world}), got {self.tp_rank}")
 
+    def to_dict(self) -> dict:
+        """The namespace as plain JSON values; :meth:`from_dict` reads it back. The one form in
+        which a namespace is written down (NVMe recovery file, transfer headers, the hash)."""
+        return {"model_id": self.model_id, "layout": self.layout.to_dict(), "tp_rank": self.tp_rank,
+                "tp_world": self.tp_world, "tenant_salt": self.tenant_salt}
+
+    @classmethod
+    def from_dict(cls, d) -> "Namespace":
+        """Parse :meth:`to_dict`'s form, as read from a file or a peer. Every field is required
+        and an unknown one is refused (each is inside the hash: one dropped would name another
+        namespace). Raises :class:`LayoutError` (a ValueError) naming the bad field."""
+        if not isinstance(d, dict):
+            raise LayoutError(f"namespace: must be an object, got {type(d).__name__}")
+        unknown = set(d) - set(_FIELD_TYPES)
+        if unknown:
+            raise LayoutError(f"namespace.{sorted(unknown)[0]}: unknown field")
+        for name, kind in _FIELD_TYPES.items():
+            if name not in d:
+                raise LayoutError(f"namespace.{name}: missing")
+            if not isinstance(d[name], kind) or isinstance(d[name], bool):
+                raise LayoutError(f"namespace.{name}: must be {kind.__name__}, got {d[name]!r}")
+        try:
+            layout = KVLayout.from_dict(d["layout"])
+        except TypeError as e:  # a field of the wrong type that KVLayout's checks do not name
+            raise LayoutError(f"namespace.layout: {e}") from None
+        except LayoutError as e:
+            raise LayoutError(f"namespace.layout.{e}") from None
+        try:
+            return cls(d["model_id"], layout, d["tp_rank"], d["tp_world"], d["tenant_salt"])
+        except LayoutError as e:
+            raise LayoutError(f"namespace.{e}") from None
+
     def canonical(self) -> bytes:
-        return json.dumps({"v": 1, "model_id": self.model_id, "layout": self.layout.to_dict(),
-                           "block_format": BLOCK_FORMAT,
-                           "tp_rank": self.tp_rank, "tp_world": self.tp_world,
-                           "tenant_salt": self.tenant_salt}, sort_keys=True).encode()
+        return json.dumps({"v": 1, **self.to_dict(), "block_format": BLOCK_FORMAT}, sort_keys=True).encode()
 
     @property
     def root(self) -> bytes:

@@ -125,7 +125,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
             layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=c.lease_ttl_s,
             max_keys_per_request=c.max_keys, hbm_emulated=self.reporter.hbm_emulated,
-            durable_commit=self.durable_commit, session_ttl_s=c.session_ttl_s)
+            durable_commit=self.durable_commit, session_ttl_s=c.session_ttl_s,
+            slot_stride_bytes=self.core.dram.slot_stride(layout.block_bytes))
 
     def _count_sessions(self) -> None:
         """The sessions gauge at once (the reaper refreshes it after expiries); under the lock."""

@@ -24,7 +24,6 @@ from kvstore.core import Core, DramOnly, NsState
 from kvstore.errors import Code, KVError
 from kvstore.index import Block, BlockState
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
@@ -106,7 +105,11 @@ class Tiering:
             self._known_ns = {}
         core = self.core
         for hex_id, d in self._known_ns.items():
-            ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
+            try:
+                ns = Namespace.from_dict(d)
+            except ValueError as e:
+                log.error("%s: namespace %s unreadable (%s): its NVMe blocks are dropped", self._ns_file, hex_id[:16], e)
+                continue
             if ns.root.hex() == hex_id:
                 core.ns_state(ns)
         entries = sorted(self.nvme.entries(), key=lambda e: e.atime)
@@ -137,8 +140,7 @@ class Tiering:
         if hex_id in self._known_ns:
             return
         ns = st.ns
-        self._known_ns[hex_id] = {"model_id": ns.model_id, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
-                                  "tp_world": ns.tp_world, "tenant_salt": ns.tenant_salt}
+        self._known_ns[hex_id] = ns.to_dict()
         tmp = self._ns_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self._known_ns, f)

@@ -27,7 +27,6 @@ from kvstore.core import Core, Lease, LeaseKind, Session
 from kvstore.errors import Code, KVError
 from kvstore.index import BlockState
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
@@ -40,8 +39,7 @@ log = logging.getLogger("kvstore.transfer")
 
 
 def _ns_meta(ns: Namespace) -> bytes:
-    return json.dumps({"model_id": ns.model_id, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
-                       "tp_world": ns.tp_world, "tenant_salt": ns.tenant_salt}).encode()
+    return json.dumps(ns.to_dict()).encode()
 
 
 @dataclass(eq=False)
@@ -68,9 +66,8 @@ class DaemonSink:
 
     def begin(self, h: TransferHeader) -> "_Target":
         try:
-            d = json.loads(h.meta)
-            ns = Namespace(d["model_id"], KVLayout.from_dict(d["layout"]), d["tp_rank"], d["tp_world"], d["tenant_salt"])
-        except (ValueError, KeyError, TypeError) as e:
+            ns = Namespace.from_dict(json.loads(h.meta))
+        except ValueError as e:  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not a namespace
             raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: not a namespace: {e}") from None
         lay = ns.layout
         if h.chunk_bytes != lay.layer_chunk_bytes or h.n_layers != lay.num_layers:
@@ -86,7 +83,7 @@ class DaemonSink:
                 raise TransferError(TransferStatus.REFUSED, e.message) from None
             scratch = []
             for i, state in enumerate(states):
-                if state != 0:  # already here (or arriving): receive into a scratch slot
+                if state != pb.SLOT_RESERVED:  # already here (or arriving): receive into a scratch slot
                     off = core.allocate_slot(st)
                     if off is None:
                         for o in scratch:

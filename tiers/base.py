@@ -16,14 +16,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstore.v1 import kvstore_pb2 as pb
+
 
 class TierKind(enum.IntEnum):
-    """Matches ``kvstore.v1.Tier`` on the wire."""
+    """A tier; its value is the ``kvstore.v1.Tier`` the wire carries (TIER_UNSPECIFIED has none)."""
 
-    HBM = 1
-    DRAM = 2
-    NVME = 3
-    REMOTE = 4
+    HBM = pb.TIER_HBM
+    DRAM = pb.TIER_DRAM
+    NVME = pb.TIER_NVME
+    REMOTE = pb.TIER_REMOTE
 
 
 class TierError(RuntimeError):

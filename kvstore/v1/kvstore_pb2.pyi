@@ -19,6 +19,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
     REFUSAL_SESSION_UNKNOWN: _ClassVar[Refusal]
+    REFUSAL_DRAM_DEMOTING: _ClassVar[Refusal]
 
 class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ TIER_NVME: Tier
 TIER_REMOTE: Tier
 REFUSAL_UNSPECIFIED: Refusal
 REFUSAL_SESSION_UNKNOWN: Refusal
+REFUSAL_DRAM_DEMOTING: Refusal
 SLOT_RESERVED: SlotState
 SLOT_PRESENT: SlotState
 SLOT_BUSY: SlotState
@@ -99,7 +101,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_world: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., model_params: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit", "session_ttl_s")
+    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit", "session_ttl_s", "slot_stride_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class RegisterResponse(_message.Message):
     HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
     DURABLE_COMMIT_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SLOT_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_id: bytes
     arena_socket: str
@@ -122,7 +125,8 @@ class RegisterResponse(_message.Message):
     hbm_emulated: bool
     durable_commit: bool
     session_ttl_s: float
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+    slot_stride_bytes: int
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "keys")
