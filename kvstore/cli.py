@@ -26,7 +26,9 @@ def _setup_logging(level: str, as_json: bool) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, daemon_cls=None) -> int:
+    """``kvstore serve``. ``daemon_cls``: the daemon to run (default NodeDaemon; the tests run
+    subclasses that inject faults)."""
     from kvstore import config as C
     from kvstore.daemon import StartupError, run
 
@@ -41,7 +43,7 @@ def cmd_serve(args) -> int:
     _setup_logging(cfg.server.log_level, cfg.server.log_json)
     try:
         from kvstore.node import NodeDaemon
-        return run(cfg, NodeDaemon, args.config, C.cli_overrides(args))
+        return run(cfg, daemon_cls or NodeDaemon, args.config, C.cli_overrides(args))
     except (StartupError, C.ConfigError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
         return 1

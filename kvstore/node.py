@@ -11,6 +11,7 @@ import logging
 from kvstore.daemon import Daemon
 from kvstore.errors import Code, KVError
 from kvstore.tiers.base import TierKind, TierStats
+from kvstore.transport import Sender
 
 log = logging.getLogger("kvstore.node")
 
@@ -21,6 +22,7 @@ class NodeDaemon(Daemon):
     hbm = None
 
     transfers = None
+    transfer_sender = Sender  # the Sender class of the transfer service; tests put in a faulty one
 
     def start_extras(self) -> None:
         self._start_hbm()
@@ -29,7 +31,7 @@ class NodeDaemon(Daemon):
             from kvstore.transfer import TransferService
 
             try:
-                self.transfers = TransferService(self)
+                self.transfers = TransferService(self, self.transfer_sender)
                 self.transfer_address = self.transfers.start()
             except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
                 from kvstore.daemon import StartupError

@@ -174,7 +174,10 @@ def _reason(status: TransferStatus) -> str:
 
 
 class TransferService:
-    def __init__(self, daemon) -> None:
+    """``sender_cls``: what sends the daemon's transfers (a test passes a subclass of
+    :class:`Sender` that injects faults)."""
+
+    def __init__(self, daemon, sender_cls: type[Sender] = Sender) -> None:
         self.d = daemon
         self.core: Core = daemon.core
         self.metrics = daemon.metrics
@@ -187,10 +190,7 @@ class TransferService:
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))
-        self.sender = Sender(self.config)
-        corrupt = os.environ.get("KVSTORE_TESTING_CORRUPT_CHUNK")
-        if corrupt:  # fault-injection for the integrity tests: flip a byte of CHUNK frame N (a layer or a run)
-            self.sender.tamper = _corrupter(int(corrupt))
+        self.sender = sender_cls(self.config)
 
     def start(self) -> str:
         host, port = self.listener.start()
@@ -350,16 +350,3 @@ def run_layers(chunk_bytes: int, n_layers: int) -> int:
     bytes landed (cold, and not overlapped with the next message)."""
     return max(1, min(n_layers, RUN_BYTES // chunk_bytes))
 
-
-def _corrupter(n: int):
-    count = [0]
-
-    def tamper(frame, payload):
-        count[0] += 1
-        if count[0] != n:
-            return payload
-        bad = bytearray(payload)
-        bad[len(bad) // 2] ^= 0x01
-        return bytes(bad)
-
-    return tamper
