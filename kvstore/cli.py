@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the daemon", description=(
         "Run the kvstore daemon. Settings come from embedded defaults, then --config FILE (TOML), then "
-        "KVSTORE_<SECTION>_<KEY> environment variables, then these flags. Sizes take bytes or units "
-        "(KiB/MiB/GiB = 2^10/2^20/2^30 bytes, KB/MB/GB = 10^3/10^6/10^9 bytes); times are seconds."))
+        "KVSTORE_<SECTION>_<KEY> environment variables, then these flags. Sizes are bytes: a bare number "
+        "is bytes, or give a unit (KiB/MiB/GiB = 2^10/2^20/2^30 bytes, KB/MB/GB = 10^3/10^6/10^9 bytes; "
+        "unlike kvstore plan, where a bare size is GB); times are seconds."))
     s.add_argument("--config", help="TOML config file", default=None)
     s.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     C.add_cli_flags(s)

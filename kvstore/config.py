@@ -1,8 +1,9 @@
 """The daemon's one typed config: embedded defaults < TOML file < ``KVSTORE_*`` env < CLI flags.
 
-Every knob is a dataclass field whose name carries its unit (``_bytes``, ``_s``). Sizes accept
-``4GiB`` / ``512MB`` style strings (GiB = 2^30, GB = 10^9). A bad value is a :class:`ConfigError`
-naming the key (``dram.capacity_bytes``) before anything starts.
+Every knob is a dataclass field whose name carries its unit (``_bytes``, ``_s``). Sizes are
+bytes: a bare number is bytes, or ``4GiB`` / ``512MB`` style strings (GiB = 2^30, GB = 10^9; see
+:func:`parse_size`). A bad value is a :class:`ConfigError` naming the key
+(``dram.capacity_bytes``) before anything starts.
 
 Environment: ``KVSTORE_<SECTION>_<KEY>``, e.g. ``KVSTORE_DRAM_CAPACITY_BYTES=8GiB``.
 CLI: ``--<section>-<key>`` with dashes, e.g. ``--dram-capacity-bytes 8GiB``.
@@ -24,22 +25,30 @@ class ConfigError(ValueError):
     """A config value is invalid; the message starts with the dotted key."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-          "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4, "ki": 1024,
-          "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+GB = 10**9
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.I)
+# KiB = 2^10 bytes, KB = 10^3; a lone k/m/g/t (as in "4g") is binary.
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": GB, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from ``123``, ``64KiB``, ``4GiB``, ``1.5GB`` (GiB = 2^30 bytes, GB = 10^9 bytes)."""
+def parse_size(text: str | int, *, bare: int = 1) -> int:
+    """Bytes from ``123``, ``64KiB``, ``4GiB``, ``1.5GB`` (GiB = 2^30 bytes, GB = 10^9 bytes).
+
+    A bare number counts units of ``bare`` bytes: bytes (1) in the daemon's config, its flags
+    and the benchmarks; ``kvstore plan`` passes ``bare=GB``, as GPU memory is quoted in GB.
+    A negative size comes back negative: each caller states the range it accepts. Raises
+    ValueError for text that is not a size."""
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int):
-        return text
+        return text * bare
     m = _SIZE_RE.match(str(text))
-    if not m:
+    unit = m and (_UNITS.get(m.group(2).lower()) if m.group(2) else bare)
+    if not unit:
         raise ValueError(f"not a size: {text!r} (use bytes or a unit: KiB, MiB, GiB, KB, MB, GB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    return round(float(m.group(1)) * unit)
 
 
 def _default_runtime_dir() -> str:
@@ -215,7 +224,10 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
             raise ValueError(f"not a boolean: {value!r}")
         if want is int:
             if f.name.endswith("_bytes"):
-                return parse_size(value)
+                n = parse_size(value)  # a bare number is bytes, as the key's name says
+                if n < 0:
+                    raise ValueError(f"must be >= 0 bytes, got {value!r}")
+                return n
             if f.name.endswith("_mode") and isinstance(value, str):
                 return int(value, 8)
             if isinstance(value, float) or isinstance(value, bool):

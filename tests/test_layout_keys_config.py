@@ -93,3 +93,16 @@ def test_serve_help_documents_every_knob_with_its_unit():
         for f in __import__("dataclasses").fields(cls):
             assert f"--{section}-{f.name}".replace("_", "-") in out
     assert "(bytes" in out and "(seconds)" in out
+
+
+def test_a_bare_size_is_bytes_in_the_config_and_gb_only_in_plan():
+    from kvstore.plan import parse_plan_size
+
+    assert C.parse_size("4096") == C.parse_size(4096) == 4096
+    assert C.parse_size("80", bare=C.GB) == parse_plan_size("80") == 80 * 10**9
+    assert C.parse_size("4g") == C.parse_size("4 GiB") == parse_plan_size("4GiB") == 4 * 2**30
+    assert C.load(env={}, overrides={"dram.extent_bytes": "8192"}).dram.extent_bytes == 8192
+    with pytest.raises(ValueError, match=r"^not a size: '4 parsecs'"):
+        C.parse_size("4 parsecs")
+    with pytest.raises(C.ConfigError, match=r"^nvme\.file_bytes: must be >= 0 bytes, got '-1'"):
+        C.load(env={}, overrides={"nvme.file_bytes": "-1"})
