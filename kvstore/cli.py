@@ -32,6 +32,7 @@ def cmd_serve(args, daemon_cls=None) -> int:
     from kvstore import config as C
     from kvstore.daemon import StartupError, run
 
+    _setup_logging("info", False)  # until the config says how: loading it warns of deprecated keys
     try:
         cfg = C.load(args.config, overrides=C.cli_overrides(args))
     except C.ConfigError as e:

@@ -282,7 +282,7 @@ class Daemon:
         live = {("server", "lease_ttl_s"), ("server", "session_ttl_s"), ("server", "reaper_interval_s"),
                 ("server", "reserve_wait_s"), ("server", "max_keys_per_request"), ("server", "log_level"),
                 ("server", "shutdown_grace_s"),
-                ("nvme", "high_watermark"), ("nvme", "low_watermark"), ("nvme", "admit_after_hits"),
+                ("dram", "demote_high_watermark"), ("dram", "demote_low_watermark"), ("nvme", "admit_after_hits"),
                 ("policy", "prefill_tokens_per_s"), ("transport", "timeout_s")}
         changed, frozen = [], []
         for section, _ in C.sections():

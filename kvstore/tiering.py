@@ -51,6 +51,7 @@ class Tiering:
         self.core: Core = daemon.core
         self.nvme = nvme
         self.cfg = daemon.cfg.nvme
+        self.dram_cfg = daemon.cfg.dram  # the demotion watermarks
         self.metrics = daemon.metrics
         self.kick = threading.Event()
         self.stopping = threading.Event()
@@ -192,9 +193,9 @@ class Tiering:
         core, dram = self.core, self.core.dram
         with core.lock:
             used, cap = dram.alloc.used_bytes, dram.capacity_bytes
-            if used > self.cfg.high_watermark * cap or core.waiting_for_demotion:
+            if used > self.dram_cfg.demote_high_watermark * cap or core.waiting_for_demotion:
                 self.draining = True
-            want = max(used - int(self.cfg.low_watermark * cap), core.demand_bytes - (cap - used))
+            want = max(used - int(self.dram_cfg.demote_low_watermark * cap), core.demand_bytes - (cap - used))
             if not self.draining or want <= 0:
                 log.debug("demotion idle: used %d of %d, demand %d", used, cap, core.demand_bytes)
                 self.draining = False
