@@ -186,20 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="KV sizing and capacity planning from a model config", add_help=False)
     pl.add_argument("rest", nargs=argparse.REMAINDER)
-    pl.set_defaults(fn=_delegate("kvstore.plan"))
+    pl.set_defaults(fn=_delegate(DELEGATED[("plan",)]))
 
     b = sub.add_parser("bench", help="benchmarks against same-run references (raw paths, plain vLLM)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for name, module, help_ in (("store", "kvstore.bench.store", "put/get through the daemon vs memcpy; Lookup latency"),
-                                ("tiers", "kvstore.bench.tiers", "NVMe through the daemon vs fio; promotion latency"),
-                                ("transfer", "kvstore.transport.bench", "daemon-to-daemon transfer vs raw socket / ucx"),
-                                ("vllm", "kvstore.bench.vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
+    for name, help_ in (("store", "put/get through the daemon vs memcpy; Lookup latency"),
+                        ("tiers", "NVMe through the daemon vs fio; promotion latency"),
+                        ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
+                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
-        bb.set_defaults(fn=_delegate(module))
+        bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
     return p
 
 
+# Subcommands with parsers of their own, by the words that name them: main() hands them the rest
+# of the line; build_parser() lists them for --help.
 DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
              ("bench", "vllm"): "kvstore.bench.vllm"}

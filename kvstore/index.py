@@ -150,9 +150,5 @@ class Lru:
                 if live.get(id(b)) == seq:
                     heapq.heappush(self._heap, (b.tick, seq, b))
 
-    def order(self) -> list[Block]:
-        """Live blocks, least recent first (for tests and `kvstore ls`)."""
-        return sorted((b for _, seq, b in self._heap if self._live.get(id(b)) == seq), key=lambda b: b.tick)
-
     def __len__(self) -> int:
         return len(self._live)
