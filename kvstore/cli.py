@@ -26,10 +26,13 @@ def _setup_logging(level: str, as_json: bool) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, daemon_cls=None) -> int:
+    """``kvstore serve``. ``daemon_cls``: the daemon to run (default :class:`kvstore.daemon.Daemon`;
+    the tests run subclasses that inject faults)."""
     from kvstore import config as C
-    from kvstore.daemon import StartupError, run
+    from kvstore.daemon import Daemon, StartupError, run
 
+    _setup_logging("info", False)  # until the config says how: loading it warns of deprecated keys
     try:
         cfg = C.load(args.config, overrides=C.cli_overrides(args))
     except C.ConfigError as e:
@@ -40,7 +43,7 @@ def cmd_serve(args) -> int:
         return 0
     _setup_logging(cfg.server.log_level, cfg.server.log_json)
     try:
-        return run(cfg, config_path=args.config, cli_overrides=C.cli_overrides(args))
+        return run(cfg, daemon_cls or Daemon, args.config, C.cli_overrides(args))
     except (StartupError, C.ConfigError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
         return 1
@@ -160,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the daemon", description=(
         "Run the kvstore daemon. Settings come from embedded defaults, then --config FILE (TOML), then "
-        "KVSTORE_<SECTION>_<KEY> environment variables, then these flags. Sizes take bytes or units "
-        "(KiB/MiB/GiB = 2^10/2^20/2^30 bytes, KB/MB/GB = 10^3/10^6/10^9 bytes); times are seconds."))
+        "KVSTORE_<SECTION>_<KEY> environment variables, then these flags. Sizes are bytes: a bare number "
+        "is bytes, or give a unit (KiB/MiB/GiB = 2^10/2^20/2^30 bytes, KB/MB/GB = 10^3/10^6/10^9 bytes; "
+        "unlike kvstore plan, where a bare size is GB); times are seconds."))
     s.add_argument("--config", help="TOML config file", default=None)
     s.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     C.add_cli_flags(s)
@@ -181,20 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="KV sizing and capacity planning from a model config", add_help=False)
     pl.add_argument("rest", nargs=argparse.REMAINDER)
-    pl.set_defaults(fn=_delegate("kvstore.plan"))
+    pl.set_defaults(fn=_delegate(DELEGATED[("plan",)]))
 
     b = sub.add_parser("bench", help="benchmarks against same-run references (raw paths, plain vLLM)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for name, module, help_ in (("store", "kvstore.bench.store", "put/get through the daemon vs memcpy; Lookup latency"),
-                                ("tiers", "kvstore.bench.tiers", "NVMe through the daemon vs fio; promotion latency"),
-                                ("transfer", "kvstore.transport.bench", "daemon-to-daemon transfer vs raw socket / ucx"),
-                                ("vllm", "kvstore.bench.vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
+    for name, help_ in (("store", "put/get through the daemon vs memcpy; Lookup latency"),
+                        ("tiers", "NVMe through the daemon vs fio; promotion latency"),
+                        ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
+                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
-        bb.set_defaults(fn=_delegate(module))
+        bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
     return p
 
 
+# Subcommands with parsers of their own, by the words that name them: main() hands them the rest
+# of the line; build_parser() lists them for --help.
 DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
              ("bench", "vllm"): "kvstore.bench.vllm"}

@@ -1,8 +1,9 @@
 """The daemon's one typed config: embedded defaults < TOML file < ``KVSTORE_*`` env < CLI flags.
 
-Every knob is a dataclass field whose name carries its unit (``_bytes``, ``_s``). Sizes accept
-``4GiB`` / ``512MB`` style strings (GiB = 2^30, GB = 10^9). A bad value is a :class:`ConfigError`
-naming the key (``dram.capacity_bytes``) before anything starts.
+Every knob is a dataclass field whose name carries its unit (``_bytes``, ``_s``). Sizes are
+bytes: a bare number is bytes, or ``4GiB`` / ``512MB`` style strings (GiB = 2^30, GB = 10^9; see
+:func:`parse_size`). A bad value is a :class:`ConfigError` naming the key
+(``dram.capacity_bytes``) before anything starts.
 
 Environment: ``KVSTORE_<SECTION>_<KEY>``, e.g. ``KVSTORE_DRAM_CAPACITY_BYTES=8GiB``.
 CLI: ``--<section>-<key>`` with dashes, e.g. ``--dram-capacity-bytes 8GiB``.
@@ -11,6 +12,7 @@ CLI: ``--<section>-<key>`` with dashes, e.g. ``--dram-capacity-bytes 8GiB``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tempfile
@@ -20,26 +22,43 @@ from pathlib import Path
 from typing import Any
 
 
+log = logging.getLogger("kvstore.config")
+
+
 class ConfigError(ValueError):
     """A config value is invalid; the message starts with the dotted key."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-          "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4, "ki": 1024,
-          "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+# Keys that moved, old -> new (section, key): the old one still loads, as the new one, with a
+# deprecation warning. The watermarks are DRAM usage, so they left [nvme] for [dram].
+MOVED = {("nvme", "high_watermark"): ("dram", "demote_high_watermark"),
+         ("nvme", "low_watermark"): ("dram", "demote_low_watermark")}
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from ``123``, ``64KiB``, ``4GiB``, ``1.5GB`` (GiB = 2^30 bytes, GB = 10^9 bytes)."""
+GB = 10**9
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.I)
+# KiB = 2^10 bytes, KB = 10^3; a lone k/m/g/t (as in "4g") is binary.
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": GB, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int, *, bare: int = 1) -> int:
+    """Bytes from ``123``, ``64KiB``, ``4GiB``, ``1.5GB`` (GiB = 2^30 bytes, GB = 10^9 bytes).
+
+    A bare number counts units of ``bare`` bytes: bytes (1) in the daemon's config, its flags
+    and the benchmarks; ``kvstore plan`` passes ``bare=GB``, as GPU memory is quoted in GB.
+    A negative size comes back negative: each caller states the range it accepts. Raises
+    ValueError for text that is not a size."""
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int):
-        return text
+        return text * bare
     m = _SIZE_RE.match(str(text))
-    if not m:
+    unit = m and (_UNITS.get(m.group(2).lower()) if m.group(2) else bare)
+    if not unit:
         raise ValueError(f"not a size: {text!r} (use bytes or a unit: KiB, MiB, GiB, KB, MB, GB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    return round(float(m.group(1)) * unit)
 
 
 def _default_runtime_dir() -> str:
@@ -80,6 +99,8 @@ class DramConfig:
     extent_bytes: int = field(default=64 * 1024**2, metadata={"help": "arena is carved into extents of this size; largest block a namespace may have (bytes)"})
     prefault: bool = field(default=True, metadata={"help": "touch every arena page at start (first-touch faults are ~50x slower than copies)"})
     namespace_quota_bytes: int = field(default=0, metadata={"help": "most DRAM one namespace may hold; over it, it evicts its own blocks (bytes; 0 = no quota)"})
+    demote_high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe (with nvme.dir set)"})
+    demote_low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
 
 
 @dataclass
@@ -92,8 +113,6 @@ class MetricsConfig:
 class NvmeConfig:
     dir: str = field(default="", metadata={"help": "directory for data files and the LMDB index; empty = NVMe tier off"})
     capacity_bytes: int = field(default=16 * 1024**3, metadata={"help": "total size of the preallocated data files (bytes)"})
-    high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe"})
-    low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
     admit_after_hits: int = field(default=0, metadata={"help": "admission: demote only blocks looked up at least this many times (0 = all)"})
     namespace_quota_bytes: int = field(default=0, metadata={"help": "most NVMe space one namespace may hold; over it, its own least recent blocks go (bytes; 0 = no quota)"})
     durable_commit: bool = field(default=False, metadata={"help": "Commit returns only once the blocks are on NVMe (survive a crash); else they reach NVMe by demotion"})
@@ -174,8 +193,9 @@ class Config:
         _check(d.capacity_bytes <= total_ram_bytes(), "dram.capacity_bytes",
                f"exceeds physical RAM ({total_ram_bytes()} bytes)")
         _check(0 <= self.metrics.port < 65536, "metrics.port", "must be in [0, 65535]")
+        _check(0 < d.demote_low_watermark < d.demote_high_watermark <= 1, "dram.demote_low_watermark",
+               "need 0 < demote_low_watermark < demote_high_watermark <= 1")
         n = self.nvme
-        _check(0 < n.low_watermark < n.high_watermark <= 1, "nvme.low_watermark", "need 0 < low_watermark < high_watermark <= 1")
         _check(n.capacity_bytes > 0, "nvme.capacity_bytes", "must be > 0")
         _check(n.admit_after_hits >= 0, "nvme.admit_after_hits", "must be >= 0")
         _check(1 <= n.io_threads <= 256, "nvme.io_threads", "must be in [1, 256]")
@@ -219,7 +239,10 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
             raise ValueError(f"not a boolean: {value!r}")
         if want is int:
             if f.name.endswith("_bytes"):
-                return parse_size(value)
+                n = parse_size(value)  # a bare number is bytes, as the key's name says
+                if n < 0:
+                    raise ValueError(f"must be >= 0 bytes, got {value!r}")
+                return n
             if f.name.endswith("_mode") and isinstance(value, str):
                 return int(value, 8)
             if isinstance(value, float) or isinstance(value, bool):
@@ -250,10 +273,28 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     setattr(sec, key, _coerce(f"{section}.{key}", by_name[key], value))
 
 
+def _apply_source(cfg: Config, items: list[tuple[str, str, Any]], where: str, spell) -> None:
+    """Apply one source's ``(section, key, value)`` settings. A moved key (:data:`MOVED`) is
+    applied as its new one, with a warning that ``spell(section, key)`` names as the source
+    spells it; a source that sets both the old and the new key is refused."""
+    given = {(section, key) for section, key, _ in items}
+    for section, key, value in items:
+        new = MOVED.get((section, key))
+        if new is not None:
+            if new in given:
+                raise ConfigError(f"{section}.{key}: moved to {new[0]}.{new[1]}, which {where} also sets; "
+                                  f"remove {spell(section, key)}")
+            log.warning("%s: %s is deprecated, use %s (the old name still works for now)",
+                        where, spell(section, key), spell(*new))
+            section, key = new
+        _apply(cfg, section, key, value)
+
+
 def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
          overrides: dict[str, Any] | None = None) -> Config:
     """Build the config from defaults, then ``path`` (TOML), then ``env``, then ``overrides``
-    (``{"dram.capacity_bytes": "1GiB"}``); validate it; raise ConfigError naming the key."""
+    (``{"dram.capacity_bytes": "1GiB"}``, from the command line); validate it; raise
+    ConfigError naming the key. Logs a warning for each deprecated key (:data:`MOVED`)."""
     cfg = Config()
     if path:
         try:
@@ -265,9 +306,10 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{section}: expected a [{section}] table")
-            for key, value in table.items():
-                _apply(cfg, section, key, value)
+        _apply_source(cfg, [(section, key, value) for section, table in data.items() for key, value in table.items()],
+                      f"config file {path}", lambda section, key: f"[{section}] {key}")
     names = dict(sections())
+    from_env = []
     for var, value in (os.environ if env is None else env).items():
         if not var.startswith("KVSTORE_") or var in ("KVSTORE_CONFIG",):
             continue
@@ -275,11 +317,18 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
         section = next((s for s in names if rest.startswith(s + "_")), None)
         if section is None:
             continue  # other tools' KVSTORE_* variables are not ours to reject
-        _apply(cfg, section, rest[len(section) + 1:], value)
+        from_env.append((section, rest[len(section) + 1:], value))
+    _apply_source(cfg, from_env, "the environment", lambda section, key: f"KVSTORE_{section}_{key}".upper())
+    from_flags = []
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
-        _apply(cfg, section, key, value)
+        from_flags.append((section, key, value))
+    _apply_source(cfg, from_flags, "the command line", _flag)
     return cfg.validate()
+
+
+def _flag(section: str, key: str) -> str:
+    return f"--{section}-{key}".replace("_", "-")
 
 
 def add_cli_flags(parser) -> None:
@@ -289,9 +338,13 @@ def add_cli_flags(parser) -> None:
         for f in fields(cls):
             default = f.default
             shown = oct(default) if f.name.endswith("_mode") else default
-            group.add_argument(f"--{section}-{f.name}".replace("_", "-"), dest=f"cfg__{section}__{f.name}",
+            group.add_argument(_flag(section, f.name), dest=f"cfg__{section}__{f.name}",
                                default=None, metavar=f.name.rsplit("_", 1)[-1].upper() if "_" in f.name else "VALUE",
                                help=f"{f.metadata.get('help', '')} [default: {shown!r}]")
+        for (old_section, key), new in MOVED.items():
+            if old_section == section:
+                group.add_argument(_flag(section, key), dest=f"cfg__{section}__{key}", default=None,
+                                   metavar=key.rsplit("_", 1)[-1].upper(), help=f"deprecated: use {_flag(*new)}")
 
 
 def cli_overrides(args) -> dict[str, Any]:

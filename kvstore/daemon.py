@@ -40,6 +40,7 @@ from kvstore.stats import Reporter
 from kvstore.tiers.arena import SHMEM_THP, Arena, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
+from kvstore.transport import Sender
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.daemon")
@@ -91,6 +92,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 class Daemon:
+    transfer_sender = Sender  # the Sender class of the transfer service (a test subclass may corrupt frames)
+
     def __init__(self, cfg: Config, config_path: str | None = None, cli_overrides: dict | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
@@ -119,7 +122,7 @@ class Daemon:
         if nvme_copies is not None:
             from kvstore.tiering import Tiering
 
-            self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, metrics=self.metrics, policy=self.policy)
+            self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
         self.hbm_cache = None
         if hbm_copies is not None:
             from kvstore.hbm_cache import HbmCache
@@ -178,7 +181,8 @@ class Daemon:
         from kvstore.transfer import TransferService
 
         try:
-            return TransferService(self.core, self.cfg.transport, metrics=self.metrics, policy=self.policy)
+            return TransferService(self.core, self.cfg.transport, metrics=self.metrics, policy=self.policy,
+                                   sender_cls=self.transfer_sender)
         except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
             raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
                                f"listener on {self.cfg.transport.listen}: {e}") from None
@@ -275,7 +279,7 @@ class Daemon:
         live = {("server", "lease_ttl_s"), ("server", "session_ttl_s"), ("server", "reaper_interval_s"),
                 ("server", "reserve_wait_s"), ("server", "max_keys_per_request"), ("server", "log_level"),
                 ("server", "shutdown_grace_s"),
-                ("nvme", "high_watermark"), ("nvme", "low_watermark"), ("nvme", "admit_after_hits"),
+                ("dram", "demote_high_watermark"), ("dram", "demote_low_watermark"), ("nvme", "admit_after_hits"),
                 ("policy", "prefill_tokens_per_s"), ("transport", "timeout_s")}
         changed, frozen = [], []
         for section, _ in C.sections():

@@ -31,7 +31,7 @@ SCALE_NOTE = ("fp8: per-tensor fp32 scales (2 per layer, not per token); int8/in
               "scale per token per KV head for K and for V (MLA: one per token for the latent)")
 
 
-class ConfigError(LayoutError):
+class ModelConfigError(LayoutError):
     """A model config field is missing or out of range; the message names the field."""
 
 
@@ -40,11 +40,11 @@ def _int(d: Mapping[str, Any], key: str, source: str, *, required: bool = True, 
     value = d.get(key)
     if value is None:
         if required:
-            raise ConfigError(f"{key}: missing from {source}")
+            raise ModelConfigError(f"{key}: missing from {source}")
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{key}: must be {want}, got {value!r} in {source}")
+        raise ModelConfigError(f"{key}: must be {want}, got {value!r} in {source}")
     return value
 
 
@@ -99,15 +99,15 @@ class ModelConfig:
         with more GPUs than heads every GPU holds one head (replicated). MLA: 0 (its one latent
         is replicated on every GPU, see :meth:`gpu_layout`)."""
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ConfigError(f"tp: must be a positive integer, got {tp!r}")
+            raise ModelConfigError(f"tp: must be a positive integer, got {tp!r}")
         if self.is_mla:
             return 0
         if tp <= self.num_kv_heads:
             if self.num_kv_heads % tp:
-                raise ConfigError(f"tp: {tp} does not divide num_key_value_heads={self.num_kv_heads}")
+                raise ModelConfigError(f"tp: {tp} does not divide num_key_value_heads={self.num_kv_heads}")
             return self.num_kv_heads // tp
         if tp % self.num_kv_heads:
-            raise ConfigError(f"tp: {tp} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+            raise ModelConfigError(f"tp: {tp} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         return 1
 
     def gpu_layout(self, dtype: DType | str, tp: int, block_tokens: int = 16) -> KVLayout:
@@ -154,7 +154,7 @@ class ModelConfig:
 
     def _need(self, field: str, value: int) -> None:
         if value <= 0:
-            raise ConfigError(f"{field}: missing from the config of {self.name}; needed to count "
+            raise ModelConfigError(f"{field}: missing from the config of {self.name}; needed to count "
                               "parameters (or pass --params)")
 
     def _attn_params(self) -> int:
@@ -215,14 +215,14 @@ def _weight_dtype(d: Mapping[str, Any], source: str) -> DType:
     try:
         return DType.parse(text)
     except LayoutError:
-        raise ConfigError(f"torch_dtype: unknown weight dtype {text!r} in {source}") from None
+        raise ModelConfigError(f"torch_dtype: unknown weight dtype {text!r} in {source}") from None
 
 
 def from_hf(d: Mapping[str, Any], name: str = "config.json") -> ModelConfig:
     """Parse a Hugging Face ``config.json`` dict. Multimodal configs are read from their
-    ``text_config``. Raises :class:`ConfigError` naming the first bad or missing field."""
+    ``text_config``. Raises :class:`ModelConfigError` naming the first bad or missing field."""
     if not isinstance(d, Mapping):
-        raise ConfigError(f"config: expected a JSON object in {name}, got {type(d).__name__}")
+        raise ModelConfigError(f"config: expected a JSON object in {name}, got {type(d).__name__}")
     if "num_hidden_layers" not in d and isinstance(d.get("text_config"), Mapping):
         d = {**d["text_config"], **{k: d[k] for k in ("torch_dtype", "quantization_config") if k in d}}
     src = name
@@ -237,12 +237,12 @@ def from_hf(d: Mapping[str, Any], name: str = "config.json") -> ModelConfig:
     elif d.get("head_dim") is not None:
         head_dim = _int(d, "head_dim", src)
     elif hidden % heads:
-        raise ConfigError(f"head_dim: missing from {src} and hidden_size={hidden} is not a "
+        raise ModelConfigError(f"head_dim: missing from {src} and hidden_size={hidden} is not a "
                           f"multiple of num_attention_heads={heads}")
     else:
         head_dim = hidden // heads
     if not mla and heads % kv_heads:
-        raise ConfigError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads={heads} in {src}")
+        raise ModelConfigError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads={heads} in {src}")
     experts = _int(d, "n_routed_experts", src, required=False) or _int(d, "num_local_experts", src, required=False)
     moe_inter = _int(d, "moe_intermediate_size", src, required=False)
     inter = _int(d, "intermediate_size", src, required=False)
@@ -278,9 +278,9 @@ def load_config(path: str | Path) -> ModelConfig:
     try:
         data = json.loads(p.read_text())
     except OSError as e:
-        raise ConfigError(f"config: cannot read {p}: {e.strerror or e}") from None
+        raise ModelConfigError(f"config: cannot read {p}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"config: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise ModelConfigError(f"config: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     return from_hf(data, str(p))
 
 
@@ -295,6 +295,6 @@ def load_preset(name: str) -> ModelConfig:
     key = str(name).lower()
     names = preset_names()
     if key not in names:
-        raise ConfigError(f"preset: unknown preset {name!r}; known: {', '.join(names)}")
+        raise ModelConfigError(f"preset: unknown preset {name!r}; known: {', '.join(names)}")
     text = resources.files(PRESET_PACKAGE).joinpath(f"{key}.json").read_text()
     return from_hf(json.loads(text), f"preset {key}")

@@ -17,11 +17,11 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from kvstore.config import GB, parse_size
 from kvstore.layout import DType, LayoutError
 from kvstore.modelcfg import SCALE_NOTE, ModelConfig, load_config, load_preset, preset_names
 from kvstore.policy import LoadPolicyConfig, PrefillCostModel
 
-GB = 10**9
 GIB = 2**30
 UNITS = "B = bytes; GB = 10^9 B; GiB = 2^30 B; GB/s = 10^9 B/s; Gbit/s = 10^9 bit/s"
 SIZE_DTYPES = (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.INT8, DType.INT4)
@@ -39,8 +39,6 @@ ASSUMPTIONS = (
 DEFAULT_LINKS = (("pcie4-x16", 25e9), ("pcie5-x16", 50e9), ("nvme-gen4", 7e9),
                  ("ib-ndr-400g", 50e9), ("eth-100g", 12.5e9))
 
-_SIZE_UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": GIB, "tib": 2**40}
 _RATE_UNITS = {"": GB, "B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
                "KiB/s": 2**10, "MiB/s": 2**20, "GiB/s": 2**30,
                "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
@@ -52,16 +50,17 @@ class PlanError(ValueError):
     """A plan input is out of range; the message names the option."""
 
 
-def parse_size(text: str, name: str = "size", *, allow_zero: bool = False) -> int:
-    """Bytes from ``80``, ``80GB``, ``80GiB``, ``512MiB`` (bare number: GB = 10^9 B)."""
-    m = _NUMBER.match(str(text))
-    unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
-    if unit is None:
-        raise PlanError(f"{name}: cannot read size {text!r}; use e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
-    value = float(m.group(1)) * unit
+def parse_plan_size(text: str, name: str = "size", *, allow_zero: bool = False) -> int:
+    """Bytes from a size option: ``80``, ``80GB``, ``80GiB``, ``512MiB``. Unlike the daemon's
+    config, where a bare number is bytes, a bare number here is GB (10^9 B): GPU memory is
+    quoted in GB. The grammar is :func:`kvstore.config.parse_size`'s."""
+    try:
+        value = parse_size(text, bare=GB)
+    except ValueError:
+        raise PlanError(f"{name}: cannot read size {text!r}; use e.g. 80GB (10^9 B) or 80GiB (2^30 B)") from None
     if value < 0 or (value == 0 and not allow_zero):
         raise PlanError(f"{name}: must be > 0, got {text!r}")
-    return round(value)
+    return value
 
 
 def parse_rate(text: str, name: str = "rate") -> float:
@@ -319,7 +318,9 @@ def render(r: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvstore plan", description="KV sizing and capacity planning. " + UNITS)
+    ap = argparse.ArgumentParser(prog="kvstore plan", description=(
+        f"KV sizing and capacity planning. {UNITS}. A bare number is GB for a size (unlike kvstore serve, "
+        "where it is bytes) and GB/s for a rate; k after a token count is 1024 tokens."))
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", help="shipped model config (see --list-presets)")
     src.add_argument("--config", help="path to a Hugging Face config.json")
@@ -367,9 +368,9 @@ def _options(a: argparse.Namespace) -> PlanOptions:
     return PlanOptions(
         kv_dtype=dtype("--kv-dtype", a.kv_dtype),
         weight_dtype=dtype("--weight-dtype", a.weight_dtype) if a.weight_dtype else None,
-        block_tokens=parse_tokens(a.block_tokens, "--block-tokens"), gpu_mem_bytes=parse_size(a.gpu_mem, "--gpu-mem"),
+        block_tokens=parse_tokens(a.block_tokens, "--block-tokens"), gpu_mem_bytes=parse_plan_size(a.gpu_mem, "--gpu-mem"),
         tp=a.tp,
-        overhead_bytes=parse_size(a.overhead, "--overhead", allow_zero=True),
+        overhead_bytes=parse_plan_size(a.overhead, "--overhead", allow_zero=True),
         context_tokens=parse_tokens(a.context, "--context"), mean_tokens=opt(a.mean_len, "--mean-len"),
         mean_prompt_tokens=opt(a.mean_prompt, "--mean-prompt"),
         shared_prefix_tokens=parse_tokens(a.shared_prefix, "--shared-prefix"), hit_rate=a.hit_rate,
@@ -392,7 +393,7 @@ def main(argv: list[str]) -> int:
             raise PlanError("--preset or --config: one is required (see --list-presets)")
         model = load_preset(args.preset) if args.preset else load_config(args.config)
         report = build_plan(model, _options(args))
-    except ValueError as e:  # LayoutError, ConfigError and PlanError are ValueErrors
+    except ValueError as e:  # LayoutError, ModelConfigError and PlanError are ValueErrors
         print(f"kvstore plan: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -44,8 +44,9 @@ DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
 }
 
 
-class Outcome(enum.Enum):
-    """What the decision is; values match the ``decision`` label of kvstore_policy_decisions."""
+class LoadChoice(enum.Enum):
+    """Load-or-recompute for one matched prefix (:attr:`Decision.outcome`); values match the
+    ``decision`` label of kvstore_policy_decisions."""
 
     LOAD = "load"            # load every matched block
     PARTIAL = "partial"      # load a leading part, recompute the rest
@@ -272,7 +273,7 @@ class PrefillCostModel:
 class Decision:
     """Answer for one matched prefix. Times are estimates in seconds."""
 
-    outcome: Outcome
+    outcome: LoadChoice
     load_blocks: int
     load_tokens: int
     matched_tokens: int
@@ -306,7 +307,7 @@ class LoadPolicy:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or LoadPolicyConfig()
         self.bandwidth = BandwidthEstimator(self.config, clock=clock)
-        self.counts: dict[Outcome, int] = {o: 0 for o in Outcome}
+        self.counts: dict[LoadChoice, int] = {o: 0 for o in LoadChoice}
 
     def observe(self, path: object, nbytes: int, seconds: float) -> None:
         """Record a finished transfer on ``path`` (see :meth:`BandwidthEstimator.observe`)."""
@@ -352,8 +353,8 @@ class LoadPolicy:
         step = np.repeat(per_block_s, n_arr) + opens * np.repeat(latency_s, n_arr)
         matched = blocks * block_tokens
         if blocks == 0:
-            self.counts[Outcome.NONE] += 1
-            return Decision(Outcome.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
+            self.counts[LoadChoice.NONE] += 1
+            return Decision(LoadChoice.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
         load = np.concatenate([[0.0], np.cumsum(step)])            # load[j]: first j blocks
         starts = np.arange(blocks + 1, dtype=np.float64) * block_tokens
         recompute = (cost.linear_flops_per_token * (matched - starts) + cost.attn_flops_per_pair
@@ -361,7 +362,7 @@ class LoadPolicy:
         total = load + recompute
         slowest = min((ests[k] for k in used), key=lambda e: e.bytes_per_s)
         best = int(blocks - np.argmin(total[::-1]))                # last minimum: ties load more
-        outcome = Outcome.LOAD if best == blocks else Outcome.RECOMPUTE if best == 0 else Outcome.PARTIAL
+        outcome = LoadChoice.LOAD if best == blocks else LoadChoice.RECOMPUTE if best == 0 else LoadChoice.PARTIAL
         self.counts[outcome] += 1
         reason = (f"{outcome.value}: load {best}/{blocks} blocks in {load[best] * 1e3:.3f} ms + "
                   f"recompute {matched - best * block_tokens} tokens in {recompute[best] * 1e3:.3f} ms; "

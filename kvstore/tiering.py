@@ -19,7 +19,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from kvstore.config import NvmeConfig
+from kvstore.config import DramConfig, NvmeConfig
 from kvstore.core import Core, DramOnly, NsState
 from kvstore.errors import Code, KVError
 from kvstore.index import Block, BlockState
@@ -76,11 +76,12 @@ class NvmeCopies(DramOnly):
 class Tiering:
     """The demoter thread, promotions and prefetches between the core's DRAM tier and NVMe."""
 
-    def __init__(self, core: Core, copies: NvmeCopies, cfg: NvmeConfig, *, metrics: Metrics,
-                 policy: LoadPolicy) -> None:
+    def __init__(self, core: Core, copies: NvmeCopies, cfg: NvmeConfig, dram_cfg: DramConfig, *,
+                 metrics: Metrics, policy: LoadPolicy) -> None:
         self.core = core
         self.nvme = copies.nvme
         self.cfg = cfg
+        self.dram_cfg = dram_cfg  # the demotion watermarks
         self.metrics = metrics
         self.policy = policy
         self.kick = copies.kick
@@ -193,9 +194,9 @@ class Tiering:
         core, dram = self.core, self.core.dram
         with core.lock:
             used, cap = dram.alloc.used_bytes, dram.capacity_bytes
-            if used > self.cfg.high_watermark * cap or core.pressure.waiting:
+            if used > self.dram_cfg.demote_high_watermark * cap or core.pressure.waiting:
                 self.draining = True
-            want = max(used - int(self.cfg.low_watermark * cap), core.pressure.demand_bytes - (cap - used))
+            want = max(used - int(self.dram_cfg.demote_low_watermark * cap), core.pressure.demand_bytes - (cap - used))
             if not self.draining or want <= 0:
                 log.debug("demotion idle: used %d of %d, demand %d", used, cap, core.pressure.demand_bytes)
                 self.draining = False

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from array import array
@@ -170,9 +169,12 @@ def _reason(status: TransferStatus) -> str:
 
 
 class TransferService:
-    """The daemon's transfer listener (receiving: :class:`DaemonSink`) and its sender."""
+    """The daemon's transfer listener (receiving: :class:`DaemonSink`) and its sender.
+    ``sender_cls``: what sends the daemon's transfers (a test passes a subclass of
+    :class:`Sender` that injects faults)."""
 
-    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy) -> None:
+    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy,
+                 sender_cls: type[Sender] = Sender) -> None:
         self.core = core
         self.metrics = metrics
         self.policy = policy
@@ -184,10 +186,7 @@ class TransferService:
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))
-        self.sender = Sender(self.config)
-        corrupt = os.environ.get("KVSTORE_TESTING_CORRUPT_CHUNK")
-        if corrupt:  # fault-injection for the integrity tests: flip a byte of CHUNK frame N (a layer or a run)
-            self.sender.tamper = _corrupter(int(corrupt))
+        self.sender = sender_cls(self.config)
 
     def start(self) -> str:
         host, port = self.listener.start()
@@ -347,16 +346,3 @@ def run_layers(chunk_bytes: int, n_layers: int) -> int:
     bytes landed (cold, and not overlapped with the next message)."""
     return max(1, min(n_layers, RUN_BYTES // chunk_bytes))
 
-
-def _corrupter(n: int):
-    count = [0]
-
-    def tamper(frame, payload):
-        count[0] += 1
-        if count[0] != n:
-            return payload
-        bad = bytearray(payload)
-        bad[len(bad) // 2] ^= 0x01
-        return bytes(bad)
-
-    return tamper

@@ -59,11 +59,13 @@ class DaemonProc:
 def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | None = None,
                  socket_path: str | None = None, metrics_port: int | None = None,
                  name: str = "kvstore", prefix: list[str] | None = None,
-                 transfer: str | None = None, transfer_addr: str | None = None) -> DaemonProc:
+                 transfer: str | None = None, transfer_addr: str | None = None,
+                 launcher: list[str] | None = None) -> DaemonProc:
     """Run ``python -m kvstore serve`` with a private socket, a small DRAM tier and a free metrics
     port; with ``transfer`` (a backend) also a transfer listener on ``transfer_addr``, else on a
     free loopback port. A port picked here that something else takes before the daemon binds it
-    (the daemon then exits saying so) is picked again."""
+    (the daemon then exits saying so) is picked again. ``launcher`` replaces ``python -m kvstore``
+    (e.g. tests/faulty_daemon.py's, for a daemon with injected faults)."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock = socket_path or str(workdir / f"{name}.sock")
     log_path = workdir / f"{name}.log"
@@ -72,7 +74,7 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "64MiB", env: dict | No
         port = metrics_port or free_port()
         addr = (transfer_addr or f"127.0.0.1:{free_port()}") if transfer else ""
         listen = ["--transport-listen", addr, "--transport-backend", transfer] if transfer else []
-        args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock,
+        args = [*(launcher or [sys.executable, "-m", "kvstore"]), "serve", "--server-socket-path", sock,
                 "--dram-capacity-bytes", dram, "--dram-extent-bytes", "4MiB", "--metrics-port", str(port),
                 "--metrics-host", "127.0.0.1", *listen, *extra]
         logged = log_path.stat().st_size if log_path.exists() else 0

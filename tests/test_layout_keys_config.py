@@ -7,8 +7,10 @@ import sys
 import pytest
 
 from kvstore import config as C
+from kvstore.cli import build_parser
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import BLOCK_FORMAT, KVLayout, LayoutError
+from kvstore.plan import parse_plan_size
 
 
 def test_exact_sizes():
@@ -93,3 +95,42 @@ def test_serve_help_documents_every_knob_with_its_unit():
         for f in __import__("dataclasses").fields(cls):
             assert f"--{section}-{f.name}".replace("_", "-") in out
     assert "(bytes" in out and "(seconds)" in out
+
+
+def test_a_bare_size_is_bytes_in_the_config_and_gb_only_in_plan():
+    assert C.parse_size("4096") == C.parse_size(4096) == 4096
+    assert C.parse_size("80", bare=C.GB) == parse_plan_size("80") == 80 * 10**9
+    assert C.parse_size("4g") == C.parse_size("4 GiB") == parse_plan_size("4GiB") == 4 * 2**30
+    assert C.load(env={}, overrides={"dram.extent_bytes": "8192"}).dram.extent_bytes == 8192
+    with pytest.raises(ValueError, match=r"^not a size: '4 parsecs'"):
+        C.parse_size("4 parsecs")
+    with pytest.raises(C.ConfigError, match=r"^nvme\.file_bytes: must be >= 0 bytes, got '-1'"):
+        C.load(env={}, overrides={"nvme.file_bytes": "-1"})
+
+
+def test_the_demotion_watermarks_are_dram_keys_and_the_old_nvme_ones_still_load(tmp_path, caplog):
+    cfg = C.load(env={})
+    assert (cfg.dram.demote_high_watermark, cfg.dram.demote_low_watermark) == (0.90, 0.75)
+    assert not hasattr(cfg.nvme, "high_watermark") and "demote_high_watermark = 0.9" in C.to_toml(cfg)
+    f = tmp_path / "old.toml"
+    f.write_text("[nvme]\nhigh_watermark = 0.8\nlow_watermark = 0.5\n")
+    with caplog.at_level("WARNING", logger="kvstore.config"):
+        cfg = C.load(f, env={"KVSTORE_NVME_LOW_WATERMARK": "0.6"})
+    assert (cfg.dram.demote_high_watermark, cfg.dram.demote_low_watermark) == (0.8, 0.6)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"config file {f}: [nvme] high_watermark is deprecated, use [dram] demote_high_watermark "
+                    "(the old name still works for now)",
+                    f"config file {f}: [nvme] low_watermark is deprecated, use [dram] demote_low_watermark "
+                    "(the old name still works for now)",
+                    "the environment: KVSTORE_NVME_LOW_WATERMARK is deprecated, use KVSTORE_DRAM_DEMOTE_LOW_WATERMARK "
+                    "(the old name still works for now)"]
+    # The command line: old flags parse, and a new key set later wins as any later source does.
+    args = C.cli_overrides(build_parser().parse_args(["serve", "--nvme-high-watermark", "0.95"]))
+    assert C.load(f, env={}, overrides=args).dram.demote_high_watermark == 0.95
+    assert C.load(f, env={}, overrides={"dram.demote_high_watermark": "0.7"}).dram.demote_high_watermark == 0.7
+    f.write_text("[nvme]\nhigh_watermark = 0.8\n[dram]\ndemote_high_watermark = 0.85\n")
+    with pytest.raises(C.ConfigError, match=r"^nvme\.high_watermark: moved to dram\.demote_high_watermark, which "
+                                            r"config file .* also sets; remove \[nvme\] high_watermark"):
+        C.load(f, env={})
+    with pytest.raises(C.ConfigError, match=r"^dram\.demote_low_watermark: need 0 < demote_low_watermark < "):
+        C.load(env={}, overrides={"dram.demote_low_watermark": "0.95"})

@@ -54,7 +54,8 @@ def test_sighup_reloads_live_settings_and_json_logs(tmp_path):
         c = KVStoreClient(d.socket_path)
         c.register(KVLayout(2, 2, 64, "fp16"), "m")
         assert c.info.lease_ttl_s == 30
-        cfg.write_text("[server]\nlease_ttl_s = 2.5\nlog_json = true\ngrpc_workers = 3\n")
+        cfg.write_text("[server]\nlease_ttl_s = 2.5\nlog_json = true\ngrpc_workers = 3\n"
+                       "[dram]\ndemote_high_watermark = 0.95\n")
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
         while "reloaded config" not in d.log() and time.monotonic() < deadline:
@@ -64,6 +65,7 @@ def test_sighup_reloads_live_settings_and_json_logs(tmp_path):
         lines = [json.loads(x) for x in d.log().splitlines() if x.startswith("{")]
         reload = [x for x in lines if "reloaded config" in x["msg"]]
         assert reload and "server.lease_ttl_s" in reload[0]["msg"] and "server.grpc_workers" in reload[0]["msg"]
+        assert "dram.demote_high_watermark" in reload[0]["msg"].split("need a restart")[0]  # changed live
         cfg.write_text("[server]\nlease_ttl_s = -1\n")
         d.proc.send_signal(signal.SIGHUP)
         while "reload refused" not in d.log() and time.monotonic() < deadline + 10:

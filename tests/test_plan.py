@@ -11,8 +11,8 @@ import math
 import pytest
 
 from kvstore.layout import DType, LayoutError
-from kvstore.modelcfg import ConfigError, from_hf, load_config, load_preset, preset_names
-from kvstore.plan import (GB, GIB, PlanError, PlanOptions, build_plan, main, parse_rate, parse_size,
+from kvstore.modelcfg import ModelConfigError, from_hf, load_config, load_preset, preset_names
+from kvstore.plan import (GB, GIB, PlanError, PlanOptions, build_plan, main, parse_plan_size, parse_rate,
                           parse_tokens)
 from kvstore.policy import PrefillCostModel
 
@@ -141,7 +141,7 @@ def test_missing_kv_heads_means_mha_and_text_config_is_read():
 @pytest.mark.parametrize("field", ["num_hidden_layers", "num_attention_heads", "hidden_size"])
 def test_config_missing_field_is_named(field):
     cfg = {k: v for k, v in BASE.items() if k != field}
-    with pytest.raises(ConfigError, match=rf"^{field}: missing"):
+    with pytest.raises(ModelConfigError, match=rf"^{field}: missing"):
         from_hf(cfg)
 
 
@@ -149,33 +149,33 @@ def test_config_missing_field_is_named(field):
                                          ("num_hidden_layers", 0), ("hidden_size", "4096"),
                                          ("head_dim", -128), ("num_attention_heads", True)])
 def test_config_bad_value_is_named(field, value):
-    with pytest.raises(ConfigError, match=rf"^{field}: must be a positive integer, got {value!r}"):
+    with pytest.raises(ModelConfigError, match=rf"^{field}: must be a positive integer, got {value!r}"):
         from_hf({**BASE, field: value})
 
 
 def test_config_inconsistent_fields_are_named():
-    with pytest.raises(ConfigError, match=r"^num_key_value_heads: 5 does not divide num_attention_heads=32"):
+    with pytest.raises(ModelConfigError, match=r"^num_key_value_heads: 5 does not divide num_attention_heads=32"):
         from_hf({**BASE, "num_key_value_heads": 5})
-    with pytest.raises(ConfigError, match=r"^head_dim: missing .* hidden_size=4100 is not a multiple"):
+    with pytest.raises(ModelConfigError, match=r"^head_dim: missing .* hidden_size=4100 is not a multiple"):
         from_hf({**BASE, "hidden_size": 4100})
     mla = {**BASE, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "v_head_dim": 128}
-    with pytest.raises(ConfigError, match=r"^qk_rope_head_dim: missing"):
+    with pytest.raises(ModelConfigError, match=r"^qk_rope_head_dim: missing"):
         from_hf(mla)
-    with pytest.raises(ConfigError, match=r"^torch_dtype: unknown weight dtype 'float7'"):
+    with pytest.raises(ModelConfigError, match=r"^torch_dtype: unknown weight dtype 'float7'"):
         from_hf({**BASE, "torch_dtype": "float7"})
-    with pytest.raises(ConfigError, match=r"^tp: 3 does not divide num_key_value_heads=8"):
+    with pytest.raises(ModelConfigError, match=r"^tp: 3 does not divide num_key_value_heads=8"):
         from_hf(BASE).kv_heads_per_gpu(3)
 
 
 def test_param_count_needs_its_fields():
     m = from_hf({k: v for k, v in BASE.items() if k != "intermediate_size"})
     assert m.layout("bf16").bytes_per_token == 131_072   # KV sizing still works
-    with pytest.raises(ConfigError, match=r"^intermediate_size: missing"):
+    with pytest.raises(ModelConfigError, match=r"^intermediate_size: missing"):
         m.params()
 
 
 def test_unknown_preset_and_dtype():
-    with pytest.raises(ConfigError, match=r"^preset: unknown preset 'llama-9'; known: .*llama-3-70b"):
+    with pytest.raises(ModelConfigError, match=r"^preset: unknown preset 'llama-9'; known: .*llama-3-70b"):
         load_preset("llama-9")
     with pytest.raises(LayoutError, match=r"^dtype: unknown KV dtype 'fp6'"):
         load_preset("llama-3-70b").layout("fp6")
@@ -184,12 +184,12 @@ def test_unknown_preset_and_dtype():
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match=r"^config: .* is not valid JSON"):
+    with pytest.raises(ModelConfigError, match=r"^config: .* is not valid JSON"):
         load_config(bad)
-    with pytest.raises(ConfigError, match=r"^config: cannot read"):
+    with pytest.raises(ModelConfigError, match=r"^config: cannot read"):
         load_config(tmp_path / "absent.json")
     bad.write_text(json.dumps({**BASE, "num_hidden_layers": None}))
-    with pytest.raises(ConfigError, match=rf"^num_hidden_layers: missing from {bad}"):
+    with pytest.raises(ModelConfigError, match=rf"^num_hidden_layers: missing from {bad}"):
         load_config(bad)
 
 
@@ -270,13 +270,13 @@ def test_options_errors_name_the_option():
 
 
 def test_unit_parsing():
-    assert parse_size("80GB") == parse_size("80") == 80_000_000_000
-    assert parse_size("80GiB") == 85_899_345_920 and parse_size("512MiB") == 536_870_912
+    assert parse_plan_size("80GB") == parse_plan_size("80") == 80_000_000_000
+    assert parse_plan_size("80GiB") == 85_899_345_920 and parse_plan_size("512MiB") == 536_870_912
     assert parse_rate("400Gbit/s") == parse_rate("400Gbps") == 50e9
     assert parse_rate("25GB/s") == parse_rate("25") == 25e9 and parse_rate("1GiB/s") == 2**30
     assert parse_tokens("4k") == 4096 and parse_tokens("131072") == 131_072
     with pytest.raises(PlanError, match=r"^--gpu-mem: cannot read size '80 parsecs'"):
-        parse_size("80 parsecs", "--gpu-mem")
+        parse_plan_size("80 parsecs", "--gpu-mem")
     with pytest.raises(PlanError, match=r"^--link: cannot read rate '10Gb'"):
         parse_rate("10Gb", "--link")
 

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from kvstore.modelcfg import load_preset
-from kvstore.policy import (BandwidthEstimator, LoadPolicy, LoadPolicyConfig, Outcome, PrefillCostModel,
+from kvstore.policy import (BandwidthEstimator, LoadPolicy, LoadPolicyConfig, LoadChoice, PrefillCostModel,
                             normalize_path, runs_of)
 
 MIB = 2**20
@@ -213,8 +213,8 @@ def test_decision_flips_at_the_bandwidth_crossover():
         p.observe("nvme", MIB, MIB / (crossover * factor))
         answers[factor] = p.decide([("nvme", 8)], block_tokens=16, block_bytes=MIB, cost=cost)
     slow, fast = answers[0.999], answers[1.001]
-    assert (slow.outcome, slow.load_blocks, slow.load_tokens) == (Outcome.RECOMPUTE, 0, 0)
-    assert (fast.outcome, fast.load_blocks, fast.load_tokens) == (Outcome.LOAD, 8, 128)
+    assert (slow.outcome, slow.load_blocks, slow.load_tokens) == (LoadChoice.RECOMPUTE, 0, 0)
+    assert (fast.outcome, fast.load_blocks, fast.load_tokens) == (LoadChoice.LOAD, 8, 128)
     assert fast.load_s == pytest.approx(8 * 16 / 10_000 / 1.001, rel=1e-9)
     assert fast.recompute_s == 0.0 and fast.all_recompute_s == pytest.approx(128 / 10_000, rel=1e-12)
     assert slow.recompute_s == pytest.approx(128 / 10_000, rel=1e-12) and slow.load_s == 0.0
@@ -233,8 +233,8 @@ def test_decision_flips_at_the_prefix_length_crossover():
     p.observe("nvme", MIB, MIB / bw)
     below = p.decide({"nvme": b_star - 1}, block_tokens=16, block_bytes=MIB, cost=cost)
     at = p.decide({"nvme": b_star}, block_tokens=16, block_bytes=MIB, cost=cost)
-    assert (below.outcome, below.load_blocks) == (Outcome.RECOMPUTE, 0)
-    assert (at.outcome, at.load_blocks, at.matched_tokens) == (Outcome.LOAD, 39, 624)
+    assert (below.outcome, below.load_blocks) == (LoadChoice.RECOMPUTE, 0)
+    assert (at.outcome, at.load_blocks, at.matched_tokens) == (LoadChoice.LOAD, 39, 624)
     assert at.all_load_s <= at.all_recompute_s and below.all_load_s > below.all_recompute_s
 
 
@@ -246,7 +246,7 @@ def test_degrading_a_tier_moves_the_answer_toward_recompute():
     p.observe("dram", MIB, MIB / 10e9)
     p.observe("nvme", MIB, MIB / 5e9)
     first = p.decide(runs, block_tokens=16, block_bytes=MIB, cost=cost)
-    assert (first.outcome, first.load_blocks) == (Outcome.LOAD, 64)
+    assert (first.outcome, first.load_blocks) == (LoadChoice.LOAD, 64)
     loads = []
     for _ in range(20):                                  # NVMe degrades to 0.5 GB/s
         clock.advance(1.0)
@@ -254,16 +254,16 @@ def test_degrading_a_tier_moves_the_answer_toward_recompute():
         loads.append(p.decide(runs, block_tokens=16, block_bytes=MIB, cost=cost).load_blocks)
     assert loads == sorted(loads, reverse=True) and loads[0] == 64 and loads[-1] == 32
     partial = p.decide(runs, block_tokens=16, block_bytes=MIB, cost=cost)
-    assert partial.outcome is Outcome.PARTIAL and partial.load_tokens == 512
+    assert partial.outcome is LoadChoice.PARTIAL and partial.load_tokens == 512
     assert partial.load_s == pytest.approx(32 * MIB / 10e9, rel=1e-9)
     assert partial.recompute_s == pytest.approx(512 / 10_000, rel=1e-12)
     for _ in range(20):                                  # then DRAM degrades to 0.3 GB/s
         clock.advance(1.0)
         p.observe("dram", MIB, MIB / 0.3e9)
     last = p.decide(runs, block_tokens=16, block_bytes=MIB, cost=cost)
-    assert (last.outcome, last.load_blocks) == (Outcome.RECOMPUTE, 0)
+    assert (last.outcome, last.load_blocks) == (LoadChoice.RECOMPUTE, 0)
     assert last.all_load_s > partial.all_load_s > first.all_load_s
-    assert p.counts[Outcome.LOAD] >= 1 and p.counts[Outcome.PARTIAL] >= 1 and p.counts[Outcome.RECOMPUTE] == 1
+    assert p.counts[LoadChoice.LOAD] >= 1 and p.counts[LoadChoice.PARTIAL] >= 1 and p.counts[LoadChoice.RECOMPUTE] == 1
     assert sum(p.counts.values()) == 23
 
 
@@ -293,15 +293,15 @@ def test_ties_go_to_loading():
     p.observe("dram", MIB, 2.0**-10)
     d = p.decide([("dram", 8)], block_tokens=16, block_bytes=MIB, cost=per_block_cost(16_384.0))
     assert d.all_load_s == d.all_recompute_s == 8 * 2.0**-10
-    assert (d.outcome, d.load_blocks) == (Outcome.LOAD, 8)
+    assert (d.outcome, d.load_blocks) == (LoadChoice.LOAD, 8)
 
 
 def test_nothing_matched_is_a_normal_answer():
     p = policy()
     for runs in ([], {"dram": 0}):
         d = p.decide(runs, block_tokens=16, block_bytes=MIB, cost=per_block_cost(100.0))
-        assert (d.outcome, d.load_blocks, d.matched_tokens, d.all_recompute_s) == (Outcome.NONE, 0, 0, 0.0)
-    assert p.counts[Outcome.NONE] == 2
+        assert (d.outcome, d.load_blocks, d.matched_tokens, d.all_recompute_s) == (LoadChoice.NONE, 0, 0, 0.0)
+    assert p.counts[LoadChoice.NONE] == 2
 
 
 def test_bad_decide_input_names_the_field():

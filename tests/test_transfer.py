@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import faulty_daemon
 from daemon_util import free_port, start_daemon, stop_all
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
@@ -21,9 +22,9 @@ UCX_POOL = pytest.param("ucx", ("--transport-verify-threads", "2", "--transport-
                         marks=_NO_UCX, id="ucx-pool")
 
 
-def pair(tmp_path, backend, env_a=None, args_a=(), args=()):
-    """Daemons A and B; ``args`` go to both, ``args_a`` to A only."""
-    a = start_daemon(tmp_path / "a", *args, *args_a, name="a", env=env_a, transfer=backend)
+def pair(tmp_path, backend, launcher_a=None, args_a=(), args=()):
+    """Daemons A and B; ``args`` go to both, ``args_a`` and ``launcher_a`` to A only."""
+    a = start_daemon(tmp_path / "a", *args, *args_a, name="a", launcher=launcher_a, transfer=backend)
     try:
         b = start_daemon(tmp_path / "b", *args, name="b", transfer=backend)
     except BaseException:
@@ -243,8 +244,8 @@ def test_prefill_daemon_killed_mid_transfer(tmp_path):
 
 @pytest.mark.parametrize("backend,args", [("tcp", ()), UCX_POOL])
 def test_corrupted_chunk_is_detected_and_not_stored(tmp_path, backend, args):
-    corrupt_3rd_of_4_blocks = {"KVSTORE_TESTING_CORRUPT_CHUNK": "3"}
-    with linked(tmp_path, backend, env_a=corrupt_3rd_of_4_blocks, args=args) as (a, b, peer_b, ca, cb):
+    corrupt_3rd_of_4_blocks = faulty_daemon.launcher(corrupt_frame=3)
+    with linked(tmp_path, backend, launcher_a=corrupt_3rd_of_4_blocks, args=args) as (a, b, peer_b, ca, cb):
         tokens = list(range(4 * 16))
         ca.put(tokens, kv_for(tokens, 2))
         base = dram_used(cb)

@@ -26,7 +26,8 @@ from .protocol import (KEY_BYTES, Frame, FrameType, TransferError, TransferHeade
 
 log = logging.getLogger("kvstore.transport")
 
-# Test hook: given a CHUNK frame and its payload, return the bytes to put on the wire instead.
+# Fault injection (the integrity tests): given a CHUNK frame and its payload, return the bytes
+# to put on the wire instead. The frame keeps the checksum of the source.
 Tamper = Callable[[Frame, memoryview], "bytes | memoryview"]
 
 
@@ -203,14 +204,17 @@ class OutboundTransfer:
 
 
 class Sender:
-    """Opens transfers to peers ("host:port"), reusing idle connections. Thread-safe."""
+    """Opens transfers to peers ("host:port"), reusing idle connections. Thread-safe.
 
-    def __init__(self, config: TransferConfig) -> None:
+    ``tamper``: fault injection for the integrity tests, which corrupt chunks on the wire with
+    it; None (the default) puts the source bytes on the wire."""
+
+    def __init__(self, config: TransferConfig, *, tamper: Tamper | None = None) -> None:
         self.config = config
         self._idle: dict[tuple[str, int], list[Channel]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.tamper: Tamper | None = None  # tests only: corrupt chunks on the wire
+        self.tamper = tamper
         if config.backend is Backend.UCX:
             from .ucx_sender import UcxConnector
             self._connector = UcxConnector(config)

@@ -197,10 +197,6 @@ class Engine:
     def add_ticker(self, fn) -> None:
         self._tickers.append(fn)
 
-    def remove_ticker(self, fn) -> None:
-        if fn in self._tickers:
-            self._tickers.remove(fn)
-
     def progress_until(self, done, timeout_s: float) -> bool:
         """Progress (firing watches) until ``done()`` or ``timeout_s``; for teardown paths that
         must not return before UCX let go of a buffer."""
