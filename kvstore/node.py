@@ -64,14 +64,14 @@ class NodeDaemon(Daemon):
         if not n.dir:
             return
         from kvstore.tiering import Tiering
-        from kvstore.tiers.nvme import NvmeConfig, NvmeError, NvmeTier
+        from kvstore.tiers.nvme import NvmeError, NvmeTier, NvmeTierConfig
 
         extent = self.cfg.dram.extent_bytes
         cap = n.capacity_bytes // extent * extent
         file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
         try:
-            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
-                                       io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
+            tier = NvmeTier(NvmeTierConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
+                                           io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
                             metrics=self.metrics)
         except (NvmeError, OSError, ValueError) as e:
             # The daemon keeps serving from DRAM; stats and metrics show the tier disabled and why.

@@ -24,8 +24,8 @@ from kvstore.errors import Code, KVError
 from kvstore.index import Block, BlockState
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import TierKind
-from kvstore.tiers.nvme import NvmeTier, Outcome
+from kvstore.tiers.base import KeyedTier, TierKind
+from kvstore.tiers.nvme import IoResult
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.tiering")
@@ -46,7 +46,7 @@ class Prefetch:
 
 
 class Tiering:
-    def __init__(self, daemon, nvme: NvmeTier) -> None:
+    def __init__(self, daemon, nvme: KeyedTier) -> None:
         self.d = daemon
         self.core: Core = daemon.core
         self.nvme = nvme
@@ -58,7 +58,7 @@ class Tiering:
         self.prefetches: dict[int, Prefetch] = {}
         self.draining = False  # demoting: went over the high watermark, not yet under the low one
         self._ids = itertools.count(1)
-        self._ns_file = os.path.join(nvme.config.dir, "namespaces.json")
+        self._ns_file = os.path.join(nvme.dir, "namespaces.json")
         self._known_ns: dict[str, dict] = {}
         self.core.on_evict = self._keep_on_nvme
         self.core.must_demote = self._must_demote
@@ -191,7 +191,7 @@ class Tiering:
         reservation fits."""
         core, dram = self.core, self.core.dram
         with core.lock:
-            used, cap = dram.alloc.used_bytes, dram.capacity_bytes
+            used, cap = dram.used_bytes, dram.capacity_bytes
             if used > self.cfg.high_watermark * cap or core.waiting_for_demotion:
                 self.draining = True
             want = max(used - int(self.cfg.low_watermark * cap), core.demand_bytes - (cap - used))
@@ -228,18 +228,18 @@ class Tiering:
             for b in moving:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
-                outcome = batch.results.get(b.key) if batch else Outcome.FAILED
+                outcome = batch.results.get(b.key) if batch else IoResult.FAILED
                 live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
-                if outcome in (Outcome.OK, Outcome.PRESENT) and live:
+                if outcome in (IoResult.OK, IoResult.PRESENT) and live:
                     b.on_nvme = True
                     if b.ref_cnt == 0:
                         core._drop_from_dram(b, "capacity")  # kept: becomes an NVMe block
                         self.metrics.demotions.labels(src="dram", dst="nvme").inc()
-                elif outcome in (Outcome.OK, Outcome.PRESENT):
+                elif outcome in (IoResult.OK, IoResult.PRESENT):
                     self._delete_nvme([b.key])  # deleted while it was being written
                     self._release_dram(b)
                 else:
-                    no_space |= outcome is Outcome.NO_SPACE
+                    no_space |= outcome is IoResult.NO_SPACE
                     if live and b.ref_cnt == 0:
                         core.lru(DRAM, b.ns_id).add(b)
                     elif not live:
@@ -338,7 +338,7 @@ class Tiering:
             for b in todo:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
-                if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
+                if batch is not None and batch.results.get(b.key) in (IoResult.OK, IoResult.PRESENT):
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
@@ -386,7 +386,7 @@ class Tiering:
         with core.lock:
             for b, off in zip(blocks, slots):
                 b.busy = False
-                ok = batch.results.get(b.key) is Outcome.OK
+                ok = batch.results.get(b.key) is IoResult.OK
                 live = st.blocks.get(b.key) is b
                 if ok and live:
                     b.tier, b.offset = DRAM, off
