@@ -119,10 +119,25 @@ class NvmeIndex:
                     rec.atime = t
                     txn.put(key, rec.pack())
 
-    def delete(self, keys: Iterable[bytes]) -> None:
+    def has(self, keys: Iterable[bytes]) -> list[bool]:
+        """Per key: a record is committed."""
+        with self.env.begin(db=self.blocks) as txn:
+            return [txn.get(k) is not None for k in keys]
+
+    def delete(self, keys: Iterable[bytes], offsets: dict[bytes, int] | None = None) -> dict[bytes, int]:
+        """Delete the records of ``keys``, in one transaction; with ``offsets``, only those whose
+        record still names that slot. Returns ``key -> slot offset`` of the records deleted."""
+        gone = {}
         with self.env.begin(write=True, db=self.blocks) as txn:
             for k in keys:
-                txn.delete(k)
+                raw = txn.get(k)
+                if raw is None:
+                    continue
+                off = BlockRecord.unpack(k, raw).offset
+                if offsets is None or offsets[k] == off:
+                    txn.delete(k)
+                    gone[k] = off
+        return gone
 
     def count(self) -> int:
         with self.env.begin() as txn:
@@ -132,10 +147,10 @@ class NvmeIndex:
         self.env.close()
 
 
-def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[dict[bytes, int], int, int]:
+def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[int, int, int]:
     """Rebuild ``alloc``'s free space from every record in ``index``.
 
-    Returns ``(key -> slot offset, bytes of block data, records dropped)``. A record is dropped
+    Returns ``(blocks kept, bytes of block data, records dropped)``. A record is dropped
     (deleted from the index) when it is unreadable, its sizes disagree, or its slot cannot be
     claimed (outside the data files, misaligned, in another namespace's extent, or claimed by
     another record). Data bytes are not read here: every read verifies them.
@@ -153,14 +168,12 @@ def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[dict[bytes, int],
             continue
         keep.append((key, r.ns_id, r.slot_bytes, r.offset, r.nbytes))
     refused = set(alloc.restore((ns, sb, off) for _, ns, sb, off, _ in keep))
-    by_key: dict[bytes, int] = {}
     nbytes = 0
-    for i, (key, _, _, off, n) in enumerate(keep):
+    for i, (key, _, _, _, n) in enumerate(keep):
         if i in refused:
             bad.append(key)
         else:
-            by_key[key] = off
             nbytes += n
     if bad:
         index.delete(bad)
-    return by_key, nbytes, len(bad)
+    return len(keep) - len(refused), nbytes, len(bad)

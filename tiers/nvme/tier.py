@@ -24,10 +24,14 @@ engine's ``io_threads`` threads; index commits run on one committer thread that 
 put batches into one fdatasync + one LMDB transaction. ``on_done`` callbacks run on those
 threads: keep them short (hand off to your loop).
 
-Locks: ``_lock`` guards the in-memory state (which keys are stored where, puts in flight,
-read pins, dirty access times) and is held only for dictionary work; ``_index_lock``
-serialises index writes and is always taken before ``_lock``, never after. Neither is held
-during block I/O, and callbacks (``on_done``) run with no lock held.
+The LMDB index is the one record of which blocks are stored where; in memory the tier keeps
+only work in flight: puts not yet committed, keys deleted while their put runs, slots pinned by
+reads, access times not yet written. Locks: ``_lock`` guards that state and is held only for
+dictionary work and LMDB reads (which never wait on writers); ``_index_lock`` serialises index
+writes and is always taken before ``_lock``, never after. A slot is freed only under ``_lock``
+after the index transaction that forgets its block, so a read that found the block and pinned
+the slot under ``_lock`` reads it whole. Neither lock is held during block I/O, and callbacks
+(``on_done``) run with no lock held.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class NvmeTier:
         self._clock = clock
         self._lock = threading.Lock()
         self._index_lock = threading.Lock()
-        self._by_key: dict[bytes, int] = {}   # committed key -> slot offset
+        self._indexed = 0                     # blocks committed to the index
         self._pending: dict[bytes, int] = {}  # put in flight: key -> slot
         self._cancelled: set[bytes] = set()   # deleted while its put was in flight
         self._pins: dict[int, int] = {}       # slot -> reads in flight
@@ -121,8 +125,8 @@ class NvmeTier:
         self._files = DataFiles(cfg.dir, cfg.usable_bytes, cfg.file_bytes, cfg.io_mode, cfg.preallocate)
         self._alloc = ExtentAllocator(cfg.usable_bytes, cfg.extent_bytes, ALIGN)
         t0 = time.perf_counter()
-        self._by_key, nbytes, dropped = recover(self._index, self._alloc)
-        report = RecoveryReport(len(self._by_key), nbytes, dropped, time.perf_counter() - t0)
+        self._indexed, nbytes, dropped = recover(self._index, self._alloc)
+        report = RecoveryReport(self._indexed, nbytes, dropped, time.perf_counter() - t0)
         log.log(logging.WARNING if dropped else logging.INFO,
                 "NVMe tier %s: %d blocks (%d bytes) recovered, %d untrustworthy index records dropped, "
                 "%s I/O, in %.3f s", cfg.dir, report.blocks, report.bytes, dropped, self._files.mode.value,
@@ -166,8 +170,12 @@ class NvmeTier:
         moving: list[Job] = []
         with self._lock:
             self._check_enabled()
-            for j in jobs:
-                if j.key in self._by_key or j.key in self._pending:
+            try:
+                stored = self._index.has([j.key for j in jobs])  # LMDB reads never wait on writers
+            except lmdb.Error as e:
+                raise self._fail_unlocked(classify_lmdb_error(e, "reading the index", self.config.map_bytes)) from e
+            for j, here in zip(jobs, stored):
+                if here or j.key in self._pending:
                     batch.set(j.key, IoResult.PRESENT)
                     continue
                 off = self._alloc.allocate(j.ns_id, j.nbytes)
@@ -207,29 +215,23 @@ class NvmeTier:
         jobs: list[Job] = []
         with self._lock:
             self._check_enabled()
-            here = [(k, b, off) for k, b in zip(keys, bufs) if (off := self._by_key.get(k)) is not None]
+            # Read and pinned under the lock: a delete frees a slot only under it, after its
+            # index transaction, so a slot read here stays this block's until the read ends.
             try:
-                recs = self._index.get([k for k, _, _ in here])  # LMDB reads never wait on writers
+                recs = self._index.get(keys)
             except lmdb.Error as e:
-                err = classify_lmdb_error(e, "reading the index", self.config.map_bytes)
-                recs = None
-            if recs is not None:
-                for k in keys:
-                    if k not in self._by_key:
-                        batch.set(k, IoResult.MISSING)
-                for (k, b, off), rec in zip(here, recs):
-                    if rec is None or rec.offset != off:  # being deleted right now
-                        batch.set(k, IoResult.MISSING)
-                    elif b.nbytes < rec.nbytes:
-                        raise ValueError(f"dst: {b.nbytes} bytes, block {k.hex()[:16]} has {rec.nbytes}")
-                    else:
-                        jobs.append(Job(k, rec.ns_id, rec.parent, rec.chunk_bytes, b, rec.nbytes, off, rec.sums))
-                for j in jobs:
-                    self._pin(j.offset)
-                if jobs or on_done is not None:
-                    self._io.read(jobs, lambda: self._finish_read(batch, jobs))
-        if recs is None:
-            raise self._fail(err)
+                raise self._fail_unlocked(classify_lmdb_error(e, "reading the index", self.config.map_bytes)) from e
+            for k, b, rec in zip(keys, bufs, recs):
+                if rec is None:
+                    batch.set(k, IoResult.MISSING)
+                elif b.nbytes < rec.nbytes:
+                    raise ValueError(f"dst: {b.nbytes} bytes, block {k.hex()[:16]} has {rec.nbytes}")
+                else:
+                    jobs.append(Job(k, rec.ns_id, rec.parent, rec.chunk_bytes, b, rec.nbytes, rec.offset, rec.sums))
+            for j in jobs:
+                self._pin(j.offset)
+            if jobs or on_done is not None:
+                self._io.read(jobs, lambda: self._finish_read(batch, jobs))
         if not jobs and on_done is None:
             batch.finish_batch(0)
         return batch
@@ -243,20 +245,19 @@ class NvmeTier:
         with self._index_lock:
             with self._lock:
                 self._check_enabled()
-                gone = [(k, self._by_key[k]) for k in keys if k in self._by_key]
                 inflight = [k for k in keys if k in self._pending]
                 self._cancelled.update(inflight)
-            if gone:
-                self._index_write(self._index.delete, [k for k, _ in gone], what="deleting blocks")
+            gone = self._index_write(self._index.delete, keys, what="deleting blocks")
             with self._lock:
-                for k, off in gone:
+                for k, off in gone.items():
                     self._unindex(k, off)
         return len(gone) + len(inflight)
 
     def contains(self, keys: Iterable[bytes]) -> list[bool]:
         """Per key: committed here (a put in flight is not)."""
         with self._lock:
-            return [k in self._by_key for k in keys]
+            self._check_open()
+            return self._index.has(keys)
 
     def touch(self, keys: Iterable[bytes], when: float | None = None) -> None:
         """Set access times (Unix seconds, default now) in memory; they reach the index with the
@@ -266,9 +267,15 @@ class NvmeTier:
 
     def set_atimes(self, pairs: Iterable[tuple[bytes, float]]) -> None:
         """Like :meth:`touch`, with an access time per key (``(key, Unix seconds)`` pairs)."""
-        with self._lock:
-            for k, t in pairs:
-                if k in self._by_key:
+        pairs = list(pairs)
+        with self._lock:  # so that a delete, which drops its keys' access times, cannot interleave
+            self._check_open()
+            try:
+                stored = self._index.has([k for k, _ in pairs])
+            except lmdb.Error as e:
+                raise self._fail_unlocked(classify_lmdb_error(e, "reading the index", self.config.map_bytes)) from e
+            for (k, t), here in zip(pairs, stored):
+                if here:
                     self._dirty_atime[k] = t
 
     def room(self, ns_id: bytes, slot_bytes: int) -> int:
@@ -283,10 +290,8 @@ class NvmeTier:
         with self._lock:
             dirty = dict(self._dirty_atime)
         for key, raw in self._index.scan():
-            if self._by_key.get(key) is not None:
-                r = BlockRecord.unpack(key, raw)
-                yield NvmeEntry(key, r.ns_id, r.parent, r.nbytes, r.chunk_bytes, dirty.get(key, r.atime),
-                                r.ctime, r.offset)
+            r = BlockRecord.unpack(key, raw)
+            yield NvmeEntry(key, r.ns_id, r.parent, r.nbytes, r.chunk_bytes, dirty.get(key, r.atime), r.ctime, r.offset)
 
     def flush(self) -> None:
         """Write pending access times to the index now."""
@@ -299,9 +304,8 @@ class NvmeTier:
     def scrub(self, batch_bytes: int = 64 << 20) -> int:
         """Read and verify every committed block, dropping corrupt ones; returns how many were
         dropped. Reads the whole tier: for operators and tests, not for the serving path."""
-        with self._lock:
-            todo = sorted((off, k, self._alloc.slot_stride(self._alloc.owner(off)[1]))
-                          for k, off in self._by_key.items())
+        records = (BlockRecord.unpack(k, raw) for k, raw in self._index.scan())
+        todo = sorted((r.offset, r.key, self._alloc.slot_stride(r.slot_bytes)) for r in records)
         dropped, i = 0, 0
         while i < len(todo):
             buf = aligned_buffer(max(batch_bytes, todo[i][2]))
@@ -326,7 +330,7 @@ class NvmeTier:
             files = self._files
             extra = dict(self._io.counts, **self._counts, dir=self.config.dir, io_mode=files.mode.value,
                          sync=self.config.sync.value, files=len(files.sizes),
-                         io_threads=self.config.io_threads, indexed_blocks=len(self._by_key),
+                         io_threads=self.config.io_threads, indexed_blocks=self._indexed,
                          pending_writes=len(self._pending), direct_ios=files.direct_ios,
                          bounced_ios=files.bounced_ios, vectored_ios=files.vectored_ios,
                          coalesce_bytes=self.config.coalesce_bytes, recovered_blocks=self.recovery.blocks,
@@ -391,11 +395,12 @@ class NvmeTier:
         nbytes = 0
         with self._lock:
             for j in jobs:
+                deleted = j.offset in self._free_on_unpin  # while it was read (the read pins its slot)
                 self._unpin(j.offset)
                 if j.error is None:
                     batch.set(j.key, IoResult.OK)
                     nbytes += j.nbytes
-                    if self._by_key.get(j.key) == j.offset:
+                    if not deleted:
                         self._dirty_atime[j.key] = now
                 else:
                     bad = IoResult.CORRUPT if isinstance(j.error, NvmeChecksumError) else IoResult.FAILED
@@ -470,7 +475,7 @@ class NvmeTier:
                         cancelled = j.key in self._cancelled
                         self._cancelled.discard(j.key)
                         if j.error is None and err is None and not cancelled:
-                            self._by_key[j.key] = j.offset
+                            self._indexed += 1
                             batch.set(j.key, IoResult.OK)
                             continue
                         self._release(j.offset)  # written, maybe, but never indexed: free space
@@ -489,23 +494,24 @@ class NvmeTier:
         locks itself."""
         with self._index_lock:
             with self._lock:
-                live = [(k, off) for k, off in pairs if self._by_key.get(k) == off]
                 self._counts["checksum_failures"] += len(pairs)
-                self._counts["dropped"] += len(live)
             if self._metrics is not None:
                 self._metrics.checksum_failures.labels(source="nvme").inc(len(pairs))
             for k, off in pairs:
                 log.warning("NVMe checksum mismatch: block %s at data offset %d dropped", k.hex()[:16], off)
             try:
-                self._index_write(self._index.delete, [k for k, _ in live], what="dropping corrupt blocks")
+                # Only records that still name the slot read: the key may be stored anew since.
+                gone = self._index_write(self._index.delete, [k for k, _ in pairs], dict(pairs),
+                                         what="dropping corrupt blocks")
             except NvmeError:
                 return  # the tier is disabled now; the records stay and fail their checksum again
             with self._lock:
-                for k, off in live:
+                self._counts["dropped"] += len(gone)
+                for k, off in gone.items():
                     self._unindex(k, off)
 
     def _unindex(self, key: bytes, off: int) -> None:
-        del self._by_key[key]
+        self._indexed -= 1
         self._dirty_atime.pop(key, None)
         self._release(off)
 
@@ -532,16 +538,19 @@ class NvmeTier:
 
     # --- errors -----------------------------------------------------------------------------------
 
-    def _index_write(self, fn, *args, what: str) -> None:
+    def _index_write(self, fn, *args, what: str):
         try:
-            fn(*args)
+            return fn(*args)
         except lmdb.Error as e:
             raise self._fail(classify_lmdb_error(e, what, self.config.map_bytes)) from e
 
     def _check_enabled(self) -> None:
+        self._check_open()
+        self._raise_if_disabled()
+
+    def _check_open(self) -> None:
         if self._closed:
             raise NvmeDisabledError(f"NVMe tier {self.config.dir!r} is closed")
-        self._raise_if_disabled()
 
     def _raise_if_disabled(self) -> None:
         """Raise NvmeDisabledError if the tier disabled itself (a closed tier still finishes
@@ -558,11 +567,14 @@ class NvmeTier:
     def _fail(self, err: NvmeError) -> NvmeError:
         """Disable the tier for a disabling error (the first reason wins); returns ``err``.
         Never called with ``_lock`` held."""
-        if isinstance(err, DISABLING):
-            with self._lock:
-                if self._disabled is None:
-                    self._disabled = err
-                    log.error("NVMe tier %s disabled: %s", self.config.dir, err)
+        with self._lock:
+            return self._fail_unlocked(err)
+
+    def _fail_unlocked(self, err: NvmeError) -> NvmeError:
+        """:meth:`_fail` from a caller holding ``_lock``."""
+        if isinstance(err, DISABLING) and self._disabled is None:
+            self._disabled = err
+            log.error("NVMe tier %s disabled: %s", self.config.dir, err)
         return err
 
     def _job_error(self, e: BaseException, what: str) -> NvmeError:
