@@ -211,7 +211,7 @@ class Core:
         if not self.dram.fits(block_bytes):
             raise KVError(Code.RESOURCE_EXHAUSTED,
                           f"layout: one block is {block_bytes} bytes, larger than a DRAM extent "
-                          f"({self.dram.alloc.extent_bytes} bytes); lower block_tokens or raise dram.extent_bytes")
+                          f"({self.dram.extent_bytes} bytes); lower block_tokens or raise dram.extent_bytes")
         st = self.namespaces.get(ns.root) or NsState(ns, ns.root, block_bytes)
         s = self.sessions.open(st)  # RESOURCE_EXHAUSTED when the table is full: nothing created
         self.namespaces[ns.root] = st

@@ -163,13 +163,13 @@ class Daemon:
         if not n.dir:
             return None, None, ""
         from kvstore.tiering import NvmeCopies
-        from kvstore.tiers.nvme import NvmeConfig, NvmeError, NvmeTier
+        from kvstore.tiers.nvme import NvmeError, NvmeTier, NvmeTierConfig
 
         extent = self.cfg.dram.extent_bytes
         cap = n.capacity_bytes // extent * extent
         file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
         try:
-            tier = NvmeTier(NvmeConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
+            tier = NvmeTier(NvmeTierConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
                                        io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
                             metrics=self.metrics)
         except (NvmeError, OSError, ValueError) as e:

@@ -26,8 +26,8 @@ from kvstore.index import Block, BlockState
 from kvstore.keys import Namespace
 from kvstore.metrics import Metrics
 from kvstore.policy import LoadPolicy
-from kvstore.tiers.base import TierKind
-from kvstore.tiers.nvme import NvmeTier, Outcome
+from kvstore.tiers.base import KeyedTier, TierKind
+from kvstore.tiers.nvme import IoResult
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.tiering")
@@ -52,7 +52,7 @@ class NvmeCopies(DramOnly):
     when it evicts or deletes (under the core lock). Built before the core; wakes the demoter
     through ``kick`` and never calls the core."""
 
-    def __init__(self, nvme: NvmeTier, cfg: NvmeConfig) -> None:
+    def __init__(self, nvme: KeyedTier, cfg: NvmeConfig) -> None:
         self.nvme = nvme
         self.cfg = cfg
         self.kick = threading.Event()  # set: the demoter should run a round now
@@ -90,7 +90,7 @@ class Tiering:
         self.prefetches: dict[int, Prefetch] = {}
         self.draining = False  # demoting: went over the high watermark, not yet under the low one
         self._ids = itertools.count(1)
-        self._ns_file = os.path.join(self.nvme.config.dir, "namespaces.json")
+        self._ns_file = os.path.join(self.nvme.dir, "namespaces.json")
         self._known_ns: dict[str, dict] = {}
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
 
@@ -193,7 +193,7 @@ class Tiering:
         reservation fits."""
         core, dram = self.core, self.core.dram
         with core.lock:
-            used, cap = dram.alloc.used_bytes, dram.capacity_bytes
+            used, cap = dram.used_bytes, dram.capacity_bytes
             if used > self.dram_cfg.demote_high_watermark * cap or core.pressure.waiting:
                 self.draining = True
             want = max(used - int(self.dram_cfg.demote_low_watermark * cap), core.pressure.demand_bytes - (cap - used))
@@ -230,18 +230,18 @@ class Tiering:
             for b in moving:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
-                outcome = batch.results.get(b.key) if batch else Outcome.FAILED
+                outcome = batch.results.get(b.key) if batch else IoResult.FAILED
                 live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
-                if outcome in (Outcome.OK, Outcome.PRESENT) and live:
+                if outcome in (IoResult.OK, IoResult.PRESENT) and live:
                     b.on_nvme = True
                     if b.ref_cnt == 0:
                         core.evict_from_dram(b)  # kept: becomes an NVMe block
                         self.metrics.demotions.labels(src="dram", dst="nvme").inc()
-                elif outcome in (Outcome.OK, Outcome.PRESENT):
+                elif outcome in (IoResult.OK, IoResult.PRESENT):
                     self._delete_nvme([b.key])  # deleted while it was being written
                     core.free_dropped(b)
                 else:
-                    no_space |= outcome is Outcome.NO_SPACE
+                    no_space |= outcome is IoResult.NO_SPACE
                     if live and b.ref_cnt == 0:
                         core.lru(DRAM, b.ns_id).add(b)
                     elif not live:
@@ -341,7 +341,7 @@ class Tiering:
             for b in todo:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
-                if batch is not None and batch.results.get(b.key) in (Outcome.OK, Outcome.PRESENT):
+                if batch is not None and batch.results.get(b.key) in (IoResult.OK, IoResult.PRESENT):
                     b.on_nvme = True
                     core.lru(NVME, b.ns_id).add(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
@@ -389,7 +389,7 @@ class Tiering:
         with core.lock:
             for b, off in zip(blocks, slots):
                 b.busy = False
-                ok = batch.results.get(b.key) is Outcome.OK
+                ok = batch.results.get(b.key) is IoResult.OK
                 live = st.blocks.get(b.key) is b
                 if ok and live:
                     b.tier, b.offset = DRAM, off

@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from kvstore.tiers.nvme import NvmeConfig
+from kvstore.tiers.nvme import NvmeTierConfig
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = hashlib.sha256(b"ns-1").digest()
@@ -24,11 +24,11 @@ def data(i: int, nbytes: int = BLOCK) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def cfg(path, **kw) -> NvmeConfig:
+def cfg(path, **kw) -> NvmeTierConfig:
     base = dict(dir=str(path), capacity_bytes=4 * MiB, file_bytes=2 * MiB, extent_bytes=512 * KiB,
                 io_threads=4, bounce_bytes=64 * KiB, atime_flush_s=3600.0)
     base.update(kw)
-    return NvmeConfig(**base)
+    return NvmeTierConfig(**base)
 
 
 def put(tier, ids, ns=NS, nbytes=BLOCK, chunk=CHUNK):

@@ -1,14 +1,14 @@
-"""The DRAM tier keeps the tier contract."""
+"""The DRAM tier keeps the slot tier contract."""
 
 import os
 
-from tier_contract import TierContract
+from tier_contract import SlotTierContract
 
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.dram import DramTier
 
 
-class TestDramContract(TierContract):
+class TestDramContract(SlotTierContract):
     def make_tier(self, tmp_path, capacity_bytes):
         self._arena = Arena(capacity_bytes, prefault=False)
         return DramTier(self._arena, 4 * self.SLOT)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 from stream_util import BLOCKED_S, Gate
-from tier_contract import TierContract
+from tier_contract import SlotTierContract
 
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError, TierKind
@@ -23,13 +23,13 @@ def _pattern(seed: int, nbytes: int = SLOT) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-class TestHbmEmulatedContract(TierContract):
+class TestHbmEmulatedContract(SlotTierContract):
     def make_tier(self, tmp_path, capacity_bytes):
         return HbmTier(HbmTierConfig(capacity_bytes, extent_bytes=4 * self.SLOT, device="emulated",
                                      prefault=False))
 
 
-class TestHbmEmulatedFourStreamsContract(TierContract):
+class TestHbmEmulatedFourStreamsContract(SlotTierContract):
     def make_tier(self, tmp_path, capacity_bytes):
         return HbmTier(HbmTierConfig(capacity_bytes, extent_bytes=4 * self.SLOT, device="emulated",
                                      streams=4, prefault=False))

@@ -11,8 +11,7 @@ import pytest
 from kvstore.metrics import Metrics
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError
-from kvstore.tiers.nvme import IoMode, NvmeConfig, NvmeTier, Outcome
-from kvstore.tiers.nvme_types import NvmeBatchError, NvmeChecksumError
+from kvstore.tiers.nvme import IoMode, IoResult, NvmeBatchError, NvmeChecksumError, NvmeTier, NvmeTierConfig
 from tier_contract import TierContract
 from nvme_util import BLOCK, CHUNK, NS, NS2, KiB, MiB, cfg, data, get, key, put
 from wait_util import wait_for
@@ -28,7 +27,7 @@ def tier(tmp_path):
 
 class TestNvmeContract(TierContract):
     def make_tier(self, tmp_path, capacity_bytes):
-        return NvmeTier(NvmeConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
+        return NvmeTier(NvmeTierConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
                                    file_bytes=capacity_bytes // 2, extent_bytes=4 * self.SLOT, io_threads=4,
                                    bounce_bytes=64 * KiB))
 
@@ -37,7 +36,7 @@ class TestNvmeContractBuffered(TestNvmeContract):
     """The same contract when the filesystem refuses O_DIRECT (page cache + fdatasync)."""
 
     def make_tier(self, tmp_path, capacity_bytes):
-        t = NvmeTier(NvmeConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
+        t = NvmeTier(NvmeTierConfig(dir=str(tmp_path / "contract"), capacity_bytes=capacity_bytes,
                                 file_bytes=capacity_bytes, extent_bytes=4 * self.SLOT, io_mode=IoMode.BUFFERED))
         assert t.stats().extra["io_mode"] == "buffered"
         return t
@@ -54,7 +53,7 @@ def test_put_get_round_trip_from_arena(tmp_path):
         assert t.io_mode is IoMode.DIRECT
         b = t.put_many([(NS, key(i), None, CHUNK, arena.view(i * BLOCK, BLOCK)) for i in range(8)])
         b.result(30)
-        assert [b.results[key(i)] for i in range(8)] == [Outcome.OK] * 8
+        assert [b.results[key(i)] for i in range(8)] == [IoResult.OK] * 8
         assert b.nbytes == 8 * BLOCK and b.error is None
         g = t.get_many([key(i) for i in range(8)], [arena.view((8 + i) * BLOCK, BLOCK) for i in range(8)])
         g.result(30)
@@ -111,9 +110,9 @@ def test_adjacent_blocks_move_in_vectored_ios_and_fail_alone(tmp_path):
         flip_byte(c, slots[key(6)] + 5 * CHUNK)  # inside the second run
         g = t.get_many([key(i) for i in range(16)], [arena.view((16 + i) * BLOCK, BLOCK) for i in range(16)])
         assert g.wait(30)
-        assert g.results[key(6)] is Outcome.CORRUPT and g.errors[key(6)].chunk == 5
+        assert g.results[key(6)] is IoResult.CORRUPT and g.errors[key(6)].chunk == 5
         for i in set(range(16)) - {6}:
-            assert g.results[key(i)] is Outcome.OK
+            assert g.results[key(i)] is IoResult.OK
             assert np.array_equal(arena.view((16 + i) * BLOCK, BLOCK), data(i)), f"block {i}"
         assert t.stats().extra["vectored_ios"] == 8
     arena.close()
@@ -123,7 +122,7 @@ def test_present_and_in_batch_duplicates_write_nothing(tier):
     put(tier, range(3)).result()
     writes = tier.stats().extra["writes"]
     b = put(tier, [0, 1, 2, 3, 3])
-    assert [b.results[key(i)] for i in range(4)] == [Outcome.PRESENT] * 3 + [Outcome.OK]
+    assert [b.results[key(i)] for i in range(4)] == [IoResult.PRESENT] * 3 + [IoResult.OK]
     assert b.error is None
     assert tier.stats().extra["writes"] == writes + 1
 
@@ -134,7 +133,7 @@ def test_full_tier_is_back_pressure_not_an_exception(tier):
     put(tier, range(cap)).result()
     assert tier.room(NS, BLOCK) == 0
     b = tier.put_many([(NS, key(cap), None, CHUNK, data(cap))])
-    assert b.results[key(cap)] is Outcome.NO_SPACE  # known when put_many returns
+    assert b.results[key(cap)] is IoResult.NO_SPACE  # known when put_many returns
     assert b.wait(30) and isinstance(b.error, NvmeBatchError)
     assert tier.stats().enabled
     assert tier.delete([key(0)]) == 1
@@ -147,8 +146,8 @@ def test_get_missing_is_a_normal_answer(tier):
     put(tier, [0]).result()
     dst = np.full(BLOCK, 7, np.uint8)
     b = tier.get_many([key(5), key(0)], [dst, np.zeros(BLOCK, np.uint8)])
-    assert b.results[key(5)] is Outcome.MISSING
-    assert b.wait(30) and b.results[key(0)] is Outcome.OK
+    assert b.results[key(5)] is IoResult.MISSING
+    assert b.wait(30) and b.results[key(0)] is IoResult.OK
     assert isinstance(b.error, NvmeBatchError) and b.ok_keys() == [key(0)]
     assert (dst == 7).all()  # untouched
 
@@ -192,7 +191,7 @@ def test_delete_racing_put_leaves_nothing_behind(tier):
         b = tier.put_many([(NS, key(i), None, CHUNK, data(i)) for i in ids])
         tier.delete([key(i) for i in ids])  # some still in flight (CANCELLED), some committed
         assert b.wait(30) and b.error is None
-        assert set(b.results.values()) <= {Outcome.OK, Outcome.CANCELLED}
+        assert set(b.results.values()) <= {IoResult.OK, IoResult.CANCELLED}
         assert tier.contains([key(i) for i in ids]) == [False] * 8
         assert (tier.stats().used_bytes, tier.stats().blocks) == (0, 0)
 
@@ -227,18 +226,8 @@ def test_on_done_runs_once_per_batch_on_a_tier_thread(tier):
     assert all(other_thread for _, other_thread in seen)
 
 
-def test_slot_read_of_an_indexed_block(tier):
-    put(tier, [0]).result()
-    (entry,) = tier.entries()
-    dst = np.zeros(BLOCK, np.uint8)
-    tier.read(entry.slot, dst)
-    assert np.array_equal(dst, data(0))
-    with pytest.raises(ValueError):
-        tier.free(NS, entry.slot)  # indexed blocks go through delete()
-
-
 def test_recorded_sums_are_stored_as_given_and_reported_back(tier):
-    from kvstore.tiers.nvme_io import chunk_sums
+    from kvstore.tiers.nvme.files import chunk_sums
     good = chunk_sums(data(0), BLOCK, CHUNK)
     b = tier.put_many([(NS, key(0), None, CHUNK, data(0), list(good)),
                        (NS, key(1), key(0), CHUNK, data(1))])
@@ -254,7 +243,7 @@ def test_recorded_sums_are_stored_as_given_and_reported_back(tier):
     changed[3 * CHUNK + 5] ^= 1
     assert tier.put_many([(NS, key(2), None, CHUNK, changed, stale)]).wait(30)
     g, _ = get(tier, [2])
-    assert g.results[key(2)] is Outcome.CORRUPT and key(2) not in g.digests()
+    assert g.results[key(2)] is IoResult.CORRUPT and key(2) not in g.digests()
     with pytest.raises(ValueError, match="sums"):
         tier.put_many([(NS, key(3), None, CHUNK, data(3), stale[:-1])])
 
@@ -302,16 +291,25 @@ def test_torn_write_is_never_served(tmp_path):
     c = cfg(tmp_path / "nvme")
     with NvmeTier(c) as t:
         put(t, [0]).result()
-        slot = t.allocate(NS, BLOCK)
-        t.write(slot, data(1))  # bytes on disk, never committed
+        (entry,) = t.entries()
+    write_at(c, entry.slot + BLOCK, data(1))  # the next free slot: bytes on disk, never committed
     with NvmeTier(c) as t:
         assert [e.key for e in t.entries()] == [key(0)]
         assert (t.stats().used_bytes, t.stats().blocks) == (BLOCK, 1)
         g, _ = get(t, [1])
-        assert g.results[key(1)] is Outcome.MISSING
+        assert g.results[key(1)] is IoResult.MISSING
 
 
-def flip_byte(c: NvmeConfig, offset: int) -> None:
+def write_at(c: NvmeTierConfig, offset: int, buf: np.ndarray) -> None:
+    """Write ``buf`` into the data files at tier data offset ``offset``, behind the tier's back."""
+    fd = os.open(os.path.join(c.dir, f"data-{offset // c.file_bytes:05d}.kvd"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, buf.tobytes(), offset % c.file_bytes)
+    finally:
+        os.close(fd)
+
+
+def flip_byte(c: NvmeTierConfig, offset: int) -> None:
     path = os.path.join(c.dir, f"data-{offset // c.file_bytes:05d}.kvd")
     with open(path, "r+b") as f:
         f.seek(offset % c.file_bytes)
@@ -330,19 +328,19 @@ def test_flipped_byte_is_detected_counted_and_dropped(tmp_path):
     with NvmeTier(c, metrics=metrics) as t:
         assert t.recovery.blocks == 4  # recovery trusts the index; the read checks the bytes
         g, dsts = get(t, range(4))
-        assert g.results[key(2)] is Outcome.CORRUPT
+        assert g.results[key(2)] is IoResult.CORRUPT
         err = g.errors[key(2)]
         assert isinstance(err, NvmeChecksumError) and isinstance(err, TierError)
         assert (err.key, err.chunk, err.offset) == (key(2), 3, slot)
         assert "layer chunk 3 of 8" in str(err)
         assert isinstance(g.error, NvmeBatchError)
-        assert all(g.results[key(i)] is Outcome.OK and np.array_equal(dsts[i], data(i)) for i in (0, 1, 3))
+        assert all(g.results[key(i)] is IoResult.OK and np.array_equal(dsts[i], data(i)) for i in (0, 1, 3))
         assert t.contains([key(2)]) == [False]
         st = t.stats()
         assert (st.used_bytes, st.blocks, st.extra["checksum_failures"], st.enabled) == (3 * BLOCK, 3, 1, True)
         assert metrics.registry.get_sample_value("kvstore_checksum_failures_total", {"source": "nvme"}) == 1
         g, _ = get(t, [2])
-        assert g.results[key(2)] is Outcome.MISSING  # dropped for good
+        assert g.results[key(2)] is IoResult.MISSING  # dropped for good
     with NvmeTier(c) as t:
         assert sorted(e.key for e in t.entries()) == sorted(key(i) for i in (0, 1, 3))
 
@@ -355,3 +353,42 @@ def test_scrub_finds_corruption_under_an_open_tier(tier):
     assert tier.scrub() == 2
     assert tier.contains([key(i) for i in range(6)]) == [True, False, True, True, False, True]
     assert tier.scrub() == 0
+
+
+def test_reads_racing_deletes_and_puts_of_the_same_keys_never_see_another_block(tier):
+    """The index is the only record of what is stored: a read that finds a block reads that
+    block whole, even while another thread deletes it and stores other blocks in its slot."""
+    import threading
+
+    ids = range(16)
+    stop = threading.Event()
+    seen: list = []
+    bad: list = []  # (block, result) of every read that ended neither MISSING nor OK with its bytes
+
+    def churn() -> None:
+        others = range(1000, 1008)  # other bytes, into the slots just freed
+        while not stop.is_set():
+            tier.delete([key(i) for i in ids[::2]])
+            put(tier, others)
+            tier.delete([key(i) for i in others])
+            put(tier, ids[::2])
+
+    def read() -> None:
+        while not stop.is_set():
+            g, dsts = get(tier, ids)
+            for i, d in zip(ids, dsts):
+                r = g.results[key(i)]
+                seen.append(r)
+                if r not in (IoResult.OK, IoResult.MISSING) or (r is IoResult.OK and not np.array_equal(d, data(i))):
+                    bad.append((i, r))
+
+    put(tier, ids)
+    threads = [threading.Thread(target=churn)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(seen) >= 2000, 60, "reads racing the churn")
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not bad and IoResult.OK in seen and tier.stats().extra["checksum_failures"] == 0
+    assert all(tier.contains([key(i) for i in ids[1::2]]))  # never deleted: still there

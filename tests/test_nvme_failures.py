@@ -16,8 +16,8 @@ import uuid
 import numpy as np
 import pytest
 
-from kvstore.tiers.nvme import IoMode, NvmeConfig, NvmeTier, Outcome, SyncMode
-from kvstore.tiers.nvme_types import (
+from kvstore.tiers.nvme import IoMode, IoResult, NvmeTier, NvmeTierConfig, SyncMode
+from kvstore.tiers.nvme import (
     NvmeBusyError, NvmeDisabledError, NvmeDiskFullError, NvmeGeometryError, NvmeIndexFullError,
     NvmeIOError, NvmeUnwritableError)
 from nvme_util import BLOCK, CHUNK, MiB, NS, KiB, cfg, data, get, key, put
@@ -40,7 +40,7 @@ def block(i):
     return b
 """
 # Page-aligned sources, so adjacent full-page blocks go out in vectored writes.
-ALIGNED = "\nfrom kvstore.tiers.nvme_io import aligned_buffer\n" + """
+ALIGNED = "\nfrom kvstore.tiers.nvme.files import aligned_buffer\n" + """
 def aligned_block(i):
     b = aligned_buffer(nbytes(i))[:nbytes(i)]
     b[:] = block(i)
@@ -49,9 +49,9 @@ def aligned_block(i):
 
 CRASH_CHILD = CRASH_HELPERS + ALIGNED + """
 import sys
-from kvstore.tiers.nvme import NvmeConfig, NvmeTier, SyncMode
-tier = NvmeTier(NvmeConfig(dir=sys.argv[1], capacity_bytes=256 << 20, file_bytes=64 << 20,
-                           extent_bytes=1 << 20, io_threads=4, sync=SyncMode(sys.argv[2])))
+from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig, SyncMode
+tier = NvmeTier(NvmeTierConfig(dir=sys.argv[1], capacity_bytes=256 << 20, file_bytes=64 << 20,
+                               extent_bytes=1 << 20, io_threads=4, sync=SyncMode(sys.argv[2])))
 out, inflight, i = sys.stdout, [], 0
 while True:
     ids = list(range(i, i + 8))
@@ -96,7 +96,7 @@ def test_sigkill_during_write_stream_keeps_every_acknowledged_block(tmp_path, sy
 
     ns = {}
     exec(CRASH_HELPERS + ALIGNED, ns)
-    c = NvmeConfig(dir=d, capacity_bytes=256 << 20, file_bytes=64 << 20, extent_bytes=1 << 20, io_threads=4)
+    c = NvmeTierConfig(dir=d, capacity_bytes=256 << 20, file_bytes=64 << 20, extent_bytes=1 << 20, io_threads=4)
     with NvmeTier(c) as t:
         entries = {e.key: e for e in t.entries()}
         by_key = {ns["key"](i): i for i in submitted}
@@ -112,7 +112,7 @@ def test_sigkill_during_write_stream_keeps_every_acknowledged_block(tmp_path, sy
         unacked = submitted - set(ids)
         g = t.get_many([ns["key"](i) for i in unacked], [np.zeros(ns["B"], np.uint8) for _ in unacked])
         g.wait(60)
-        assert all(g.results[ns["key"](i)] is Outcome.MISSING for i in unacked)
+        assert all(g.results[ns["key"](i)] is IoResult.MISSING for i in unacked)
         assert t.stats().extra["checksum_failures"] == 0
         st = t.stats().extra  # both read paths ran: vectored runs of full pages, and bounced tails
         assert st["vectored_ios"] > 0 and st["bounced_ios"] > 0
@@ -162,7 +162,7 @@ def test_disk_full_on_data_write_disables_the_tier(tmp_path):
         with NvmeTier(c) as t:
             put(t, range(4)).result()
             b = put(t, range(4, 40))
-            failed = [k for k, o in b.results.items() if o is Outcome.FAILED]
+            failed = [k for k, o in b.results.items() if o is IoResult.FAILED]
             assert failed and all(isinstance(b.errors[k], (NvmeDiskFullError, NvmeDisabledError)) for k in failed)
             assert any(isinstance(b.errors[k], NvmeDiskFullError) for k in failed)
             st = t.stats()
@@ -171,7 +171,7 @@ def test_disk_full_on_data_write_disables_the_tier(tmp_path):
                 t.put_many([(NS, key(99), None, 0, data(99))])
             with pytest.raises(NvmeDisabledError):
                 t.get_many([key(0)], [np.zeros(BLOCK, np.uint8)])
-            stored = [k for k, o in b.results.items() if o is Outcome.OK]
+            stored = [k for k, o in b.results.items() if o is IoResult.OK]
         with NvmeTier(c) as t:  # what was acknowledged is still there
             assert {e.key for e in t.entries()} == {key(i) for i in range(4)} | set(stored)
             g, dsts = get(t, range(4))
@@ -183,7 +183,7 @@ def test_disk_full_on_index_commit_disables_the_tier(tmp_path):
         with NvmeTier(cfg(mnt / "nvme", capacity_bytes=1 * MiB, file_bytes=1 * MiB)) as t:
             fill_up(mnt)  # data files are preallocated; only the index can grow now
             b = put(t, range(8), chunk=64)  # 1024 checksums per record: the index must grow
-            assert set(b.results.values()) == {Outcome.FAILED}
+            assert set(b.results.values()) == {IoResult.FAILED}
             assert all(isinstance(e, NvmeDiskFullError) for e in b.errors.values())
             st = t.stats()
             assert not st.enabled and "disk full" in st.extra["disabled_reason"]
@@ -207,7 +207,7 @@ def test_index_map_full_disables_the_tier_and_keeps_what_was_committed(tmp_path)
     with NvmeTier(c) as t:
         for n in range(64):
             b = put(t, range(n * 4, n * 4 + 4), nbytes=16 * KiB, chunk=512)
-            committed += [k for k in b.keys if b.results[k] is Outcome.OK]
+            committed += [k for k in b.keys if b.results[k] is IoResult.OK]
             if b.error is not None:
                 break
         errs = set(map(type, b.errors.values()))
@@ -217,7 +217,7 @@ def test_index_map_full_disables_the_tier_and_keeps_what_was_committed(tmp_path)
         assert not st.enabled and "index full" in st.extra["disabled_reason"]
         assert (st.blocks, st.used_bytes) == (len(committed), len(committed) * 16 * KiB)
         with pytest.raises(NvmeDisabledError):
-            t.allocate(NS, BLOCK)
+            t.put_many([(NS, key(10_000), None, CHUNK, data(0))])
     assert committed
     with NvmeTier(cfg(tmp_path / "nvme", capacity_bytes=16 * MiB, file_bytes=8 * MiB, extent_bytes=1 * MiB)) as t:
         assert {e.key for e in t.entries()} == set(committed)

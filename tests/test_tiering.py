@@ -107,9 +107,9 @@ def test_flipped_byte_is_detected_and_never_served(tmp_path):
     c.put(toks, block_kv(toks))
     c.close()
     assert d.stop() == 0
-    from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+    from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig
 
-    t = NvmeTier(NvmeConfig(dir=str(nv), capacity_bytes=256 << 20, file_bytes=128 << 20, extent_bytes=4 << 20))
+    t = NvmeTier(NvmeTierConfig(dir=str(nv), capacity_bytes=256 << 20, file_bytes=128 << 20, extent_bytes=4 << 20))
     entries = {e.key: e for e in t.entries()}
     t.close()
     from kvstore.keys import Namespace, chain_keys
@@ -230,7 +230,7 @@ def subprocess_ls(sock):
 def test_graceful_restart_keeps_the_lru_order_of_lookups(tmp_path):
     """Recency earned by lookups of DRAM copies survives a graceful restart: the index's access
     times follow the daemon's LRU, not only the order blocks were written to NVMe."""
-    from kvstore.tiers.nvme_index import BlockRecord, NvmeIndex
+    from kvstore.tiers.nvme.index import BlockRecord, NvmeIndex
 
     d = start_daemon(tmp_path, *nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true"), dram=DRAM)
     try:

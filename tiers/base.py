@@ -1,12 +1,19 @@
-"""The one small protocol every tier implements, and the slot allocator tiers share.
+"""What the daemon drives on each tier (one :class:`typing.Protocol` per kind of tier), the
+shared slot allocator, and the small types every tier uses.
 
-A tier owns fixed-size slots per namespace. ``allocate`` signals back-pressure by returning
-``None`` (the caller evicts or demotes and tries again), never by raising. Data moves between a
-slot and a caller's buffer (a memoryview, usually into the shared arena); async variants return
-a :class:`Transfer` handle with a deadline-aware ``wait``.
+Two kinds of tier, because the daemon drives them differently:
 
-Not thread-safe: a tier is driven from one place (the daemon's core lock or one worker thread);
-async variants do their I/O on the tier's own threads and touch no shared tier state there.
+- :class:`SlotTier` (DRAM, HBM): fixed-size slots per namespace, cut from extents by
+  :class:`ExtentAllocator`; the caller keeps the index (key -> slot). ``allocate`` signals
+  back-pressure by returning ``None``, never by raising. :class:`ArenaTier` (DRAM) exposes its
+  slots as views into the shared arena (clients and the daemon copy through them);
+  :class:`DevicePoolTier` (HBM) fills its slots by DMA (:meth:`~DevicePoolTier.promote`) and hands
+  its pool to workers.
+- :class:`KeyedTier` (NVMe): a durable store of blocks by key with its own index; batched puts
+  and gets report per key (back-pressure there is a per-key ``NO_SPACE``).
+
+The contract test suite (``tests/tier_contract.py``) runs against every tier through these
+protocols. Sizes are bytes, times seconds (access times: Unix seconds).
 """
 
 from __future__ import annotations
@@ -14,7 +21,13 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvstore.tiers.arena import Arena
+    from kvstore.tiers.nvme import NvmeBatch, NvmeEntry, PutItem
 
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -44,8 +57,9 @@ class TierStats:
 
 
 class Transfer:
-    """Handle of one async slot transfer. ``wait(timeout_s)`` returns False on timeout;
-    ``error`` holds the exception when the transfer failed (its data must not be used)."""
+    """Handle of one asynchronous copy (an HBM promote or demote; the NVMe tier's batches extend
+    it). ``wait(timeout_s)`` returns False on timeout; ``error`` holds the exception when the
+    transfer failed (its data must not be used). ``nbytes``: bytes it moves."""
 
     __slots__ = ("_done", "error", "nbytes")
 
@@ -78,25 +92,116 @@ class Transfer:
         return t
 
 
+@runtime_checkable
 class Tier(Protocol):
+    """What every tier answers."""
+
     kind: TierKind
+
+    def stats(self) -> TierStats:
+        """Capacity and use (bytes), blocks held, and whether the tier is enabled."""
+
+
+@runtime_checkable
+class SlotTier(Tier, Protocol):
+    """Fixed-size slots per namespace; the caller keeps the index and its own lock (not
+    thread-safe). A slot is a byte offset into the tier's memory."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes that slots can be cut from (whole extents)."""
+
+    def fits(self, slot_bytes: int) -> bool:
+        """True if a slot of ``slot_bytes`` fits one extent (else ``allocate`` never succeeds)."""
+
+    def slot_stride(self, slot_bytes: int) -> int:
+        """Bytes one slot of ``slot_bytes`` takes (rounded up to the alignment)."""
 
     def allocate(self, ns_id: bytes, slot_bytes: int) -> int | None:
         """A free slot of ``slot_bytes`` for namespace ``ns_id``, or None when full."""
 
-    def free(self, ns_id: bytes, slot: int) -> None: ...
+    def free(self, ns_id: bytes, slot: int) -> None:
+        """Give ``slot`` back; ValueError if it is not a slot of ``ns_id``."""
 
-    def write(self, slot: int, src: memoryview) -> None:
-        """Copy ``src`` into ``slot`` (synchronously)."""
 
-    def read(self, slot: int, dst: memoryview) -> None:
-        """Copy ``slot`` into ``dst`` (synchronously); raises TierError on corrupt data."""
+@runtime_checkable
+class ArenaTier(SlotTier, Protocol):
+    """DRAM: slots in the shared-memory arena that clients map too (zero-copy on their side)."""
 
-    def write_async(self, slot: int, src: memoryview) -> Transfer: ...
+    arena: Arena
+    ns_bytes: dict[bytes, int]  # slot bytes (strides) each namespace holds, for quotas
 
-    def read_async(self, slot: int, dst: memoryview) -> Transfer: ...
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of allocated slots (strides)."""
 
-    def stats(self) -> TierStats: ...
+    @property
+    def extent_bytes(self) -> int:
+        """The allocation unit a namespace takes whole; no slot is larger."""
+
+    def max_slots(self, slot_bytes: int) -> int:
+        """Most slots of ``slot_bytes`` the tier can ever hold at once."""
+
+    def view(self, slot: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``slot`` as a writable uint8 array over the arena (no copy);
+        ValueError past the slot's size."""
+
+
+@runtime_checkable
+class DevicePoolTier(SlotTier, Protocol):
+    """HBM: slots in one device pool, filled by DMA from the (registered) arena; workers map
+    the pool themselves and copy device-to-device."""
+
+    @property
+    def emulated(self) -> bool:
+        """True when no GPU backs the pool (figures must not pass for GPU figures)."""
+
+    def register_host(self, arena: Arena) -> bool:
+        """Page-lock ``arena`` for DMA; True if memory was pinned (False when emulated)."""
+
+    def promote(self, pairs: Iterable[tuple[int, object]]) -> Transfer:
+        """Copy each ``(slot, host buffer)`` into the pool, as one asynchronous transfer; the
+        buffers must not change until it is done."""
+
+    def ipc_handle(self) -> dict:
+        """What a worker needs to map the pool (``kvstore.tiers.hbm.open_pool``)."""
+
+    def close(self) -> None:
+        """Finish queued copies and release the pool."""
+
+
+@runtime_checkable
+class KeyedTier(Tier, Protocol):
+    """NVMe: a durable block store with its own index. Thread-safe; batches complete on the
+    tier's threads (``on_done`` runs there)."""
+
+    @property
+    def dir(self) -> str:
+        """The tier's directory; the daemon keeps its namespace descriptions beside the blocks."""
+
+    @property
+    def enabled(self) -> bool:
+        """False once the tier disabled itself (I/O error, disk or index full) or was closed."""
+
+    def put_many(self, items: Iterable[PutItem | tuple],
+                 on_done: Callable[[NvmeBatch], None] | None = None) -> NvmeBatch:
+        """Store blocks; per-key results in the batch (``NO_SPACE`` when full, known at once)."""
+
+    def get_many(self, keys: Sequence[bytes], dsts: Sequence,
+                 on_done: Callable[[NvmeBatch], None] | None = None) -> NvmeBatch:
+        """Read and verify blocks into ``dsts``; ``dsts[i]`` is valid only if its key ended OK."""
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks (and cancel puts in flight); returns how many were here or in flight."""
+
+    def entries(self) -> Iterator[NvmeEntry]:
+        """Every stored block's metadata: what the daemon rebuilds its index from at start."""
+
+    def set_atimes(self, pairs: Iterable[tuple[bytes, float]]) -> None:
+        """Record ``(key, Unix seconds)`` access times; they reach the index within seconds."""
+
+    def close(self) -> None:
+        """Finish batches in flight, write access times, release the directory."""
 
 
 class ExtentAllocator:
@@ -105,7 +210,8 @@ class ExtentAllocator:
     A namespace takes whole extents and cuts them into slots of its own block size, so
     namespaces with different layouts share one arena without fragmenting each other. Offsets
     returned are byte offsets into the range. ``allocate`` is O(1) amortised; ``free`` is O(1);
-    an extent whose slots are all free goes back to the shared pool.
+    an extent whose slots are all free goes back to the shared pool. :meth:`restore` rebuilds
+    the free lists of a persistent tier from the slots its index names.
     """
 
     def __init__(self, capacity_bytes: int, extent_bytes: int, align_bytes: int = 4096) -> None:
@@ -119,7 +225,8 @@ class ExtentAllocator:
         self._free_slots: dict[tuple[bytes, int], list[int]] = {}
         self._extent_owner: dict[int, tuple[bytes, int]] = {}  # extent -> (ns, slot_bytes)
         self._extent_used: dict[int, int] = {}
-        self.used_bytes = 0
+        self.used_bytes = 0  # strides of allocated slots
+        self.used_slots = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -131,6 +238,21 @@ class ExtentAllocator:
 
     def fits(self, slot_bytes: int) -> bool:
         return self.slot_stride(slot_bytes) <= self.extent_bytes
+
+    def max_slots(self, slot_bytes: int) -> int:
+        """Most slots of ``slot_bytes`` the range can ever hold at once."""
+        return (self.capacity_bytes // self.extent_bytes) * (self.extent_bytes // self.slot_stride(slot_bytes))
+
+    def owner(self, offset: int) -> tuple[bytes, int] | None:
+        """``(ns_id, slot_bytes)`` of the extent holding ``offset``, None if the extent is free."""
+        return self._extent_owner.get(offset // self.extent_bytes)
+
+    def room(self, ns_id: bytes, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` that ``ns_id`` could allocate now."""
+        stride = self.slot_stride(slot_bytes)
+        if stride > self.extent_bytes:
+            return 0
+        return len(self._free_slots.get((ns_id, slot_bytes), ())) + len(self._free_extents) * (self.extent_bytes // stride)
 
     def allocate(self, ns_id: bytes, slot_bytes: int) -> int | None:
         stride = self.slot_stride(slot_bytes)
@@ -149,6 +271,7 @@ class ExtentAllocator:
         off = pool.pop()
         self._extent_used[off // self.extent_bytes] += 1
         self.used_bytes += stride
+        self.used_slots += 1
         return off
 
     def free(self, ns_id: bytes, slot_bytes: int, offset: int) -> None:
@@ -158,6 +281,7 @@ class ExtentAllocator:
             raise ValueError(f"slot at {offset} is not a {slot_bytes}-byte slot of this namespace")
         stride = self.slot_stride(slot_bytes)
         self.used_bytes -= stride
+        self.used_slots -= 1
         self._extent_used[ext] -= 1
         pool = self._free_slots[owner]
         if self._extent_used[ext] == 0:
@@ -170,5 +294,42 @@ class ExtentAllocator:
         else:
             pool.append(offset)
 
-    def free_extents(self) -> int:
-        return len(self._free_extents)
+    def slot_index_ok(self, slot_bytes: int, offset: int) -> bool:
+        """True if ``offset`` is the start of a slot of ``slot_bytes`` inside the usable range."""
+        stride = self.slot_stride(slot_bytes)
+        rel = offset % self.extent_bytes
+        return (0 <= offset < self.usable_bytes and stride <= self.extent_bytes
+                and rel % stride == 0 and rel + stride <= self.extent_bytes)
+
+    def restore(self, slots: Iterable[tuple[bytes, int, int]]) -> list[int]:
+        """Mark ``(ns_id, slot_bytes, offset)`` slots used on a fresh allocator, in one pass.
+
+        Returns the positions (in input order) of the slots refused: out of range, misaligned,
+        in an extent another namespace or slot size owns, or already claimed.
+        """
+        if self.used_slots or self._extent_owner:
+            raise RuntimeError("restore() needs a fresh allocator")
+        E = self.extent_bytes
+        by_ext: dict[int, tuple[tuple[bytes, int], set[int]]] = {}
+        refused = []
+        for i, (ns_id, slot_bytes, off) in enumerate(slots):
+            if not self.slot_index_ok(slot_bytes, off):
+                refused.append(i)
+                continue
+            owner = (ns_id, slot_bytes)
+            got = by_ext.setdefault(off // E, (owner, set()))
+            if got[0] != owner or off in got[1]:
+                refused.append(i)
+                continue
+            got[1].add(off)
+        for ext, (owner, used) in by_ext.items():
+            stride = self.slot_stride(owner[1])
+            base = ext * E
+            self._extent_owner[ext] = owner
+            self._extent_used[ext] = len(used)
+            pool = self._free_slots.setdefault(owner, [])
+            pool.extend(o for o in range(base + (E // stride - 1) * stride, base - 1, -stride) if o not in used)
+            self.used_bytes += len(used) * stride
+            self.used_slots += len(used)
+        self._free_extents = [e for e in self._free_extents if e not in by_ext]
+        return refused

@@ -1,7 +1,9 @@
 """DRAM tier: fixed-size slots per namespace carved from the shared-memory arena.
 
 Clients write and read slots directly through their own mapping of the arena (zero copies
-through the daemon); the daemon itself copies only when moving blocks between tiers.
+through the daemon); the daemon itself copies only when moving blocks between tiers, through
+:meth:`DramTier.view`. Keeps :class:`kvstore.tiers.base.ArenaTier`. Not thread-safe: the
+daemon's core lock guards it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.base import ExtentAllocator, TierKind, TierStats, Transfer
+from kvstore.tiers.base import ExtentAllocator, TierKind, TierStats
 
 
 class DramTier:
@@ -19,20 +21,25 @@ class DramTier:
         """Slots come from the first ``capacity_bytes`` of the arena (default: all of it)."""
         self.arena = arena
         self.alloc = ExtentAllocator(capacity_bytes or arena.size_bytes, extent_bytes)
-        self.blocks = 0
         self.ns_bytes: dict[bytes, int] = {}  # slot bytes held per namespace (for quotas)
 
     @property
     def capacity_bytes(self) -> int:
         return self.alloc.usable_bytes
 
+    @property
+    def used_bytes(self) -> int:
+        return self.alloc.used_bytes
+
+    @property
+    def extent_bytes(self) -> int:
+        return self.alloc.extent_bytes
+
     def slot_stride(self, slot_bytes: int) -> int:
         return self.alloc.slot_stride(slot_bytes)
 
     def max_slots(self, slot_bytes: int) -> int:
-        """Most slots of ``slot_bytes`` the tier can ever hold at once."""
-        a = self.alloc
-        return (a.capacity_bytes // a.extent_bytes) * (a.extent_bytes // a.slot_stride(slot_bytes))
+        return self.alloc.max_slots(slot_bytes)
 
     def fits(self, slot_bytes: int) -> bool:
         return self.alloc.fits(slot_bytes)
@@ -40,45 +47,23 @@ class DramTier:
     def allocate(self, ns_id: bytes, slot_bytes: int) -> int | None:
         off = self.alloc.allocate(ns_id, slot_bytes)
         if off is not None:
-            self.blocks += 1
             self.ns_bytes[ns_id] = self.ns_bytes.get(ns_id, 0) + self.alloc.slot_stride(slot_bytes)
         return off
 
     def free(self, ns_id: bytes, slot: int) -> None:
-        owner = self.alloc._extent_owner.get(slot // self.alloc.extent_bytes)
+        owner = self.alloc.owner(slot)
         if owner is None or owner[0] != ns_id:
             raise ValueError(f"slot at {slot} is not allocated to this namespace")
         self.alloc.free(ns_id, owner[1], slot)
-        self.blocks -= 1
         self.ns_bytes[ns_id] -= self.alloc.slot_stride(owner[1])
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
-        return self.arena.view(slot, nbytes)
-
-    def _slot_view(self, slot: int, nbytes: int) -> np.ndarray:
-        owner = self.alloc._extent_owner.get(slot // self.alloc.extent_bytes)
+        owner = self.alloc.owner(slot)
         if owner is None:
             raise ValueError(f"slot at {slot} is not allocated")
         if nbytes > owner[1]:
             raise ValueError(f"{nbytes} bytes do not fit a {owner[1]}-byte slot (would overwrite its neighbour)")
         return self.arena.view(slot, nbytes)
 
-    def write(self, slot: int, src) -> None:
-        src = np.frombuffer(src, dtype=np.uint8)
-        np.copyto(self._slot_view(slot, src.nbytes), src)
-
-    def read(self, slot: int, dst) -> None:
-        dst = np.frombuffer(dst, dtype=np.uint8)
-        np.copyto(dst, self._slot_view(slot, dst.nbytes))
-
-    def write_async(self, slot: int, src) -> Transfer:
-        # A memcpy into faulted pages runs at 14-20 GB/s: not worth a thread hop.
-        self.write(slot, src)
-        return Transfer.completed(len(memoryview(src).cast("B")))
-
-    def read_async(self, slot: int, dst) -> Transfer:
-        self.read(slot, dst)
-        return Transfer.completed(len(memoryview(dst).cast("B")))
-
     def stats(self) -> TierStats:
-        return TierStats(TierKind.DRAM, self.capacity_bytes, self.alloc.used_bytes, self.blocks)
+        return TierStats(TierKind.DRAM, self.capacity_bytes, self.alloc.used_bytes, self.alloc.used_slots)

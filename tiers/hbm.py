@@ -20,8 +20,11 @@ Workers reach the pool directly through :meth:`ipc_handle` (CUDA IPC through tor
 pool's memfd, to be passed by SCM_RIGHTS like the DRAM arena); a worker maps it with
 :func:`open_pool`.
 
-Not thread-safe, like every tier: allocate / free / submit from one thread (the daemon's core
-lock). Copies and completions run on the tier's own streams and threads.
+Keeps :class:`kvstore.tiers.base.DevicePoolTier` (what the daemon drives: allocate, free,
+promote, ipc_handle); ``demote``, ``copy_async`` and the per-slot ``write``/``read`` (and their
+async forms) serve workers' tools, benchmarks and tests. Not thread-safe: allocate / free /
+submit from one thread (the daemon's core lock). Copies and completions run on the tier's own
+streams and threads.
 """
 
 from __future__ import annotations
@@ -220,7 +223,6 @@ class HbmTier:
         self._order = _SlotOrder()
         self._live: set[int] = set()
         self._pins: list[HostPin] = []
-        self.blocks = 0
         self.bytes_promoted = 0
         self.bytes_demoted = 0
         self._closed = False
@@ -251,13 +253,12 @@ class HbmTier:
         off = self.alloc.allocate(ns_id, slot_bytes)
         if off is not None:
             self._live.add(off)
-            self.blocks += 1
         return off
 
     def free(self, ns_id: bytes, slot: int) -> None:
         """Give ``slot`` back. Copies still in flight on it are waited for first (the slot's
         memory is handed to the next ``allocate``)."""
-        owner = self.alloc._extent_owner.get(slot // self.alloc.extent_bytes)
+        owner = self.alloc.owner(slot)
         if slot not in self._live or owner is None or owner[0] != ns_id:
             raise ValueError(f"slot at {slot} is not allocated to this namespace")
         for ev in self._order.pending(slot):
@@ -268,12 +269,11 @@ class HbmTier:
         self._order.forget(slot)
         self.alloc.free(ns_id, owner[1], slot)
         self._live.discard(slot)
-        self.blocks -= 1
 
     def _slot_bytes(self, slot: int, nbytes: int) -> int:
         if self._closed:
             raise TierError("HBM tier is closed")
-        owner = self.alloc._extent_owner.get(slot // self.alloc.extent_bytes)
+        owner = self.alloc.owner(slot)
         if slot not in self._live or owner is None:
             raise ValueError(f"slot at {slot} is not allocated")
         if nbytes > owner[1]:
@@ -385,7 +385,7 @@ class HbmTier:
                  "bytes_promoted": self.bytes_promoted, "bytes_demoted": self.bytes_demoted}
         if self.emulated:
             extra["reason"] = self.reason
-        return TierStats(TierKind.HBM, self.capacity_bytes, self.alloc.used_bytes, self.blocks,
+        return TierStats(TierKind.HBM, self.capacity_bytes, self.alloc.used_bytes, self.alloc.used_slots,
                          emulated=self.emulated, extra=extra)
 
     def close(self) -> None:

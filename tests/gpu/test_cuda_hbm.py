@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from cuda_env import SKIP_REASON, requires_cuda
-from tier_contract import TierContract
+from tier_contract import SlotTierContract
 
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig
@@ -40,7 +40,7 @@ def tier(arena):  # set up after the arena, so closed (and the arena unpinned) b
 
 
 @pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "CUDA present")
-class TestHbmCudaContract(TierContract):
+class TestHbmCudaContract(SlotTierContract):
     def make_tier(self, tmp_path, capacity_bytes):
         return HbmTier(HbmTierConfig(capacity_bytes, extent_bytes=4 * self.SLOT, device="0"))
 

@@ -1,11 +1,11 @@
-"""The NVMe tier's persistent index (LMDB) and its slot allocator.
+"""The NVMe tier's persistent index (LMDB), and rebuilding the slot allocator from it at start.
 
 One LMDB environment in ``<dir>/index``: database ``blocks`` maps a 32-byte block key to a
 packed :class:`BlockRecord`; database ``meta`` holds the geometry the data files were laid out
 with. A record is committed only after its data is on the device, so every record names bytes
 that were completely written (the checksums decide whether they still are).
 
-Raises ``lmdb.Error`` subclasses; :mod:`kvstore.tiers.nvme` turns them into tier errors.
+Raises ``lmdb.Error`` subclasses; the tier turns them into tier errors.
 Thread-safety: LMDB serialises writers itself; read transactions may run on any thread.
 """
 
@@ -119,10 +119,25 @@ class NvmeIndex:
                     rec.atime = t
                     txn.put(key, rec.pack())
 
-    def delete(self, keys: Iterable[bytes]) -> None:
+    def has(self, keys: Iterable[bytes]) -> list[bool]:
+        """Per key: a record is committed."""
+        with self.env.begin(db=self.blocks) as txn:
+            return [txn.get(k) is not None for k in keys]
+
+    def delete(self, keys: Iterable[bytes], offsets: dict[bytes, int] | None = None) -> dict[bytes, int]:
+        """Delete the records of ``keys``, in one transaction; with ``offsets``, only those whose
+        record still names that slot. Returns ``key -> slot offset`` of the records deleted."""
+        gone = {}
         with self.env.begin(write=True, db=self.blocks) as txn:
             for k in keys:
-                txn.delete(k)
+                raw = txn.get(k)
+                if raw is None:
+                    continue
+                off = BlockRecord.unpack(k, raw).offset
+                if offsets is None or offsets[k] == off:
+                    txn.delete(k)
+                    gone[k] = off
+        return gone
 
     def count(self) -> int:
         with self.env.begin() as txn:
@@ -132,84 +147,10 @@ class NvmeIndex:
         self.env.close()
 
 
-class SlotAllocator(ExtentAllocator):
-    """:class:`ExtentAllocator` plus what a persistent tier needs: the slot count, the owner of
-    an offset, and :meth:`restore` to rebuild the free lists from the slots an index names.
-
-    ``restore`` reaches into the base class's state; it belongs in ``ExtentAllocator`` itself
-    once another tier needs it.
-    """
-
-    def __init__(self, capacity_bytes: int, extent_bytes: int, align_bytes: int) -> None:
-        super().__init__(capacity_bytes, extent_bytes, align_bytes)
-        self.used_slots = 0
-
-    def allocate(self, ns_id: bytes, slot_bytes: int) -> int | None:
-        off = super().allocate(ns_id, slot_bytes)
-        if off is not None:
-            self.used_slots += 1
-        return off
-
-    def free(self, ns_id: bytes, slot_bytes: int, offset: int) -> None:
-        super().free(ns_id, slot_bytes, offset)
-        self.used_slots -= 1
-
-    def owner(self, offset: int) -> tuple[bytes, int] | None:
-        """``(ns_id, slot_bytes)`` of the extent holding ``offset``, None if the extent is free."""
-        return self._extent_owner.get(offset // self.extent_bytes)
-
-    def room(self, ns_id: bytes, slot_bytes: int) -> int:
-        """Slots of ``slot_bytes`` that ``ns_id`` could allocate now."""
-        stride = self.slot_stride(slot_bytes)
-        if stride > self.extent_bytes:
-            return 0
-        return len(self._free_slots.get((ns_id, slot_bytes), ())) + len(self._free_extents) * (self.extent_bytes // stride)
-
-    def slot_index_ok(self, slot_bytes: int, offset: int) -> bool:
-        """True if ``offset`` is the start of a slot of ``slot_bytes`` inside the usable range."""
-        stride = self.slot_stride(slot_bytes)
-        ext, rel = divmod(offset, self.extent_bytes)
-        return (0 <= offset < self.usable_bytes and stride <= self.extent_bytes
-                and rel % stride == 0 and rel + stride <= self.extent_bytes)
-
-    def restore(self, slots: Iterable[tuple[bytes, int, int]]) -> list[int]:
-        """Mark ``(ns_id, slot_bytes, offset)`` slots used on a fresh allocator, in one pass.
-
-        Returns the positions (in input order) of the slots refused: out of range, misaligned,
-        in an extent another namespace or slot size owns, or already claimed.
-        """
-        if self.used_slots or self._extent_owner:
-            raise RuntimeError("restore() needs a fresh allocator")
-        E = self.extent_bytes
-        by_ext: dict[int, tuple[tuple[bytes, int], set[int]]] = {}
-        refused = []
-        for i, (ns_id, slot_bytes, off) in enumerate(slots):
-            if not self.slot_index_ok(slot_bytes, off):
-                refused.append(i)
-                continue
-            owner = (ns_id, slot_bytes)
-            got = by_ext.setdefault(off // E, (owner, set()))
-            if got[0] != owner or off in got[1]:
-                refused.append(i)
-                continue
-            got[1].add(off)
-        for ext, (owner, used) in by_ext.items():
-            stride = self.slot_stride(owner[1])
-            base = ext * E
-            self._extent_owner[ext] = owner
-            self._extent_used[ext] = len(used)
-            pool = self._free_slots.setdefault(owner, [])
-            pool.extend(o for o in range(base + (E // stride - 1) * stride, base - 1, -stride) if o not in used)
-            self.used_bytes += len(used) * stride
-            self.used_slots += len(used)
-        self._free_extents = [e for e in self._free_extents if e not in by_ext]
-        return refused
-
-
-def recover(index: NvmeIndex, alloc: SlotAllocator) -> tuple[dict[bytes, int], int, int]:
+def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[int, int, int]:
     """Rebuild ``alloc``'s free space from every record in ``index``.
 
-    Returns ``(key -> slot offset, bytes of block data, records dropped)``. A record is dropped
+    Returns ``(blocks kept, bytes of block data, records dropped)``. A record is dropped
     (deleted from the index) when it is unreadable, its sizes disagree, or its slot cannot be
     claimed (outside the data files, misaligned, in another namespace's extent, or claimed by
     another record). Data bytes are not read here: every read verifies them.
@@ -227,14 +168,12 @@ def recover(index: NvmeIndex, alloc: SlotAllocator) -> tuple[dict[bytes, int], i
             continue
         keep.append((key, r.ns_id, r.slot_bytes, r.offset, r.nbytes))
     refused = set(alloc.restore((ns, sb, off) for _, ns, sb, off, _ in keep))
-    by_key: dict[bytes, int] = {}
     nbytes = 0
-    for i, (key, _, _, off, n) in enumerate(keep):
+    for i, (key, _, _, _, n) in enumerate(keep):
         if i in refused:
             bad.append(key)
         else:
-            by_key[key] = off
             nbytes += n
     if bad:
         index.delete(bad)
-    return by_key, nbytes, len(bad)
+    return len(keep) - len(refused), nbytes, len(bad)

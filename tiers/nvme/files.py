@@ -1,10 +1,9 @@
-"""Aligned file I/O for the NVMe tier: preallocated data files, O_DIRECT reads and writes between
-a file and a caller's buffer, per-layer-chunk checksums, and the small thread pool that keeps
-several I/Os in flight.
+"""The NVMe tier's data files: preallocated files forming one flat offset space, O_DIRECT reads
+and writes between a file and a caller's buffer (through a bounce buffer where alignment needs
+it), and per-layer-chunk checksums.
 
-Everything here raises plain ``OSError``; :mod:`kvstore.tiers.nvme` turns those into tier
-errors. ``os.preadv`` / ``os.pwritev`` and xxh3 release the GIL, so ``io_threads`` threads give
-that many I/Os in flight even from Python.
+Everything here raises plain ``OSError``; the tier turns those into tier errors. ``os.preadv``
+/ ``os.pwritev`` and xxh3 release the GIL, so several threads keep several I/Os in flight.
 """
 
 from __future__ import annotations
@@ -13,10 +12,8 @@ import enum
 import errno
 import mmap
 import os
-import queue
-import threading
 from array import array
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import xxhash
@@ -266,42 +263,3 @@ class DataFiles:
             except OSError:
                 pass
         self.fds = []
-
-
-class Workers:
-    """``n`` threads running submitted callables in FIFO order; each thread owns one aligned
-    bounce buffer, passed to the callable. Exceptions escaping a job are the job's bug: they
-    are handed to ``on_crash`` so a batch can never hang."""
-
-    _STOP = object()
-
-    def __init__(self, n: int, bounce_bytes: int, name: str,
-                 on_crash: Callable[[BaseException], None]) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._on_crash = on_crash
-        self._threads = [threading.Thread(target=self._run, args=(bounce_bytes,), name=f"{name}-{i}",
-                                          daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, job: Callable[[np.ndarray], None]) -> None:
-        self._q.put(job)
-
-    def _run(self, bounce_bytes: int) -> None:
-        bounce = aligned_buffer(bounce_bytes)
-        while True:
-            job = self._q.get()
-            if job is self._STOP:
-                return
-            try:
-                job(bounce)
-            except BaseException as e:  # noqa: BLE001 - see class docstring
-                self._on_crash(e)
-
-    def close(self, timeout_s: float) -> bool:
-        """Let queued jobs finish, then stop; False if a thread outlived ``timeout_s``."""
-        for _ in self._threads:
-            self._q.put(self._STOP)
-        for t in self._threads:
-            t.join(timeout_s)
-        return not any(t.is_alive() for t in self._threads)

@@ -1,6 +1,6 @@
 """NVMe tier bandwidth next to fio, measured in the same run on the same filesystem.
 
-    python -m kvstore.tiers.nvme_bench --dir /var/tmp --block-bytes 1MiB --total-bytes 512MiB [--json]
+    python -m kvstore.tiers.nvme.bench --dir /var/tmp --block-bytes 1MiB --total-bytes 512MiB [--json]
 
 Writes ``total`` bytes as ``block``-sized blocks through :class:`NvmeTier` (put_many from a
 page-aligned shared arena, every put durable: data fdatasync'ed and index committed) and reads
@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.nvme import NvmeConfig, NvmeTier, SyncMode
-from kvstore.tiers.nvme_io import aligned_buffer
+from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig, SyncMode
+from kvstore.tiers.nvme.files import aligned_buffer
 
 _UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "": 1, "b": 1}
@@ -105,7 +105,7 @@ def run_tier(workdir: str, ring: Arena, block: int, total: int, args) -> tuple[f
     while extent > block and extent % block:
         extent //= 2
     cap = -(-total // extent) * extent + extent
-    cfg = NvmeConfig(dir=os.path.join(workdir, "tier"), capacity_bytes=cap, file_bytes=cap, extent_bytes=max(extent, block),
+    cfg = NvmeTierConfig(dir=os.path.join(workdir, "tier"), capacity_bytes=cap, file_bytes=cap, extent_bytes=max(extent, block),
                      io_threads=args.io_threads, coalesce_bytes=args.coalesce_bytes, sync=SyncMode(args.sync))
     nblocks = total // block
     ring_blocks = ring.size_bytes // block
