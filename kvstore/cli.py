@@ -30,7 +30,7 @@ def cmd_serve(args, daemon_cls=None) -> int:
     """``kvstore serve``. ``daemon_cls``: the daemon to run (default :class:`kvstore.daemon.Daemon`;
     the tests run subclasses that inject faults)."""
     from kvstore import config as C
-    from kvstore.daemon import Daemon, StartupError, run
+    from kvstore.daemon.main import Daemon, StartupError, run
 
     _setup_logging("info", False)  # until the config says how: loading it warns of deprecated keys
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from kvstore.cli import build_parser, cmd_serve
-from kvstore.daemon import Daemon
+from kvstore.daemon.main import Daemon
 from kvstore.transport import Sender
 
 

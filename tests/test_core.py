@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from kvstore.core import Core, CoreConfig, DramOnly, SessionEnd
+from kvstore.daemon.core import Core, CoreConfig, DramOnly, SessionEnd
 from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout
@@ -173,7 +173,7 @@ def test_namespace_quota_evicts_its_own_blocks_first(env):
 
 def _forest(rng, n):
     """``n`` DRAM blocks in random trees with random ticks, all in one Lru."""
-    from kvstore.index import Block, BlockState, Lru
+    from kvstore.daemon.index import Block, BlockState, Lru
     from kvstore.tiers.base import TierKind
 
     blocks, lru = [], Lru()

@@ -1,5 +1,5 @@
 """Monitoring artefacts: every metric name and label the Grafana dashboard and the Prometheus
-alert rules use is declared in kvstore/metrics.py (tests/test_metrics_export.py checks the same
+alert rules use is declared in kvstore/daemon/metrics.py (tests/test_metrics_export.py checks the same
 against a running daemon); the rules and the dashboard are well formed; generated copies match
 their source."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from deploy_util import DEPLOY, K8S, promql, sync
-from kvstore.metrics import Metrics
+from kvstore.daemon.metrics import Metrics
 
 # Labels Prometheus attaches to every scraped series (static config or ServiceMonitor).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint", "node"}
@@ -23,7 +23,7 @@ PROMETHEUS_BUILTINS = {"up"}
 # --- metric names ----------------------------------------------------------------------------
 
 def declared_series() -> dict[str, tuple[str, str, set[str]]]:
-    """Series name as scraped -> (family, type, label names), from kvstore/metrics.py."""
+    """Series name as scraped -> (family, type, label names), from kvstore/daemon/metrics.py."""
     from prometheus_client.metrics import MetricWrapperBase
 
     out = {}
@@ -42,7 +42,7 @@ def test_every_metric_the_dashboard_and_rules_use_is_declared():
     declared = declared_series()
     used = promql.used_metric_names()
     missing = sorted(used - set(declared) - PROMETHEUS_BUILTINS)
-    assert not missing, f"used in deploy/ but not declared in kvstore/metrics.py: {missing}"
+    assert not missing, f"used in deploy/ but not declared in kvstore/daemon/metrics.py: {missing}"
     assert len(used) >= 30, "the dashboard and rules should cover most exported metrics"
 
 

@@ -7,7 +7,7 @@ The same daemon also checks the contracts the deploy files rely on:
   probes and the container HEALTHCHECK run exactly that);
 - SIGTERM ends the daemon cleanly well within the unit's TimeoutStopSec (30 s).
 
-tests/test_deploy.py checks the same names against kvstore/metrics.py without a daemon.
+tests/test_deploy.py checks the same names against kvstore/daemon/metrics.py without a daemon.
 """
 
 from __future__ import annotations

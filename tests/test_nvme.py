@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.metrics import Metrics
+from kvstore.daemon.metrics import Metrics
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError
 from kvstore.tiers.nvme import IoMode, IoResult, NvmeBatchError, NvmeChecksumError, NvmeTier, NvmeTierConfig

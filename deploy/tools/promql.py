@@ -3,7 +3,7 @@
 A small tokenizer, not a PromQL parser: it finds metric names (identifiers that are not
 functions, keywords or label names), the label names of selectors, and the label lists of
 ``by`` / ``without`` / ``on`` / ``ignoring`` / ``group_left`` / ``group_right``. The tests check
-these against kvstore/metrics.py and against a real daemon's /metrics; where the
+these against kvstore/daemon/metrics.py and against a real daemon's /metrics; where the
 ``promql-parser`` package is installed they also parse every expression with it.
 """
 

@@ -26,7 +26,7 @@ def daemon_skip_reason() -> str:
         import grpc_reflection.v1alpha.reflection  # noqa: F401
 
         import kvstore.clients  # noqa: F401
-        import kvstore.daemon  # noqa: F401
+        import kvstore.daemon.main  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means: cannot start a daemon here
         return (f"cannot start a daemon here: {type(e).__name__}: {e} "
                 "(install the package with its dependencies, or carry their wheels in .whl/)")

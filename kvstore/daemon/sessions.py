@@ -4,7 +4,7 @@ or hangs, by the reaper once the daemon has heard no call of it for ``session_tt
 :class:`SessionTable` is the core's table of them (single-threaded: called with the core lock
 held). It is kept in order of last use (every call naming a session moves it to the end), so
 finding the expired ones looks at no live session but the first. Ending a session's leases is
-the core's work (:meth:`kvstore.core.Core.close_session`); the table only keeps the books.
+the core's work (:meth:`kvstore.daemon.core.Core.close_session`); the table only keeps the books.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from kvstore.errors import Code, KVError, session_unknown
 
 if TYPE_CHECKING:
-    from kvstore.core import Lease, NsState
+    from kvstore.daemon.core import Lease, NsState
 
 MAX_SESSIONS = 65536
 ENDED_REMEMBERED = 4096  # ids of recently ended sessions, kept to say why one is unknown

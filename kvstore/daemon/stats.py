@@ -7,9 +7,9 @@ import json
 import time
 
 from kvstore import __version__
-from kvstore.core import Core, LeaseKind, NsState
-from kvstore.index import BlockState
-from kvstore.metrics import Metrics
+from kvstore.daemon.core import Core, LeaseKind, NsState
+from kvstore.daemon.index import BlockState
+from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind, TierStats
 from kvstore.v1 import kvstore_pb2 as pb

@@ -3,11 +3,11 @@ each given only its own config section and the collaborators it uses, and starts
 them in order; :func:`run` is the process around it (signals, reload).
 
 Parts, in the order a block meets them (docs/architecture.md has the picture): the gRPC
-servicer (:mod:`kvstore.service`) over the core (:mod:`kvstore.core`: index, leases, DRAM
-eviction), the DRAM tier in the shared arena, tier movement to NVMe (:mod:`kvstore.tiering`),
-HBM copies (:mod:`kvstore.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.transfer`), the
-arena handout (:mod:`kvstore.handout`) and the reporter behind Stats and /metrics
-(:mod:`kvstore.stats`).
+servicer (:mod:`kvstore.daemon.service`) over the core (:mod:`kvstore.daemon.core`: index, leases, DRAM
+eviction), the DRAM tier in the shared arena, tier movement to NVMe (:mod:`kvstore.daemon.tiering`),
+HBM copies (:mod:`kvstore.daemon.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.daemon.transfer`), the
+arena handout (:mod:`kvstore.daemon.handout`) and the reporter behind Stats and /metrics
+(:mod:`kvstore.daemon.stats`).
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
 thread, the reaper, the demoter and HBM promoter when those tiers are on, and the transport's.
@@ -28,15 +28,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore import __version__, doorbell
-from kvstore.advice import Advisor
+from kvstore import __version__
+from kvstore import doorbell
+from kvstore.daemon.advice import Advisor
 from kvstore.config import Config
-from kvstore.core import Core, CoreConfig, TierCopies
-from kvstore.handout import ArenaHandout
-from kvstore.metrics import Metrics
+from kvstore.daemon.core import Core, CoreConfig, TierCopies
+from kvstore.daemon.handout import ArenaHandout
+from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
-from kvstore.service import KVStoreService
-from kvstore.stats import Reporter
+from kvstore.daemon.service import KVStoreService
+from kvstore.daemon.stats import Reporter
 from kvstore.tiers.arena import SHMEM_THP, Arena, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
@@ -120,12 +121,12 @@ class Daemon:
         self.policy = LoadPolicy()
         self.tiering = None
         if nvme_copies is not None:
-            from kvstore.tiering import Tiering
+            from kvstore.daemon.tiering import Tiering
 
             self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
         self.hbm_cache = None
         if hbm_copies is not None:
-            from kvstore.hbm_cache import HbmCache
+            from kvstore.daemon.hbm_cache import HbmCache
 
             self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
         self.transfers = self._transfer_service() if cfg.transport.listen else None
@@ -143,7 +144,7 @@ class Daemon:
         """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
         if not self.cfg.hbm.capacity_bytes:
             return None, None
-        from kvstore.hbm_cache import HbmCopies
+        from kvstore.daemon.hbm_cache import HbmCopies
         from kvstore.tiers.hbm import HbmTier, HbmTierConfig
 
         try:
@@ -162,7 +163,7 @@ class Daemon:
         n = self.cfg.nvme
         if not n.dir:
             return None, None, ""
-        from kvstore.tiering import NvmeCopies
+        from kvstore.daemon.tiering import NvmeCopies
         from kvstore.tiers.nvme import NvmeError, NvmeTier, NvmeTierConfig
 
         extent = self.cfg.dram.extent_bytes
@@ -178,7 +179,7 @@ class Daemon:
         return tier, NvmeCopies(tier, n), ""
 
     def _transfer_service(self):
-        from kvstore.transfer import TransferService
+        from kvstore.daemon.transfer import TransferService
 
         try:
             return TransferService(self.core, self.cfg.transport, metrics=self.metrics, policy=self.policy,

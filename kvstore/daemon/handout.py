@@ -9,10 +9,10 @@ import os
 import socket
 import threading
 
-from kvstore.core import Core
+from kvstore.daemon.core import Core
 from kvstore.tiers.arena import Arena, send_fd
 
-log = logging.getLogger("kvstore.handout")
+log = logging.getLogger("kvstore.daemon.handout")
 
 
 class ArenaHandout:
@@ -21,7 +21,7 @@ class ArenaHandout:
         self.mode = mode
         self.arena = arena
         self.core = core
-        self.hbm_cache = hbm_cache  # kvstore.hbm_cache.HbmCache or None
+        self.hbm_cache = hbm_cache  # kvstore.daemon.hbm_cache.HbmCache or None
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 
 from kvstore.config import PolicyConfig
-from kvstore.core import NsState
-from kvstore.index import Block
-from kvstore.metrics import Metrics
+from kvstore.daemon.core import NsState
+from kvstore.daemon.index import Block
+from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy, PrefillCostModel
 from kvstore.tiers.base import TierKind
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvstore.advice import Advisor
+from kvstore.daemon.advice import Advisor
 from kvstore.config import ServerConfig
-from kvstore.core import Core, SessionEnd
+from kvstore.daemon.core import Core, SessionEnd
 from kvstore.errors import REFUSAL_KEY, Code, KVError, invalid, not_found
-from kvstore.metrics import Metrics
-from kvstore.stats import Reporter
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.stats import Reporter
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout, LayoutError
 from kvstore.tiers.base import TierKind
@@ -26,11 +26,11 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from kvstore.tiering import Tiering
-    from kvstore.transfer import TransferService
+    from kvstore.daemon.tiering import Tiering
+    from kvstore.daemon.transfer import TransferService
 
 
-log = logging.getLogger("kvstore.service")
+log = logging.getLogger("kvstore.daemon.service")
 
 
 def layout_from_pb(m: pb.Layout) -> KVLayout:

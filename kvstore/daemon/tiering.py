@@ -20,17 +20,17 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from kvstore.config import DramConfig, NvmeConfig
-from kvstore.core import Core, DramOnly, NsState
+from kvstore.daemon.core import Core, DramOnly, NsState
 from kvstore.errors import Code, KVError
-from kvstore.index import Block, BlockState
+from kvstore.daemon.index import Block, BlockState
 from kvstore.keys import Namespace
-from kvstore.metrics import Metrics
+from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import KeyedTier, TierKind
 from kvstore.tiers.nvme import IoResult
 from kvstore.v1 import kvstore_pb2 as pb
 
-log = logging.getLogger("kvstore.tiering")
+log = logging.getLogger("kvstore.daemon.tiering")
 NVME, DRAM = TierKind.NVME, TierKind.DRAM
 MAX_PREFETCHES = 4096
 
@@ -48,7 +48,7 @@ class Prefetch:
 
 
 class NvmeCopies(DramOnly):
-    """The NVMe side of :class:`kvstore.core.LowerTiers`: what the core asks about NVMe copies
+    """The NVMe side of :class:`kvstore.daemon.core.LowerTiers`: what the core asks about NVMe copies
     when it evicts or deletes (under the core lock). Built before the core; wakes the demoter
     through ``kick`` and never calls the core."""
 

@@ -27,9 +27,9 @@ from typing import Callable, Iterator, Protocol
 from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
-from kvstore.index import Block, BlockState, Lru, TierLrus
+from kvstore.daemon.index import Block, BlockState, Lru, TierLrus
 from kvstore.keys import KEY_BYTES, Namespace
-from kvstore.sessions import Session, SessionEnd, SessionTable
+from kvstore.daemon.sessions import Session, SessionEnd, SessionTable
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
 from kvstore.v1 import kvstore_pb2 as pb
@@ -54,8 +54,8 @@ class CoreConfig:
 
 
 class LowerTiers(Protocol):
-    """What the core asks of the tiers below and beside DRAM (:class:`kvstore.tiering.NvmeCopies`,
-    :class:`kvstore.hbm_cache.HbmCopies`; :class:`DramOnly` when there are none). Called under
+    """What the core asks of the tiers below and beside DRAM (:class:`kvstore.daemon.tiering.NvmeCopies`,
+    :class:`kvstore.daemon.hbm_cache.HbmCopies`; :class:`DramOnly` when there are none). Called under
     the core lock; none of them calls the core."""
 
     def holds_copy(self, b: Block) -> bool:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from kvstore import doorbell
 from kvstore.config import TransportConfig
-from kvstore.core import Core, Lease, LeaseKind, Session
+from kvstore.daemon.core import Core, Lease, LeaseKind, Session
 from kvstore.errors import Code, KVError
-from kvstore.index import BlockState
+from kvstore.daemon.index import BlockState
 from kvstore.keys import Namespace
-from kvstore.metrics import Metrics
+from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.transport import (Listener, Sender, TransferConfig, TransferError, TransferHeader,
@@ -34,7 +34,7 @@ from kvstore.transport import (Listener, Sender, TransferConfig, TransferError, 
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
 
-log = logging.getLogger("kvstore.transfer")
+log = logging.getLogger("kvstore.daemon.transfer")
 
 
 def _ns_meta(ns: Namespace) -> bytes:
