@@ -78,7 +78,7 @@ class IoEngine:
     ``check()`` raises the tier's error while the tier is disabled: a job queued before that
     fails with it instead of touching the files. ``on_error(exc, what)`` turns any other failure
     into the :class:`NvmeError` the jobs record (the tier disables itself there for a disabling
-    one). ``metrics`` (a :class:`kvstore.metrics.Metrics`) counts I/O bytes and operations.
+    one). ``metrics`` (a :class:`kvstore.daemon.metrics.Metrics`) counts I/O bytes and operations.
     """
 
     def __init__(self, files: DataFiles, io_threads: int, bounce_bytes: int, coalesce_bytes: int,

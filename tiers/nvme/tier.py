@@ -64,7 +64,7 @@ _STOP = object()
 
 class NvmeTier:
     """The NVMe tier on ``config.dir``; opening an existing directory recovers it (see
-    :attr:`recovery` and :meth:`entries`). ``metrics`` is a :class:`kvstore.metrics.Metrics`
+    :attr:`recovery` and :meth:`entries`). ``metrics`` is a :class:`kvstore.daemon.metrics.Metrics`
     (NVMe I/O bytes/ops and checksum failures are counted there); ``clock`` gives access and
     commit times in Unix seconds.
 
