@@ -377,7 +377,7 @@ def test_daemons_in_separate_network_namespaces(tmp_path, two_netns):
 
 
 def test_committed_blocks_travel_in_runs_of_about_4_mib():
-    from kvstore.daemon.transfer import RUN_BYTES, run_layers
+    from kvstore.daemon.outbound import RUN_BYTES, run_layers
     assert RUN_BYTES == 4 << 20
     assert run_layers(64 << 10, 32) == 32   # a whole 2 MiB block in one message
     assert run_layers(64 << 10, 80) == 64   # 80 layers: runs of 64 (4 MiB) and 16

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from kvstore.tiers.base import (ArenaTier, DevicePoolTier, KeyedTier, SlotTier, Tier, TierKind, TierStats,
-                                Transfer)
+                                CopyHandle)
 from kvstore.tiers.nvme import IoResult
 
 KiB = 1024
@@ -61,7 +61,7 @@ class _SlotPath:
     def copy_in(self, pairs: list) -> None:
         if isinstance(self.tier, DevicePoolTier):
             t = self.tier.promote(pairs)
-            assert isinstance(t, Transfer)
+            assert isinstance(t, CopyHandle)
             t.result(self.timeout_s)
         else:
             for slot, src in pairs:

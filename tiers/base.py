@@ -56,10 +56,10 @@ class TierStats:
     extra: dict = field(default_factory=dict)
 
 
-class Transfer:
+class CopyHandle:
     """Handle of one asynchronous copy (an HBM promote or demote; the NVMe tier's batches extend
     it). ``wait(timeout_s)`` returns False on timeout; ``error`` holds the exception when the
-    transfer failed (its data must not be used). ``nbytes``: bytes it moves."""
+    copy failed (its data must not be used). ``nbytes``: bytes it moves."""
 
     __slots__ = ("_done", "error", "nbytes")
 
@@ -86,7 +86,7 @@ class Transfer:
             raise self.error
 
     @classmethod
-    def completed(cls, nbytes: int = 0, error: BaseException | None = None) -> "Transfer":
+    def completed(cls, nbytes: int = 0, error: BaseException | None = None) -> "CopyHandle":
         t = cls(nbytes)
         t.finish(error)
         return t
@@ -159,7 +159,7 @@ class DevicePoolTier(SlotTier, Protocol):
     def register_host(self, arena: Arena) -> bool:
         """Page-lock ``arena`` for DMA; True if memory was pinned (False when emulated)."""
 
-    def promote(self, pairs: Iterable[tuple[int, object]]) -> Transfer:
+    def promote(self, pairs: Iterable[tuple[int, object]]) -> CopyHandle:
         """Copy each ``(slot, host buffer)`` into the pool, as one asynchronous transfer; the
         buffers must not change until it is done."""
 

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.base import ExtentAllocator, TierError, TierKind, TierStats, Transfer
+from kvstore.tiers.base import ExtentAllocator, TierError, TierKind, TierStats, CopyHandle
 from kvstore.tiers.hbm_device import DeviceKind, HostPin, Lane, choose_device, make_stream
 
 MiB = 1 << 20
@@ -264,7 +264,7 @@ class HbmTier:
         for ev in self._order.pending(slot):
             try:
                 ev.synchronize()
-            except BaseException:  # noqa: BLE001 - its Transfer reports it; the slot is gone
+            except BaseException:  # noqa: BLE001 - its CopyHandle reports it; the slot is gone
                 pass
         self._order.forget(slot)
         self.alloc.free(ns_id, owner[1], slot)
@@ -289,11 +289,11 @@ class HbmTier:
         return pin.pinned
 
     # --- data -----------------------------------------------------------------------------------
-    def _submit(self, lane: Lane, ops: Sequence[tuple[int, bool]], copies: list, keep) -> Transfer:
+    def _submit(self, lane: Lane, ops: Sequence[tuple[int, bool]], copies: list, keep) -> CopyHandle:
         """Queue ``copies`` (dst, src) on ``lane`` after the hazards of ``ops`` (slot, writes)."""
         deps = [d for slot, write in ops for d in self._order.deps(lane, slot, write)]
         nbytes = sum(int(src.nbytes) for _, src in copies)
-        t = Transfer(nbytes)
+        t = CopyHandle(nbytes)
         copy = self.pool.copy
 
         def run() -> None:
@@ -305,7 +305,7 @@ class HbmTier:
             self._order.note(lane, slot, ev, write)
         return t
 
-    def promote(self, pairs: Iterable[tuple[int, object]]) -> Transfer:
+    def promote(self, pairs: Iterable[tuple[int, object]]) -> CopyHandle:
         """Host -> HBM for each ``(slot, src)`` as one transfer (one event) on a promotion
         stream. ``src`` must stay unchanged until the transfer is done."""
         ops, pieces, keep = [], [], []
@@ -320,7 +320,7 @@ class HbmTier:
         self.bytes_promoted += t.nbytes
         return t
 
-    def demote(self, pairs: Iterable[tuple[int, object]]) -> Transfer:
+    def demote(self, pairs: Iterable[tuple[int, object]]) -> CopyHandle:
         """HBM -> host for each ``(slot, dst)`` as one transfer on a demotion stream; the
         first ``len(dst)`` bytes of the slot are copied. ``dst`` is valid once it is done."""
         ops, pieces, keep = [], [], []
@@ -337,19 +337,19 @@ class HbmTier:
         self.bytes_demoted += t.nbytes
         return t
 
-    def copy_async(self, dst_slot: int, src_slot: int, nbytes: int) -> Transfer:
+    def copy_async(self, dst_slot: int, src_slot: int, nbytes: int) -> CopyHandle:
         """Device-to-device copy of ``nbytes`` between two slots of the pool."""
         self._slot_bytes(dst_slot, nbytes)
         self._slot_bytes(src_slot, nbytes)
         if dst_slot == src_slot:
-            return Transfer.completed(nbytes)
+            return CopyHandle.completed(nbytes)
         copies = [(self.pool.slice(dst_slot, nbytes), self.pool.slice(src_slot, nbytes))]
         return self._submit(next(self._next_up), [(src_slot, False), (dst_slot, True)], copies, None)
 
-    def write_async(self, slot: int, src) -> Transfer:
+    def write_async(self, slot: int, src) -> CopyHandle:
         return self.promote([(slot, src)])
 
-    def read_async(self, slot: int, dst) -> Transfer:
+    def read_async(self, slot: int, dst) -> CopyHandle:
         return self.demote([(slot, dst)])
 
     def write(self, slot: int, src) -> None:

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from kvstore.tiers.base import TierError, Transfer
+from kvstore.tiers.base import TierError, CopyHandle
 
 
 class DeviceKind(enum.Enum):
@@ -180,7 +180,7 @@ class CudaEvent:
         return self.raw.query()
 
     def synchronize(self, timeout_s: float | None = None) -> None:
-        # cudaEventSynchronize has no timeout; callers bound waits through Transfer.wait.
+        # cudaEventSynchronize has no timeout; callers bound waits through CopyHandle.wait.
         self.raw.synchronize()
 
 
@@ -221,10 +221,10 @@ def make_stream(choice: DeviceChoice, name: str = "kvstore-stream"):
     return CudaStream(choice.index) if choice.kind is DeviceKind.CUDA else EmuStream(name)
 
 
-# --- lanes: a stream plus the thread that completes its Transfer handles --------------------
+# --- lanes: a stream plus the thread that completes its CopyHandle handles --------------------
 
 class Lane:
-    """One stream and a completer thread that finishes each op's :class:`Transfer` when its
+    """One stream and a completer thread that finishes each op's :class:`CopyHandle` when its
     event fires. Events on one stream fire in order, so one FIFO thread per lane suffices."""
 
     def __init__(self, stream, name: str) -> None:
@@ -245,7 +245,7 @@ class Lane:
             except BaseException as e:  # noqa: BLE001 - the handle carries it
                 transfer.finish(e)
 
-    def run(self, fn: Callable[[], None], deps, transfer: Transfer, keepalive=None):
+    def run(self, fn: Callable[[], None], deps, transfer: CopyHandle, keepalive=None):
         """Queue ``fn`` after ``deps`` (``(event, propagate)`` of other lanes); return the
         op's event. ``keepalive`` holds buffers the copy reads or writes until it is done."""
         for ev, propagate in deps:

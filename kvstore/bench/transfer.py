@@ -7,7 +7,7 @@ the same chunk size measured in the same run.
 Each timed round ships blocks put just before it (fresh keys), so daemon A hashes every layer
 as it sends, as for a request that has just been prefilled; a raw run follows each round, and
 the ratio is the median of the per-round ratios (this host is noisy). A committed block's layers
-lie back to back in its slot and travel in runs of up to 4 MiB (``kvstore.daemon.transfer.run_layers``),
+lie back to back in its slot and travel in runs of up to 4 MiB (``kvstore.daemon.outbound.run_layers``),
 so the raw reference moves the same bytes in messages of that size, not of one chunk.
 """
 
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from kvstore.local import start_daemon
-from kvstore.daemon.transfer import run_layers
+from kvstore.daemon.outbound import run_layers
 from kvstore.config import parse_size
 
 

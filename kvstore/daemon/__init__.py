@@ -8,7 +8,8 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
    leases and DRAM eviction. Single-threaded under ``Core.lock``.
 4. :mod:`.tiering`: DRAM <-> NVMe (demoter, promotion, prefetch, recovery, durable commit).
 5. :mod:`.hbm_cache`: copies of hot DRAM blocks in the HBM pool.
-6. :mod:`.transfer`: daemon-to-daemon shipping over :mod:`kvstore.transport`.
+6. :mod:`.outbound` (the Transfer RPC: ship blocks to a peer) and :mod:`.inbound` (the transfer
+   listener and AwaitTransfer), both over :mod:`kvstore.transport`.
 7. :mod:`.handout` (the arena over a unix socket), :mod:`.stats` and :mod:`.metrics` (Stats and
    /metrics), :mod:`.advice` (load-or-recompute). The per-layer doorbell cells, shared with clients, are
    :mod:`kvstore.doorbell`.

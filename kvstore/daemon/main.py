@@ -5,7 +5,7 @@ them in order; :func:`run` is the process around it (signals, reload).
 Parts, in the order a block meets them (docs/architecture.md has the picture): the gRPC
 servicer (:mod:`kvstore.daemon.service`) over the core (:mod:`kvstore.daemon.core`: index, leases, DRAM
 eviction), the DRAM tier in the shared arena, tier movement to NVMe (:mod:`kvstore.daemon.tiering`),
-HBM copies (:mod:`kvstore.daemon.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.daemon.transfer`), the
+HBM copies (:mod:`kvstore.daemon.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.daemon.outbound`, :mod:`kvstore.daemon.inbound`), the
 arena handout (:mod:`kvstore.daemon.handout`) and the reporter behind Stats and /metrics
 (:mod:`kvstore.daemon.stats`).
 
@@ -129,7 +129,7 @@ class Daemon:
             from kvstore.daemon.hbm_cache import HbmCache
 
             self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
-        self.transfers = self._transfer_service() if cfg.transport.listen else None
+        self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
         self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
                                  nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
         self.handout = ArenaHandout(self.arena_socket, cfg.server.socket_mode, self.arena, self.core, self.hbm_cache)
@@ -178,12 +178,15 @@ class Daemon:
             return None, None, f"nvme.dir: {e}"
         return tier, NvmeCopies(tier, n), ""
 
-    def _transfer_service(self):
-        from kvstore.daemon.transfer import TransferService
+    def _transfer_sides(self):
+        """(outbound, inbound): the sender and the listener of daemon-to-daemon transfer."""
+        from kvstore.daemon.inbound import Inbound
+        from kvstore.daemon.outbound import Outbound
 
+        t = self.cfg.transport
         try:
-            return TransferService(self.core, self.cfg.transport, metrics=self.metrics, policy=self.policy,
-                                   sender_cls=self.transfer_sender)
+            return (Outbound(self.core, t, metrics=self.metrics, policy=self.policy, sender_cls=self.transfer_sender),
+                    Inbound(self.core, t, metrics=self.metrics))
         except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
             raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
                                f"listener on {self.cfg.transport.listen}: {e}") from None
@@ -191,7 +194,7 @@ class Daemon:
     def _service(self) -> KVStoreService:
         return KVStoreService(self.core, self.cfg.server, advisor=Advisor(self.policy, self.cfg.policy, self.metrics),
                               reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
-                              transfers=self.transfers, arena_socket=self.arena_socket)
+                              outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -221,9 +224,9 @@ class Daemon:
             blocks = self.tiering.recover()
             log.info("NVMe tier at %s: %d blocks recovered (%s I/O)", cfg.nvme.dir, blocks, self.nvme.io_mode.value)
             self.tiering.start()
-        if self.transfers is not None:
+        if self.inbound is not None:
             try:
-                self.transfer_address = self.transfers.start()
+                self.transfer_address = self.inbound.start()
             except Exception as e:  # noqa: BLE001 - a port in use stops start-up
                 raise StartupError(f"transport.listen: cannot start the {cfg.transport.backend} "
                                    f"listener on {cfg.transport.listen}: {e}") from None
@@ -330,8 +333,9 @@ class Daemon:
         if self.tcp_server is not None:
             self.tcp_server.stop(grace).wait(grace + 1)
         done.wait(grace + 1)
-        if self.transfers is not None:
-            self.transfers.stop(grace)
+        if self.inbound is not None:
+            self.inbound.stop(grace)
+            self.outbound.stop()
         if self.tiering is not None:
             self.tiering.close(grace)
         if self.hbm_cache is not None:

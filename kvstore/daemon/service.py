@@ -27,7 +27,8 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from kvstore.daemon.tiering import Tiering
-    from kvstore.daemon.transfer import TransferService
+    from kvstore.daemon.inbound import Inbound
+    from kvstore.daemon.outbound import Outbound
 
 
 log = logging.getLogger("kvstore.daemon.service")
@@ -70,11 +71,13 @@ def rpc(method):
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    """Every RPC of kvstore.v1.KVStore. ``tiering`` (NVMe) and ``transfers`` (the transfer
-    listener) are None when off; their RPCs then answer UNAVAILABLE saying what to set."""
+    """Every RPC of kvstore.v1.KVStore. ``tiering`` (NVMe), ``outbound`` and ``inbound`` (daemon
+    to daemon transfer) are None when off; their RPCs then answer UNAVAILABLE (or NOT_FOUND for
+    a prefetch handle) saying what to set."""
 
     def __init__(self, core: Core, cfg: ServerConfig, *, advisor: Advisor, reporter: Reporter, metrics: Metrics,
-                 arena_socket: str, tiering: Tiering | None = None, transfers: TransferService | None = None) -> None:
+                 arena_socket: str, tiering: Tiering | None = None, outbound: Outbound | None = None,
+                 inbound: Inbound | None = None) -> None:
         self.core = core
         self.cfg = cfg  # SIGHUP may change reserve_wait_s
         self.advisor = advisor
@@ -82,7 +85,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.metrics = metrics
         self.arena_socket = arena_socket
         self.tiering = tiering
-        self.transfers = transfers
+        self.outbound = outbound
+        self.inbound = inbound
 
     @property
     def durable_commit(self) -> bool:
@@ -271,8 +275,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise invalid("deadline_s: must be >= 0")
         if req.pipelined and not req.lease_id:
             raise invalid("lease_id: a pipelined transfer names the write lease whose doorbell it follows")
-        blocks, nbytes, secs = self._transfers().transfer(s, keys, req.peer, req.deadline_s, req.pipelined,
-                                                          req.lease_id)
+        blocks, nbytes, secs = self._listening(self.outbound).transfer(s, keys, req.peer, req.deadline_s,
+                                                                       req.pipelined, req.lease_id)
         return pb.TransferResponse(blocks=blocks, bytes=nbytes, seconds=secs)
 
     @rpc
@@ -284,12 +288,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             keys = self.core.keys(req.keys)
         if not keys:
             raise invalid("keys: name the blocks being shipped here")
-        return self._transfers().await_transfer(s, keys, min(req.wait_s, 300.0))
+        return self._listening(self.inbound).await_transfer(s, keys, min(req.wait_s, 300.0))
 
-    def _transfers(self) -> TransferService:
-        if self.transfers is None:
+    @staticmethod
+    def _listening(side):
+        if side is None:
             raise KVError(Code.UNAVAILABLE, "transfer: the transfer listener is off (set transport.listen)")
-        return self.transfers
+        return side
 
     @rpc
     def Stats(self, req, context):

@@ -9,7 +9,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from kvstore.tiers.base import Transfer
+from kvstore.tiers.base import CopyHandle
 from kvstore.tiers.nvme.errors import NvmeBatchError, NvmeError
 
 
@@ -70,8 +70,8 @@ class RecoveryReport:
     seconds: float
 
 
-class NvmeBatch(Transfer):
-    """Handle of one batched put or get. ``wait``/``result`` as for :class:`Transfer`.
+class NvmeBatch(CopyHandle):
+    """Handle of one batched put or get. ``wait``/``result`` as for :class:`CopyHandle`.
 
     When done, ``results[key]`` holds an :class:`IoResult` for every key and ``errors[key]`` the
     error of each FAILED / CORRUPT key. ``error`` is None only if every key

@@ -1,0 +1,171 @@
+"""Transfers to other daemons: the Transfer RPC, over :mod:`kvstore.transport`'s Sender.
+
+The blocks' DRAM slots are marked busy (neither evicted nor deleted) and shipped layer by layer.
+Committed blocks go at once, a block's layers in runs (:func:`run_layers`); a pipelined transfer
+follows a write lease's doorbell, shipping layer ``l`` of every block as soon as the prefill
+worker has announced it, while the worker computes layer ``l + 1``. Receiving is
+:mod:`kvstore.daemon.inbound`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+
+from kvstore.config import TransportConfig
+from kvstore.daemon.core import Core, LeaseKind, Session
+from kvstore.daemon.index import BlockState
+from kvstore.daemon.metrics import Metrics
+from kvstore.errors import Code, KVError
+from kvstore.keys import Namespace
+from kvstore.policy import LoadPolicy
+from kvstore.tiers.base import TierKind
+from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, parse_peer
+
+
+def wire_config(t: TransportConfig) -> TransferConfig:
+    """The transport's settings from the ``[transport]`` section."""
+    host, port = parse_peer(t.listen)
+    return TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
+                          ucx_progress=t.ucx_progress, verify_threads=t.verify_threads,
+                          verify_min_bytes=t.verify_min_bytes)
+
+
+def failure_reason(status: TransferStatus) -> str:
+    """The ``reason`` label of kvstore_transfer_failures_total."""
+    return {TransferStatus.CHECKSUM_MISMATCH: "checksum", TransferStatus.DEADLINE_EXCEEDED: "timeout",
+            TransferStatus.PEER_LOST: "peer"}.get(status, "other")
+
+
+def _ns_meta(ns: Namespace) -> bytes:
+    return json.dumps(ns.to_dict()).encode()
+
+
+class Outbound:
+    """Ships blocks to a peer daemon's listener. ``sender_cls``: what sends (a test passes a
+    subclass of :class:`Sender` that injects faults)."""
+
+    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy,
+                 sender_cls: type[Sender] = Sender) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.policy = policy
+        self.backend = t.backend
+        self.config = wire_config(t)
+        self.sender = sender_cls(self.config)
+
+    def stop(self) -> None:
+        self.sender.close()
+
+    def transfer(self, s: Session, keys: list[bytes], peer: str, deadline_s: float, pipelined: bool,
+                 lease_id: int) -> tuple[int, int, float]:
+        try:
+            parse_peer(peer)
+        except ValueError as e:
+            raise KVError(Code.INVALID_ARGUMENT, str(e)) from None
+        core, st = self.core, s.ns
+        deadline_s = deadline_s or self.config.default_deadline_s
+        bell = 0
+        with core.lock:
+            if pipelined and lease_id not in core.leases and all(
+                    (b := st.blocks.get(k)) is not None and b.state is BlockState.COMMITTED for k in keys):
+                # The writer committed before this request got here (a short prefill, a busy
+                # server): every layer is in, so ship the committed blocks.
+                pipelined = False
+            if pipelined:
+                lease = core.lease(s, lease_id, LeaseKind.WRITE)
+                if not lease.doorbell:
+                    raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: has no doorbell; Reserve with doorbell=true")
+                by_key = {b.key: b for b in lease.blocks}
+                missing = [k for k in keys if k not in by_key]
+                if missing:
+                    raise KVError(Code.FAILED_PRECONDITION, f"key {missing[0].hex()[:16]}...: not reserved under lease {lease_id}")
+                blocks = [by_key[k] for k in keys]
+                bell = lease.doorbell
+                core.doorbells.ref(bell)
+            else:
+                blocks = []
+                for i, k in enumerate(keys):
+                    b = st.blocks.get(k)
+                    if b is None or b.state is not BlockState.COMMITTED:
+                        raise KVError(Code.NOT_FOUND, f"key {i} ({k.hex()[:16]}...): no committed block to transfer")
+                    if b.tier is not TierKind.DRAM:
+                        raise KVError(Code.FAILED_PRECONDITION, f"key {i}: on {b.tier.name}; prefetch it into DRAM first")
+                    blocks.append(b)
+            busy = [b for b in blocks if not b.busy]
+            for b in busy:
+                b.busy = True
+        lay = st.ns.layout
+        chunk = lay.layer_chunk_bytes
+        buf = core.dram.arena.buf
+        # Committed blocks keep the digests their first transfer computed; the others are hashed
+        # now (pipelined blocks are still being written, so theirs are not kept).
+        fresh: dict[int, array] = {}
+        t0 = time.monotonic()
+        try:
+            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=_ns_meta(st.ns))
+            try:
+                if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
+                    for layer in range(lay.num_layers):
+                        self._wait_bell(bell, layer + 1, tx.deadline, lease_id)
+                        tx.send_layer(layer, [buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk]
+                                              for b in blocks])
+                else:  # committed: a block's layers lie back to back in its slot; runs of them
+                    k = run_layers(chunk, lay.num_layers)
+                    for i, b in enumerate(blocks):
+                        sums = []
+                        for first in range(0, lay.num_layers, k):
+                            n = min(k, lay.num_layers - first)
+                            view = buf[b.offset + first * chunk: b.offset + (first + n) * chunk]
+                            sums += tx.send_run(i, first, view, None if b.digests is None else b.digests[first:first + n])
+                        if b.digests is None:
+                            fresh[i] = array("Q", sums)
+                result = tx.finish()
+            except BaseException:
+                tx.abort("sender gave up")
+                raise
+        except TransferError as e:
+            self.metrics.transfer_failures.labels(reason=failure_reason(e.status)).inc()
+            # the transport's table (docs/transport.md): DATA_LOSS for a corrupted chunk, etc.
+            raise KVError(Code(e.status.grpc_code), f"transfer to {peer}: {e}") from None
+        finally:
+            with core.lock:
+                for b in busy:
+                    b.busy = False
+                if bell:
+                    core.doorbells.release(bell)
+        with core.lock:  # the receiver verified every chunk against these
+            for i, sums in fresh.items():
+                blocks[i].keep_digests(sums)
+        secs = time.monotonic() - t0
+        m = self.metrics
+        m.transfer_bytes.labels(direction="send", backend=self.backend).inc(result.bytes)
+        m.transfer_chunks.labels(direction="send", backend=self.backend).inc(result.chunks)
+        m.transfer_latency.labels(backend=self.backend).observe(secs)
+        self.policy.observe(f"peer:{peer}", result.bytes, secs)
+        return len(blocks), result.bytes, secs
+
+    def _wait_bell(self, bell: int, layers: int, deadline: float, lease_id: int) -> None:
+        """Poll the worker's doorbell (a shared-memory word) with a bounded backoff."""
+        pause = 20e-6
+        while self.core.doorbells.layers(bell) < layers:
+            if time.monotonic() >= deadline:
+                raise TransferError(TransferStatus.DEADLINE_EXCEEDED,
+                                    f"the writer announced {self.core.doorbells.layers(bell)} of the layers in time")
+            if lease_id not in self.core.leases and self.core.doorbells.layers(bell) < layers:
+                raise TransferError(TransferStatus.ABORTED, f"write lease {lease_id} ended before layer {layers - 1} was written")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-4)
+
+
+RUN_BYTES = 4 << 20  # a committed block travels in messages of about this size
+
+
+def run_layers(chunk_bytes: int, n_layers: int) -> int:
+    """Layers per message when a committed block is sent: small layer chunks go together (one
+    UCX message costs ~10 us of Python on each side, a 64 KiB chunk ~10 us of wire), up to
+    ``RUN_BYTES``, beyond which the receiver would verify a message only long after its first
+    bytes landed (cold, and not overlapped with the next message)."""
+    return max(1, min(n_layers, RUN_BYTES // chunk_bytes))
+
