@@ -148,13 +148,15 @@ class KVStoreClient:
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
         self._copier: ThreadPoolExecutor | None = None  # second copy thread for large runs
 
-    def _reap(self) -> None:
+    def release_later(self, req: pb.ReleaseRequest) -> None:
+        """Send a Release without waiting for it (finished ones are forgotten as we go)."""
+        self._pending.append(self.stub.Release.future(req, timeout=self.timeout_s))
         while self._pending and self._pending[0].done():
             self._pending.pop(0)
 
     # --- plumbing ---------------------------------------------------------------------------
-    def _call(self, method: str, request, timeout_s: float | None = None):
-        """One RPC; a refusal raises KVStoreError. A request that names only this client's
+    def call(self, method: str, request, timeout_s: float | None = None):
+        """One RPC of the daemon's API by name (for the adapters and the CLI); a refusal raises KVStoreError. A request that names only this client's
         session (no lease, no prefetch handle) and finds that session ended in the daemon
         (expired while this process was stopped, or the daemon restarted) registers again with
         the same arguments and is sent once more under the new session."""
@@ -222,7 +224,7 @@ class KVStoreClient:
         self._open(req)
 
     def _open(self, req: pb.RegisterRequest) -> None:
-        resp = self._call("Register", req)
+        resp = self.call("Register", req)
         if resp.namespace_id != self.namespace.root:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "daemon and client disagree on the namespace id; versions differ")
         a = OLD_DAEMON_SLOT_ALIGN_BYTES
@@ -262,7 +264,7 @@ class KVStoreClient:
 
         from kvstore.tiers.hbm import open_pool
 
-        self._need_session()
+        self.require_data_session()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(self.timeout_s)
             s.connect(self.info.arena_socket)
@@ -295,7 +297,7 @@ class KVStoreClient:
             raise RuntimeError("call register(layout, model_id) first")
         return chain_keys(self.namespace.root, token_ids, self.layout.block_tokens)
 
-    def _need_session(self) -> None:
+    def require_data_session(self) -> None:
         if not self.session_id:
             raise RuntimeError("call register(layout, model_id) first")
         if self.arena is None:
@@ -303,7 +305,7 @@ class KVStoreClient:
 
     # --- lookup -----------------------------------------------------------------------------
     def lookup_keys(self, keys: Sequence[bytes]) -> LookupResult:
-        r = self._call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys)))
+        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys)))
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason)
 
     def lookup(self, token_ids) -> int:
@@ -317,12 +319,12 @@ class KVStoreClient:
         (DRAM full of blocks still being demoted to NVMe), retry with backoff for at most
         ``retry_s`` seconds. (The daemon itself first waits up to ``server.reserve_wait_s`` for
         a demotion to land; a daemon too old to name the refusal is not retried.)"""
-        self._need_session()
+        self.require_data_session()
         req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell)
         deadline, pause = time.monotonic() + retry_s, 0.002
         while True:
             try:
-                return WriteLease(self, list(keys), self._call("Reserve", req))
+                return WriteLease(self, list(keys), self.call("Reserve", req))
             except KVStoreError as e:
                 if e.refusal != pb.REFUSAL_DRAM_DEMOTING or time.monotonic() + pause > deadline:
                     raise
@@ -330,8 +332,8 @@ class KVStoreClient:
             pause = min(pause * 2, 0.05)
 
     def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
-        self._need_session()
-        resp = self._call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
+        self.require_data_session()
+        resp = self.call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
                                                        allow_partial=allow_partial, wait_s=wait_s),
                           timeout_s=self.timeout_s + wait_s)  # the daemon may wait wait_s for promotions
         return ReadLease(self, resp)
@@ -340,13 +342,14 @@ class KVStoreClient:
         """Renew the session and extend ``lease_ids`` by the lease TTL (``info.lease_ttl_s``
         seconds); returns those that had already expired. The session renews itself in the
         background; call this for leases held longer than the lease TTL."""
-        r = self._call("KeepAlive", pb.KeepAliveRequest(session_id=self.session_id, lease_ids=list(lease_ids)))
+        r = self.call("KeepAlive", pb.KeepAliveRequest(session_id=self.session_id, lease_ids=list(lease_ids)))
         return list(r.expired)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return self._call("Delete", pb.DeleteRequest(session_id=self.session_id, keys=pack(keys))).deleted
+        return self.call("Delete", pb.DeleteRequest(session_id=self.session_id, keys=pack(keys))).deleted
 
-    def _batch(self) -> int:
+    def max_batch_blocks(self) -> int:
+        """Most blocks one request may name: the daemon's key limit, and half the arena."""
         per_tier = max(1, self.info.arena_bytes // (2 * self.layout.block_bytes))
         return int(min(self.info.max_keys_per_request, per_tier))
 
@@ -354,7 +357,7 @@ class KVStoreClient:
     def put(self, token_ids, kv) -> int:
         """Store the full blocks of ``token_ids`` from ``kv``; returns blocks newly stored
         (blocks already cached or being written by another client are skipped)."""
-        self._need_session()
+        self.require_data_session()
         src = as_bytes_view(kv, self.layout, "kv")
         keys = self.keys(token_ids)
         bt = self.layout.block_tokens
@@ -366,7 +369,7 @@ class KVStoreClient:
         # Batches are pipelined: the Commits of batch k may still run while batch k+1 is
         # reserved and copied; before batch k+2, batch k's Commits are settled.
         stored = 0
-        step = self._batch()
+        step = self.max_batch_blocks()
         durable = self.info.durable_commit
         per = max(1, COMMIT_PIECE_BYTES // self.layout.block_bytes) if durable else step
         # With durable commits the daemon's NVMe writes run while we copy: a second copy thread
@@ -418,14 +421,14 @@ class KVStoreClient:
     def get(self, token_ids, out, wait_s: float = 10.0) -> int:
         """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read.
         Blocks on a lower tier are promoted first, waiting at most ``wait_s`` seconds."""
-        self._need_session()
+        self.require_data_session()
         dst = as_bytes_view(out, self.layout, "out")
         keys = self.keys(token_ids)
         bt = self.layout.block_tokens
         if dst.shape[-2] < len(keys) * bt:
             keys = keys[: dst.shape[-2] // bt]
         read = 0
-        step = self._batch()
+        step = self.max_batch_blocks()
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
             with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
@@ -483,23 +486,23 @@ class KVStoreClient:
                                  pipelined=lease is not None, lease_id=lease.lease_id if lease else 0)
         timeout = (deadline_s or 60.0) + self.timeout_s
         if wait:
-            return self._call("Transfer", req, timeout_s=timeout)
+            return self.call("Transfer", req, timeout_s=timeout)
         return _Future(self.stub.Transfer.future(req, timeout=timeout))
 
     def await_transfer(self, keys: Sequence[bytes], wait_s: float = 10.0) -> IncomingTransfer:
         """On the receiving node: pin the blocks a peer is shipping here and follow their layers."""
-        r = self._call("AwaitTransfer", pb.AwaitTransferRequest(session_id=self.session_id, keys=pack(keys),
+        r = self.call("AwaitTransfer", pb.AwaitTransferRequest(session_id=self.session_id, keys=pack(keys),
                                                                wait_s=wait_s), timeout_s=wait_s + self.timeout_s)
         return IncomingTransfer(self, r)
 
     def prefetch(self, keys: Sequence[bytes], deadline_s: float = 0.0) -> int:
         """Start promoting ``keys`` into DRAM; returns a handle for :meth:`prefetch_status`."""
-        return self._call("Prefetch", pb.PrefetchRequest(session_id=self.session_id, keys=pack(keys),
+        return self.call("Prefetch", pb.PrefetchRequest(session_id=self.session_id, keys=pack(keys),
                                                          target=pb.TIER_DRAM, deadline_s=deadline_s)).handle
 
     def prefetch_status(self, handle: int, wait_s: float = 0.0) -> pb.PrefetchStatusResponse:
-        return self._call("PrefetchStatus", pb.PrefetchStatusRequest(session_id=self.session_id, handle=handle,
+        return self.call("PrefetchStatus", pb.PrefetchStatusRequest(session_id=self.session_id, handle=handle,
                                                                      wait_s=wait_s), timeout_s=wait_s + self.timeout_s)
 
     def stats(self) -> pb.StatsResponse:
-        return self._call("Stats", pb.StatsRequest())
+        return self.call("Stats", pb.StatsRequest())

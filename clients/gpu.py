@@ -189,7 +189,7 @@ class GpuKVPath:
     call :meth:`close` before closing the client."""
 
     def __init__(self, client, kv_caches: Sequence[torch.Tensor]) -> None:
-        client._need_session()
+        client.require_data_session()
         self.client, self.layout = client, client.layout
         self.paged = PagedKV(kv_caches, self.layout)
         self.arena = client.arena
@@ -227,7 +227,7 @@ class GpuKVPath:
         written elsewhere are skipped. Copy with ``store_layer`` / ``store_all``."""
         keys, rows = self._plan(token_ids, block_table)
         leases, offsets = [], []
-        step = self.client._batch()
+        step = self.client.max_batch_blocks()
         try:
             for start in range(0, len(keys), step):
                 w = self.client.reserve(keys[start:start + step], parent=keys[start - 1] if start else b"")
@@ -255,7 +255,7 @@ class GpuKVPath:
         room = torch.as_tensor(block_table).numel() * bs // bt
         keys = self.client.keys(token_ids)[:room]
         leases, offsets = [], []
-        step = self.client._batch()
+        step = self.client.max_batch_blocks()
         try:
             for start in range(0, len(keys), step):
                 chunk = keys[start:start + step]

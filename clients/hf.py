@@ -328,7 +328,7 @@ class _PromptStore:
         client = cache.adapter.client
 
         def reserve() -> None:
-            step = client._batch()
+            step = client.max_batch_blocks()
             for start in range(first, len(keys), step):
                 w = client.reserve(keys[start:start + step], parent=keys[start - 1] if start else b"")
                 self.leases.append(w)
@@ -416,7 +416,7 @@ class HFAdapter:
     def arena_bytes(self) -> torch.Tensor:
         """The client's shared arena as a uint8 tensor (zero copy)."""
         if self._arena_t is None:
-            self.client._need_session()
+            self.client.require_data_session()
             self._arena_t = torch.from_numpy(self.client.arena.buf)
         return self._arena_t
 

@@ -75,13 +75,13 @@ class WriteLease(CommitOnExit):
         if self.done:
             return 0
         self.done = True
-        return self.client._call("Commit", pb.CommitRequest(session_id=self.client.session_id,
+        return self.client.call("Commit", pb.CommitRequest(session_id=self.client.session_id,
                                                             lease_id=self.lease_id)).committed
 
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self.client._call("Abort", pb.AbortRequest(session_id=self.client.session_id, lease_id=self.lease_id))
+            self.client.call("Abort", pb.AbortRequest(session_id=self.client.session_id, lease_id=self.lease_id))
 
 def _layer(block: np.ndarray, layout: KVLayout, layer: int) -> np.ndarray:
     c = layout.layer_chunk_bytes
@@ -123,7 +123,7 @@ class IncomingTransfer:
     def release(self) -> None:
         if self.lease_id:
             lid, self.lease_id = self.lease_id, 0
-            self.client._call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
+            self.client.call("Release", pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid))
 
     def __enter__(self) -> "IncomingTransfer":
         return self
@@ -151,10 +151,9 @@ class ReadLease:
             lid, self.lease_id = self.lease_id, 0
             req = pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid)
             if wait:
-                self.client._call("Release", req)
+                self.client.call("Release", req)
             else:
-                self.client._pending.append(self.client.stub.Release.future(req, timeout=self.client.timeout_s))
-                self.client._reap()
+                self.client.release_later(req)
 
     def __enter__(self) -> "ReadLease":
         return self

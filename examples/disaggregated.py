@@ -61,7 +61,7 @@ def run_prefill(args) -> int:
             stored = cache.wait_stored()
             keys = a.client.keys(prompt)
             try:
-                r = a.client._call("Transfer", pb.TransferRequest(
+                r = a.client.call("Transfer", pb.TransferRequest(
                     session_id=a.client.session_id, keys=pack(keys), peer=args.peer, deadline_s=args.deadline_s),
                     timeout_s=args.deadline_s + 10)
             except KVStoreError as e:

@@ -121,7 +121,7 @@ def cmd_drop(args) -> int:
 
     try:
         with _client(args) as c:
-            r = c._call("DropNamespace", pb.DropNamespaceRequest(namespace_id_hex=args.namespace))
+            r = c.call("DropNamespace", pb.DropNamespaceRequest(namespace_id_hex=args.namespace))
     except KVStoreError as e:
         return _fail(e)
     print(f"dropped {r.dropped} blocks; {r.busy} pinned blocks kept (drop again once released)")

@@ -42,31 +42,31 @@ def expect(code, fn, *words):
 def test_unknown_session(setup):
     c, _, _ = setup
     expect(grpc.StatusCode.NOT_FOUND,
-           lambda: c._call("Lookup", pb.LookupRequest(session_id=b"x" * 16, keys=b"")), "unknown session", "Register")
+           lambda: c.call("Lookup", pb.LookupRequest(session_id=b"x" * 16, keys=b"")), "unknown session", "Register")
     expect(grpc.StatusCode.INVALID_ARGUMENT,
-           lambda: c._call("Lookup", pb.LookupRequest(session_id=b"short", keys=b"")), "session_id", "16 bytes")
+           lambda: c.call("Lookup", pb.LookupRequest(session_id=b"short", keys=b"")), "session_id", "16 bytes")
 
 
 def test_unknown_namespace_layout_fields(setup):
     c, _, _ = setup
     bad = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=0, num_kv_heads=2, head_dim=64, dtype="fp16"))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "num_layers")
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call("Register", bad), "num_layers")
     bad = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp7"))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "dtype", "fp7")
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call("Register", bad), "dtype", "fp7")
     bad = pb.RegisterRequest(model_id="", layout=pb.Layout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16"))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c._call("Register", bad), "model_id")
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call("Register", bad), "model_id")
     huge = pb.RegisterRequest(model_id="m", layout=pb.Layout(num_layers=4096, num_kv_heads=64, head_dim=128, dtype="fp32"))
-    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: c._call("Register", huge), "extent")
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: c.call("Register", huge), "extent")
 
 
 def test_malformed_and_wrong_length_keys(setup):
     c, tokens, _ = setup
     expect(grpc.StatusCode.INVALID_ARGUMENT,
-           lambda: c._call("Lookup", pb.LookupRequest(session_id=c.session_id, keys=b"\x01" * 33)), "32-byte")
+           lambda: c.call("Lookup", pb.LookupRequest(session_id=c.session_id, keys=b"\x01" * 33)), "32-byte")
     expect(grpc.StatusCode.INVALID_ARGUMENT,
-           lambda: c._call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 31)), "32-byte")
+           lambda: c.call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 31)), "32-byte")
     expect(grpc.StatusCode.INVALID_ARGUMENT,
-           lambda: c._call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 32, parent=b"xx")), "parent")
+           lambda: c.call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 32, parent=b"xx")), "parent")
     k = c.keys(tokens)[0]
     expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.reserve([b"\x05" * 32, b"\x05" * 32]), "twice")
     assert c.lookup_keys([b"\x00" * 32, k]).hit_blocks == 0  # unknown key: a miss, not an error
@@ -121,9 +121,9 @@ def test_two_clients_committing_the_same_key_at_once(setup, client_factory):
     w2 = c2.reserve([k])
     assert w1.states == b"\x00" and w2.states == b"\x02" and w2.lease_id == 0
     expect(grpc.StatusCode.NOT_FOUND,
-           lambda: c2._call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id + 1000)), "lease")
+           lambda: c2.call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id + 1000)), "lease")
     expect(grpc.StatusCode.PERMISSION_DENIED,
-           lambda: c2._call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id)), "another session")
+           lambda: c2.call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id)), "another session")
     w1.view(0)[:] = 3
     assert w1.commit() == 1
     with c2.acquire([k]) as r:

@@ -195,7 +195,7 @@ def _transfer_unavailable(socket_path, peer, model) -> str:
     c = KVStoreClient(socket_path, timeout_s=10)
     try:
         c.register(layout_for(model, BT), "transfer-probe")
-        c._call("Transfer", pb.TransferRequest(session_id=c.session_id, keys=b"\1" * 32, peer=peer, deadline_s=5))
+        c.call("Transfer", pb.TransferRequest(session_id=c.session_id, keys=b"\1" * 32, peer=peer, deadline_s=5))
     except KVStoreError as e:
         if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
             return e.message

@@ -124,7 +124,7 @@ def test_sigkilled_client_releases_session_and_leases_within_the_ttl(tmp_path):
         assert js["tiers"][0]["blocks"] == "3"                     # the reserved slot is freed
         assert [ns["sessions"] for ns in cli(d.socket_path, "ls")] == [0]
         with pytest.raises(KVStoreError) as e:
-            obs._call("Lookup", pb.LookupRequest(session_id=sid, keys=b""))
+            obs.call("Lookup", pb.LookupRequest(session_id=sid, keys=b""))
         assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.refusal == pb.REFUSAL_SESSION_UNKNOWN
         assert "expired" in e.value.message and "server.session_ttl_s" in e.value.message
         c = KVStoreClient(d.socket_path)
@@ -223,7 +223,7 @@ def test_expired_session_is_not_found_and_the_client_registers_again(tmp_path):
         c = counters(obs)
         assert c["sessions"] == 0 and c["kvstore_session_ends_total"] == 2  # expired, then closed
         with pytest.raises(KVStoreError) as e:
-            obs._call("KeepAlive", pb.KeepAliveRequest(session_id=old))
+            obs.call("KeepAlive", pb.KeepAliveRequest(session_id=old))
         assert e.value.code == grpc.StatusCode.NOT_FOUND and "expired" in e.value.message
         obs.close()
     finally:
@@ -251,7 +251,7 @@ def test_close_session_bad_input(daemon, client_factory):
 
     def close(sid):
         with pytest.raises(KVStoreError) as e:
-            c._call("CloseSession", pb.CloseSessionRequest(session_id=sid))
+            c.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
         return e.value
 
     e = close(b"short")
@@ -287,7 +287,7 @@ def test_session_ttl_is_validated_and_changes_live(tmp_path):
         wait_for(lambda: "reloaded config" in d.log(), 10, "the reload")
         assert "server.session_ttl_s" in d.log().split("reloaded config")[1].split("need a restart")[0]
         # The running client learns it from its next keep-alive; a new session from Register.
-        assert c._call("KeepAlive", pb.KeepAliveRequest(session_id=c.session_id)).session_ttl_s == 5
+        assert c.call("KeepAlive", pb.KeepAliveRequest(session_id=c.session_id)).session_ttl_s == 5
         c.register(LAYOUT, "test-model")
         assert c.info.session_ttl_s == 5
         c.close()
