@@ -19,6 +19,19 @@ ODD = KVLayout(3, 1, 40, "fp16")  # 7680-byte blocks in 8 KiB slots: never adjac
 MLA = KVLayout(2, kind="mla", kv_lora_rank=64, qk_rope_head_dim=16, dtype="bf16")
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(module_daemons):
+    return module_daemons()
+
+
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for this module (client_factory's): no test here needs a fresh one. Each stores
+    tokens of its own (or in a namespace of its own) and its clients close after it, so none
+    leaves a block or a lease in another's way."""
+    return shared_daemon
+
+
 def paged(layout: KVLayout, num_blocks: int, block_size: int, seed: int | None = 0):
     """Per-layer caches ``[2, num_blocks, block_size, heads, dim]`` (MLA: no leading 2)."""
     g = torch.Generator().manual_seed(seed or 0)
@@ -53,7 +66,7 @@ def tables(num_blocks: int, n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("bs_src,bs_dst", [(16, 16), (8, 32), (32, 8)])
 @pytest.mark.parametrize("layerwise_store,layerwise_load", [(False, True), (True, False)])
 def test_round_trip_other_table_and_block_size(client_factory, bs_src, bs_dst, layerwise_store, layerwise_load):
-    c = client_factory(LAYOUT)
+    c = client_factory(LAYOUT, model_id=f"round-trip-{bs_src}-{bs_dst}-{layerwise_store}")
     ids = prompt(5 * 16 + 7)  # 5 full blocks; the 7-token tail is never stored
     src, t_src = paged(LAYOUT, 40, bs_src, seed=1), tables(40, -(-87 // bs_src), seed=2)
     dst, t_dst = paged(LAYOUT, 24, bs_dst, seed=None), tables(24, -(-87 // bs_dst), seed=3)
