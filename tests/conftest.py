@@ -27,9 +27,18 @@ def module_daemons(tmp_path_factory):
     pool.stop_all()
 
 
+@pytest.fixture(scope="module")
+def module_daemon(module_daemons):
+    return module_daemons()
+
+
 @pytest.fixture
-def daemon(daemons):
-    """A real daemon process with a 64 MiB DRAM tier in 4 MiB extents, for this test alone."""
+def daemon(request, daemons):
+    """A real daemon process with a 64 MiB DRAM tier in 4 MiB extents, for this test alone; or,
+    in a module that sets ``SHARE_DAEMON = True`` (its tests need no fresh daemon: each keeps to
+    tokens or a namespace of its own and counts nothing daemon-wide), one for the whole module."""
+    if getattr(request.module, "SHARE_DAEMON", False):
+        return request.getfixturevalue("module_daemon")
     return daemons()
 
 

@@ -29,6 +29,8 @@ def _kv(layout: KVLayout, tokens: int, seed: int):
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)  # int8 / int4 packed
 
 
+SHARE_DAEMON = True  # one daemon for the module: only the advice test counts daemon-wide, on one of its own
+
 LAYOUTS = {
     "gqa-bf16": KVLayout(4, 2, 64, "bf16", "gqa"),
     "mha-fp16": KVLayout(3, 4, 32, "fp16", "mha", block_tokens=8),
@@ -177,3 +179,28 @@ def test_make_serve_defaults_reachable_by_kvstore_stats(tmp_path, daemons):
     import json
 
     assert json.loads(js.stdout)["tiers"][0]["capacity_bytes"] == str(256 << 20)
+
+
+def test_lookup_carries_the_load_or_recompute_advice(daemons):
+    import urllib.request
+
+    daemon = daemons()  # a fresh one: the test counts its policy decisions
+    layout = KVLayout(4, 2, 64, "fp16")
+    tokens = list(range(10 * 16))
+    kv = np.ones(layout.tensor_shape(len(tokens)), np.float16)
+    slow, fast = KVStoreClient(daemon.socket_path, timeout_s=10), KVStoreClient(daemon.socket_path, timeout_s=10)
+    slow.register(layout, "slow-prefill", prefill_tokens_per_s=100.0)
+    fast.register(layout, "fast-prefill", prefill_tokens_per_s=1e13)
+    for c in (slow, fast):
+        c.put(tokens, kv)
+    a = slow.lookup_keys(slow.keys(tokens))
+    assert a.hit_blocks == 10 and a.load_blocks == 10 and a.est_load_s < a.est_recompute_s
+    assert a.est_recompute_s == pytest.approx(160 / 100.0, rel=0.05)
+    b = fast.lookup_keys(fast.keys(tokens))
+    assert b.hit_blocks == 10 and b.load_blocks == 0 and b.est_recompute_s < a.est_recompute_s
+    assert "recompute" in b.reason
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+    assert 'kvstore_policy_decisions_total{decision="load"} 1.0' in text
+    assert 'kvstore_policy_decisions_total{decision="recompute"} 1.0' in text
+    slow.close()
+    fast.close()

@@ -17,19 +17,7 @@ from kvstore.tiers.arena import slot_runs as _runs  # noqa: E402
 LAYOUT = KVLayout(4, 2, 64, "fp16")  # 32 KiB blocks: adjacent slots, bulk DMA coalesces
 ODD = KVLayout(3, 1, 40, "fp16")  # 7680-byte blocks in 8 KiB slots: never adjacent
 MLA = KVLayout(2, kind="mla", kv_lora_rank=64, qk_rope_head_dim=16, dtype="bf16")
-
-
-@pytest.fixture(scope="module")
-def shared_daemon(module_daemons):
-    return module_daemons()
-
-
-@pytest.fixture
-def daemon(shared_daemon):
-    """One daemon for this module (client_factory's): no test here needs a fresh one. Each stores
-    tokens of its own (or in a namespace of its own) and its clients close after it, so none
-    leaves a block or a lease in another's way."""
-    return shared_daemon
+SHARE_DAEMON = True  # each test keeps to tokens or a model id of its own; its clients close, leaving no lease
 
 
 def paged(layout: KVLayout, num_blocks: int, block_size: int, seed: int | None = 0):
