@@ -72,23 +72,18 @@ def test_malformed_and_wrong_length_keys(setup):
     assert c.lookup_keys([b"\x00" * 32, k]).hit_blocks == 0  # unknown key: a miss, not an error
 
 
-def test_counts_over_the_limit(tmp_path):
-    from daemon_util import start_daemon
-
-    d = start_daemon(tmp_path, "--server-max-keys-per-request", "8")
-    try:
-        c = KVStoreClient(d.socket_path)
-        c.register(LAYOUT, "m")
-        expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.lookup_keys([bytes([i]) * 32 for i in range(9)]),
-               "9 keys exceed the limit of 8")
-        assert c.lookup_keys([bytes([i]) * 32 for i in range(8)]).hit_blocks == 0
-        # The client splits big puts into batches under the limit.
-        tokens = list(range(20 * 16))
-        kv = np.ones(LAYOUT.tensor_shape(len(tokens)), np.float16)
-        assert c.put(tokens, kv) == 20
-        c.close()
-    finally:
-        assert d.stop() == 0
+def test_counts_over_the_limit(daemons):
+    d = daemons("--server-max-keys-per-request", "8")
+    c = KVStoreClient(d.socket_path)
+    c.register(LAYOUT, "m")
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.lookup_keys([bytes([i]) * 32 for i in range(9)]),
+           "9 keys exceed the limit of 8")
+    assert c.lookup_keys([bytes([i]) * 32 for i in range(8)]).hit_blocks == 0
+    # The client splits big puts into batches under the limit.
+    tokens = list(range(20 * 16))
+    kv = np.ones(LAYOUT.tensor_shape(len(tokens)), np.float16)
+    assert c.put(tokens, kv) == 20
+    c.close()
 
 
 def test_buffer_sizes_that_do_not_match_the_layout(setup):
@@ -119,7 +114,7 @@ def test_two_clients_committing_the_same_key_at_once(setup, client_factory):
     k = c.keys(tokens + [9] * 16)[-1]
     w1 = c.reserve([k])
     w2 = c2.reserve([k])
-    assert w1.states == b"\x00" and w2.states == b"\x02" and w2.lease_id == 0
+    assert w1.states == bytes([pb.SLOT_RESERVED]) and w2.states == bytes([pb.SLOT_BUSY]) and w2.lease_id == 0
     expect(grpc.StatusCode.NOT_FOUND,
            lambda: c2.call("Commit", pb.CommitRequest(session_id=c2.session_id, lease_id=w1.lease_id + 1000)), "lease")
     expect(grpc.StatusCode.PERMISSION_DENIED,

@@ -13,6 +13,7 @@ import torch
 
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
 from wait_util import wait_for
 
 
@@ -27,6 +28,8 @@ def _kv(layout: KVLayout, tokens: int, seed: int):
         return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)  # int8 / int4 packed
 
+
+SHARE_DAEMON = True  # one daemon for the module: only the advice test counts daemon-wide, on one of its own
 
 LAYOUTS = {
     "gqa-bf16": KVLayout(4, 2, 64, "bf16", "gqa"),
@@ -76,7 +79,7 @@ def test_lookup_stops_at_first_miss(client_factory):
         with c.reserve([keys[i]], parent=keys[i - 1] if i else b"") as w:
             w.view(0)[:] = 7
     r = c.lookup_keys(keys)
-    assert r.hit_blocks == 3 and r.tiers == b"\x02\x02\x02"
+    assert r.hit_blocks == 3 and r.tiers == bytes([pb.TIER_DRAM]) * 3
     assert c.lookup(tokens[:2 * bt + 5]) == 2 * bt
     assert c.lookup([99] * bt) == 0
     # A different first block shares nothing with the chain, even with the same later tokens.
@@ -95,35 +98,30 @@ def _hold_leases_and_die(sock: str, ready) -> None:
     time.sleep(60)
 
 
-def test_sigkilled_client_leaks_nothing_after_ttl(tmp_path):
-    from daemon_util import start_daemon
-
+def test_sigkilled_client_leaks_nothing_after_ttl(daemons):
     # The TTL must outlast the checks made before the kill (spawned child, new client, stats).
-    d = start_daemon(tmp_path, "--server-lease-ttl-s", "5", "--server-reaper-interval-s", "0.1")
-    try:
-        ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        p = ctx.Process(target=_hold_leases_and_die, args=(d.socket_path, ready))
-        p.start()
-        assert ready.wait(30)
-        c = KVStoreClient(d.socket_path)
-        c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
-        dram = c.stats().tiers[0]
-        assert dram.blocks == 4  # 2 reserved + 2 committed
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        wait_for(lambda: c.stats().counters["leases"] == 0, 30, "the dead client's leases to expire")
-        st = c.stats()
-        assert st.counters["leases"] == 0
-        assert st.tiers[0].blocks == 2  # reserved slots freed, committed blocks kept
-        assert st.counters["kvstore_lease_expiries_total"] == 2
-        keys = c.keys(list(range(4 * 16)))
-        # The pinned blocks are evictable again: deleting them is no longer refused as busy.
-        assert c.delete(keys[2:]) == 2
-        assert c.stats().tiers[0].used_bytes == 0
-        c.close()
-    finally:
-        assert d.stop() == 0
+    d = daemons("--server-lease-ttl-s", "5", "--server-reaper-interval-s", "0.1")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold_leases_and_die, args=(d.socket_path, ready))
+    p.start()
+    assert ready.wait(30)
+    c = KVStoreClient(d.socket_path)
+    c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
+    dram = c.stats().tiers[0]
+    assert dram.blocks == 4  # 2 reserved + 2 committed
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    wait_for(lambda: c.stats().counters["leases"] == 0, 30, "the dead client's leases to expire")
+    st = c.stats()
+    assert st.counters["leases"] == 0
+    assert st.tiers[0].blocks == 2  # reserved slots freed, committed blocks kept
+    assert st.counters["kvstore_lease_expiries_total"] == 2
+    keys = c.keys(list(range(4 * 16)))
+    # The pinned blocks are evictable again: deleting them is no longer refused as busy.
+    assert c.delete(keys[2:]) == 2
+    assert c.stats().tiers[0].used_bytes == 0
+    c.close()
 
 
 def _worker(sock: str, wid: int, rounds: int, q) -> None:
@@ -167,40 +165,32 @@ def test_concurrent_clients_never_see_partial_or_foreign_blocks(daemon):
     assert daemon.alive()
 
 
-def test_make_serve_defaults_reachable_by_kvstore_stats(tmp_path):
+def test_make_serve_defaults_reachable_by_kvstore_stats(tmp_path, daemons):
     """`kvstore serve` on its embedded defaults (only the socket dir moved into the test)."""
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "KVSTORE_METRICS_PORT": "0",
-           "KVSTORE_DRAM_MAX_AUTO_BYTES": "256MiB"}
-    p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        sock = tmp_path / "kvstore" / "kvstore.sock"
-        from daemon_util import wait_serving
+    moved = {"XDG_RUNTIME_DIR": str(tmp_path), "KVSTORE_METRICS_PORT": "0", "KVSTORE_DRAM_MAX_AUTO_BYTES": "256MiB"}
+    env = {**os.environ, **moved}
+    sock = tmp_path / "kvstore" / "kvstore.sock"
+    daemons.launch([], str(sock), env=moved)
+    assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "dram" in out.stdout and "0.250" in out.stdout
+    js = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json"], env=env, capture_output=True, text=True, timeout=30)
+    import json
 
-        log = tmp_path / "unused.log"
-        log.write_text("")
-        wait_serving(str(sock), p, log)
-        assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
-        out = subprocess.run([sys.executable, "-m", "kvstore", "stats"], env=env, capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0, out.stderr
-        assert "dram" in out.stdout and "0.250" in out.stdout
-        js = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json"], env=env, capture_output=True, text=True, timeout=30)
-        import json
-
-        assert json.loads(js.stdout)["tiers"][0]["capacity_bytes"] == str(256 << 20)
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
+    assert json.loads(js.stdout)["tiers"][0]["capacity_bytes"] == str(256 << 20)
 
 
-def test_lookup_carries_the_load_or_recompute_advice(client_factory, daemon):
+def test_lookup_carries_the_load_or_recompute_advice(daemons):
     import urllib.request
 
+    daemon = daemons()  # a fresh one: the test counts its policy decisions
     layout = KVLayout(4, 2, 64, "fp16")
     tokens = list(range(10 * 16))
     kv = np.ones(layout.tensor_shape(len(tokens)), np.float16)
-    slow = client_factory(layout, model_id="slow-prefill", prefill_tokens_per_s=100.0)
-    fast = client_factory(layout, model_id="fast-prefill", prefill_tokens_per_s=1e13)
+    slow, fast = KVStoreClient(daemon.socket_path, timeout_s=10), KVStoreClient(daemon.socket_path, timeout_s=10)
+    slow.register(layout, "slow-prefill", prefill_tokens_per_s=100.0)
+    fast.register(layout, "fast-prefill", prefill_tokens_per_s=1e13)
     for c in (slow, fast):
         c.put(tokens, kv)
     a = slow.lookup_keys(slow.keys(tokens))
@@ -212,3 +202,5 @@ def test_lookup_carries_the_load_or_recompute_advice(client_factory, daemon):
     text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
     assert 'kvstore_policy_decisions_total{decision="load"} 1.0' in text
     assert 'kvstore_policy_decisions_total{decision="recompute"} 1.0' in text
+    slow.close()
+    fast.close()

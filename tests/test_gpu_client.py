@@ -17,6 +17,7 @@ from kvstore.tiers.arena import slot_runs as _runs  # noqa: E402
 LAYOUT = KVLayout(4, 2, 64, "fp16")  # 32 KiB blocks: adjacent slots, bulk DMA coalesces
 ODD = KVLayout(3, 1, 40, "fp16")  # 7680-byte blocks in 8 KiB slots: never adjacent
 MLA = KVLayout(2, kind="mla", kv_lora_rank=64, qk_rope_head_dim=16, dtype="bf16")
+SHARE_DAEMON = True  # each test keeps to tokens or a model id of its own; its clients close, leaving no lease
 
 
 def paged(layout: KVLayout, num_blocks: int, block_size: int, seed: int | None = 0):
@@ -53,7 +54,7 @@ def tables(num_blocks: int, n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("bs_src,bs_dst", [(16, 16), (8, 32), (32, 8)])
 @pytest.mark.parametrize("layerwise_store,layerwise_load", [(False, True), (True, False)])
 def test_round_trip_other_table_and_block_size(client_factory, bs_src, bs_dst, layerwise_store, layerwise_load):
-    c = client_factory(LAYOUT)
+    c = client_factory(LAYOUT, model_id=f"round-trip-{bs_src}-{bs_dst}-{layerwise_store}")
     ids = prompt(5 * 16 + 7)  # 5 full blocks; the 7-token tail is never stored
     src, t_src = paged(LAYOUT, 40, bs_src, seed=1), tables(40, -(-87 // bs_src), seed=2)
     dst, t_dst = paged(LAYOUT, 24, bs_dst, seed=None), tables(24, -(-87 // bs_dst), seed=3)

@@ -7,15 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 
 pytest.importorskip("transformers")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from daemon_util import start_daemon  # noqa: E402
-from kvstore.clients import KVStoreClient, KVStoreError  # noqa: E402
+from daemon_util import DaemonSpec  # noqa: E402
+from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.hf import HFAdapter, HFAdapterConfig, layout_for  # noqa: E402
 from kvstore.v1 import kvstore_pb2 as pb  # noqa: E402
 
@@ -155,7 +154,7 @@ def test_daemon_gone_falls_back_to_recompute(daemon, models, reference):
     a = make_adapter(daemon.socket_path, models["fp32"], "fp32")
     try:
         a.generate(SYSTEM + TURN_A, NEW_TOKENS)
-        assert daemon.stop() == 0
+        daemon.stop_cleanly()
         toks, cache = a.generate(SYSTEM + TURN_B, NEW_TOKENS)
         assert cache.loaded_tokens == 0 and cache.plan.reason.startswith("kvstore unavailable")
         assert toks == reference[("fp32", "b")]
@@ -163,56 +162,33 @@ def test_daemon_gone_falls_back_to_recompute(daemon, models, reference):
         close(a)
 
 
-def test_nvme_tier_after_restart_matches_plain_generation(tmp_path, models, reference):
+def test_nvme_tier_after_restart_matches_plain_generation(tmp_path, daemons, models, reference):
     nv = tmp_path / "nvme"
-    d = start_daemon(tmp_path, *nvme_args(nv))
-    try:
-        for dt in DTYPES:
-            a = make_adapter(d.socket_path, models[dt], dt)
-            try:
-                a.generate(SYSTEM + TURN_A, NEW_TOKENS)  # durable commit: on NVMe when Commit returns
-            finally:
-                close(a)
-    finally:
-        assert d.stop() == 0
-    d = start_daemon(tmp_path, *nvme_args(nv), name="restarted")  # empty DRAM; NVMe index recovered
-    try:
-        for dt in DTYPES:
-            a = make_adapter(d.socket_path, models[dt], dt)
-            try:
-                toks, cache = a.generate(SYSTEM + TURN_B, NEW_TOKENS)
-                assert cache.plan.tiers == bytes([pb.TIER_NVME]) * 6, cache.plan
-                assert cache.loaded_tokens == 96
-                assert toks == reference[(dt, "b")]
-            finally:
-                close(a)
-    finally:
-        assert d.stop() == 0, d.log()
+    d = daemons(*nvme_args(nv))
+    for dt in DTYPES:
+        a = make_adapter(d.socket_path, models[dt], dt)
+        try:
+            a.generate(SYSTEM + TURN_A, NEW_TOKENS)  # durable commit: on NVMe when Commit returns
+        finally:
+            close(a)
+    d.stop_cleanly()
+    d = daemons(*nvme_args(nv), name="restarted")  # empty DRAM; NVMe index recovered
+    for dt in DTYPES:
+        a = make_adapter(d.socket_path, models[dt], dt)
+        try:
+            toks, cache = a.generate(SYSTEM + TURN_B, NEW_TOKENS)
+            assert cache.plan.tiers == bytes([pb.TIER_NVME]) * 6, cache.plan
+            assert cache.loaded_tokens == 96
+            assert toks == reference[(dt, "b")]
+        finally:
+            close(a)
 
 
-def _transfer_unavailable(socket_path, peer, model) -> str:
-    """Why the daemon cannot ship blocks yet ("" when it can): probes Transfer with one key."""
-    c = KVStoreClient(socket_path, timeout_s=10)
-    try:
-        c.register(layout_for(model, BT), "transfer-probe")
-        c.call("Transfer", pb.TransferRequest(session_id=c.session_id, keys=b"\1" * 32, peer=peer, deadline_s=5))
-    except KVStoreError as e:
-        if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
-            return e.message
-    finally:
-        c.close()
-    return ""
-
-
-def test_disaggregated_prefill_and_decode_match_plain_generation(tmp_path, models, reference):
-    da = start_daemon(tmp_path / "a", name="prefill", transfer="tcp")
-    db = start_daemon(tmp_path / "b", name="decode", transfer="tcp")
+def test_disaggregated_prefill_and_decode_match_plain_generation(daemons, models, reference):
+    da, db = daemons.start(DaemonSpec(name="prefill", transfer="tcp"), DaemonSpec(name="decode", transfer="tcp"))
     peer = db.transfer_addr
     decoders = {}
     try:
-        why = _transfer_unavailable(da.socket_path, peer, models["fp32"])
-        if why:
-            pytest.skip(f"daemon Transfer RPC not available yet: {why}")
         # The decode worker is up (its namespace registered on B) before the prefill ships.
         decoders.update({dt: make_adapter(db.socket_path, models[dt], dt) for dt in DTYPES})
         # Prefill in another process against daemon A; A ships the prompt's blocks to B.
@@ -236,5 +212,3 @@ def test_disaggregated_prefill_and_decode_match_plain_generation(tmp_path, model
     finally:
         for a in decoders.values():
             close(a)
-        assert da.stop() == 0, da.log()
-        assert db.stop() == 0, db.log()

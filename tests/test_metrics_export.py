@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 25.0  # the unit's TimeoutStopSec is 30 s
 PROMETHEUS_BUILTINS = {"up"}
 
@@ -47,61 +44,17 @@ def _promql_tool():
 promql = _promql_tool()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:] or "(empty)"
-    except OSError:
-        return "(no log)"
+@pytest.fixture(scope="module")
+def notify(tmp_path_factory):
+    """A datagram socket in place of systemd's $NOTIFY_SOCKET."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(tmp_path_factory.mktemp("notify") / "notify"))
+        yield s
 
 
 @pytest.fixture(scope="module")
-def daemon():
-    # A short directory: unix socket paths are limited to 107 bytes.
-    tmp = Path(tempfile.mkdtemp(prefix="kvs-"))
-    sock, log, notify_path = tmp / "kvstore.sock", tmp / "daemon.log", tmp / "notify"
-    port = _free_port()
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(notify_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env["NOTIFY_SOCKET"] = str(notify_path)
-    argv = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", str(sock),
-            "--dram-capacity-bytes", "64MiB", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/metrics"
-    started = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"`{' '.join(argv[1:])}` exited with {proc.returncode} before serving {url}.\n"
-                            f"daemon output:\n{_log_tail(log)}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail(f"daemon did not answer {url} within {START_TIMEOUT_S:.0f} s.\n"
-                            f"daemon output:\n{_log_tail(log)}")
-            time.sleep(0.2)
-        yield SimpleNamespace(proc=proc, sock=sock, url=url, log=log, notify=notify, started=started)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        notify.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+def daemon(module_daemons, notify):
+    return module_daemons(env={"NOTIFY_SOCKET": notify.getsockname()})
 
 
 def exported_series(text: str) -> tuple[set[str], dict[str, int]]:
@@ -120,7 +73,7 @@ def exported_series(text: str) -> tuple[set[str], dict[str, int]]:
 
 
 def test_every_metric_the_dashboard_and_rules_use_is_exported(daemon):
-    with urllib.request.urlopen(daemon.url, timeout=5) as r:
+    with urllib.request.urlopen(daemon.metrics_url, timeout=5) as r:
         text = r.read().decode()
     names, samples = exported_series(text)
     used = promql.used_metric_names() - PROMETHEUS_BUILTINS
@@ -132,19 +85,19 @@ def test_every_metric_the_dashboard_and_rules_use_is_exported(daemon):
     assert samples.get("kvstore_prefix_caching_enabled"), "KvstoreLowHitRate needs kvstore_prefix_caching_enabled"
 
 
-def test_daemon_tells_systemd_it_is_ready(daemon):
-    deadline = daemon.started + START_TIMEOUT_S
+def test_daemon_tells_systemd_it_is_ready(daemon, notify):
+    deadline = time.monotonic() + READY_TIMEOUT_S  # it serves already: READY=1 is sent or on its way
     seen = []
     while time.monotonic() < deadline:
-        daemon.notify.settimeout(max(0.1, deadline - time.monotonic()))
+        notify.settimeout(max(0.1, deadline - time.monotonic()))
         try:
-            msg = daemon.notify.recv(4096).decode(errors="replace")
+            msg = notify.recv(4096).decode(errors="replace")
         except TimeoutError:
             break
         seen.append(msg)
         if "READY=1" in msg.split("\n"):
             return
-    pytest.fail(f"no READY=1 on $NOTIFY_SOCKET within {START_TIMEOUT_S:.0f} s (got {seen}); "
+    pytest.fail(f"no READY=1 on $NOTIFY_SOCKET within {READY_TIMEOUT_S:.0f} s (got {seen}); "
                 "deploy/systemd/kvstore.service is Type=notify")
 
 
@@ -155,9 +108,9 @@ def test_health_command_exits_zero(daemon, how):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     argv = [sys.executable, "-m", "kvstore", "health"]
     if how == "--socket":
-        argv += ["--socket", str(daemon.sock)]
+        argv += ["--socket", daemon.socket_path]
     else:
-        env["KVSTORE_SERVER_SOCKET_PATH"] = str(daemon.sock)
+        env["KVSTORE_SERVER_SOCKET_PATH"] = daemon.socket_path
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"`kvstore health` ({how}) exited {out.returncode}:\n{out.stdout}{out.stderr}"
 
@@ -169,5 +122,5 @@ def test_sigterm_stops_the_daemon_cleanly(daemon):
         rc = daemon.proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"daemon still running {STOP_TIMEOUT_S:.0f} s after SIGTERM (systemd would SIGKILL it at 30 s)")
-    assert rc in (0, -signal.SIGTERM), f"exit status {rc} after SIGTERM:\n{_log_tail(daemon.log)}"
-    assert "Traceback" not in daemon.log.read_text(errors="replace"), _log_tail(daemon.log)
+    assert rc in (0, -signal.SIGTERM), f"exit status {rc} after SIGTERM:\n{daemon.log()[-4000:]}"
+    assert "Traceback" not in daemon.log(), daemon.log()[-4000:]

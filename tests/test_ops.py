@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 
-from daemon_util import start_daemon
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
 
@@ -46,33 +45,30 @@ def test_ls_drop_health_stats(daemon):
     assert dead.returncode == 1 and "NOT SERVING" in dead.stdout
 
 
-def test_sighup_reloads_live_settings_and_json_logs(tmp_path):
+def test_sighup_reloads_live_settings_and_json_logs(tmp_path, daemons):
     cfg = tmp_path / "k.toml"
     cfg.write_text("[server]\nlease_ttl_s = 30\nlog_json = true\n")
-    d = start_daemon(tmp_path, "--config", str(cfg))
-    try:
-        c = KVStoreClient(d.socket_path)
-        c.register(KVLayout(2, 2, 64, "fp16"), "m")
-        assert c.info.lease_ttl_s == 30
-        cfg.write_text("[server]\nlease_ttl_s = 2.5\nlog_json = true\ngrpc_workers = 3\n"
-                       "[dram]\ndemote_high_watermark = 0.95\n")
-        d.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while "reloaded config" not in d.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        c.register(KVLayout(2, 2, 64, "fp16"), "m")
-        assert c.info.lease_ttl_s == 2.5
-        lines = [json.loads(x) for x in d.log().splitlines() if x.startswith("{")]
-        reload = [x for x in lines if "reloaded config" in x["msg"]]
-        assert reload and "server.lease_ttl_s" in reload[0]["msg"] and "server.grpc_workers" in reload[0]["msg"]
-        assert "dram.demote_high_watermark" in reload[0]["msg"].split("need a restart")[0]  # changed live
-        cfg.write_text("[server]\nlease_ttl_s = -1\n")
-        d.proc.send_signal(signal.SIGHUP)
-        while "reload refused" not in d.log() and time.monotonic() < deadline + 10:
-            time.sleep(0.05)
-        assert "server.lease_ttl_s" in d.log().split("reload refused")[1]
-        c.register(KVLayout(2, 2, 64, "fp16"), "m")
-        assert c.info.lease_ttl_s == 2.5
-        c.close()
-    finally:
-        assert d.stop() == 0
+    d = daemons("--config", str(cfg))
+    c = KVStoreClient(d.socket_path)
+    c.register(KVLayout(2, 2, 64, "fp16"), "m")
+    assert c.info.lease_ttl_s == 30
+    cfg.write_text("[server]\nlease_ttl_s = 2.5\nlog_json = true\ngrpc_workers = 3\n"
+                   "[dram]\ndemote_high_watermark = 0.95\n")
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "reloaded config" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    c.register(KVLayout(2, 2, 64, "fp16"), "m")
+    assert c.info.lease_ttl_s == 2.5
+    lines = [json.loads(x) for x in d.log().splitlines() if x.startswith("{")]
+    reload = [x for x in lines if "reloaded config" in x["msg"]]
+    assert reload and "server.lease_ttl_s" in reload[0]["msg"] and "server.grpc_workers" in reload[0]["msg"]
+    assert "dram.demote_high_watermark" in reload[0]["msg"].split("need a restart")[0]  # changed live
+    cfg.write_text("[server]\nlease_ttl_s = -1\n")
+    d.proc.send_signal(signal.SIGHUP)
+    while "reload refused" not in d.log() and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert "server.lease_ttl_s" in d.log().split("reload refused")[1]
+    c.register(KVLayout(2, 2, 64, "fp16"), "m")
+    assert c.info.lease_ttl_s == 2.5
+    c.close()

@@ -19,7 +19,6 @@ import grpc
 import numpy as np
 import pytest
 
-from daemon_util import start_daemon
 from kvstore import config as C
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
@@ -37,9 +36,10 @@ def _kv(tokens: int = len(TOKENS)):
     return np.random.default_rng(0).standard_normal(LAYOUT.tensor_shape(tokens)).astype(np.float16)
 
 
-def short_ttl_daemon(tmp_path):
+@pytest.fixture
+def short_ttl_daemon(daemons):
     # The lease TTL stays at its default (30 s): only the end of the session can free them here.
-    return start_daemon(tmp_path, "--server-session-ttl-s", str(TTL_S), "--server-reaper-interval-s", str(REAPER_S))
+    return daemons("--server-session-ttl-s", str(TTL_S), "--server-reaper-interval-s", str(REAPER_S))
 
 
 def counters(c: KVStoreClient) -> dict:
@@ -100,64 +100,58 @@ def _hold_leases_and_wait(sock: str, ready, report) -> None:
     time.sleep(600)
 
 
-def test_sigkilled_client_releases_session_and_leases_within_the_ttl(tmp_path):
-    d = short_ttl_daemon(tmp_path)
-    try:
-        ctx = mp.get_context("spawn")
-        ready, report = ctx.Event(), ctx.Queue()
-        p = ctx.Process(target=_hold_leases_and_wait, args=(d.socket_path, ready, report))
-        p.start()
-        assert ready.wait(60)
-        sid = report.get(timeout=10)
-        obs = KVStoreClient(d.socket_path)                # Stats only: no session of its own
-        st = obs.stats()
-        assert st.counters["sessions"] == 1 and st.counters["leases"] == 2 and st.tiers[0].blocks == 4
-        assert scraped(d, "kvstore_sessions") == 1
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        wait_for(lambda: counters(obs)["sessions"] == 0, TTL_S + REAPER_S + SLACK_S, "the dead client's session to expire")
-        wait_for(lambda: scraped(d, "kvstore_sessions") == 0, 5, "the sessions gauge to follow")  # the reaper's next step
-        js = cli(d.socket_path, "stats")
-        assert js["counters"]["sessions"] == 0 and js["counters"]["leases"] == 0
-        assert js["counters"]["kvstore_session_ends_total"] == 1
-        assert js["counters"]["kvstore_lease_expiries_total"] == 0  # they went with the session, not their TTL
-        assert js["tiers"][0]["blocks"] == "3"                     # the reserved slot is freed
-        assert [ns["sessions"] for ns in cli(d.socket_path, "ls")] == [0]
-        with pytest.raises(KVStoreError) as e:
-            obs.call("Lookup", pb.LookupRequest(session_id=sid, keys=b""))
-        assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.refusal == pb.REFUSAL_SESSION_UNKNOWN
-        assert "expired" in e.value.message and "server.session_ttl_s" in e.value.message
-        c = KVStoreClient(d.socket_path)
-        c.register(LAYOUT, "test-model")
-        keys = c.keys(TOKENS)
-        assert c.lookup(TOKENS) == 3 * 16                  # committed blocks outlive their writer
-        assert c.delete(keys[:1]) == 1                     # the pin is gone: evictable again
-        c.close()
-        obs.close()
-    finally:
-        assert d.stop() == 0
+def test_sigkilled_client_releases_session_and_leases_within_the_ttl(short_ttl_daemon):
+    d = short_ttl_daemon
+    ctx = mp.get_context("spawn")
+    ready, report = ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_hold_leases_and_wait, args=(d.socket_path, ready, report))
+    p.start()
+    assert ready.wait(60)
+    sid = report.get(timeout=10)
+    obs = KVStoreClient(d.socket_path)                # Stats only: no session of its own
+    st = obs.stats()
+    assert st.counters["sessions"] == 1 and st.counters["leases"] == 2 and st.tiers[0].blocks == 4
+    assert scraped(d, "kvstore_sessions") == 1
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    wait_for(lambda: counters(obs)["sessions"] == 0, TTL_S + REAPER_S + SLACK_S, "the dead client's session to expire")
+    wait_for(lambda: scraped(d, "kvstore_sessions") == 0, 5, "the sessions gauge to follow")  # the reaper's next step
+    js = cli(d.socket_path, "stats")
+    assert js["counters"]["sessions"] == 0 and js["counters"]["leases"] == 0
+    assert js["counters"]["kvstore_session_ends_total"] == 1
+    assert js["counters"]["kvstore_lease_expiries_total"] == 0  # they went with the session, not their TTL
+    assert js["tiers"][0]["blocks"] == "3"                     # the reserved slot is freed
+    assert [ns["sessions"] for ns in cli(d.socket_path, "ls")] == [0]
+    with pytest.raises(KVStoreError) as e:
+        obs.call("Lookup", pb.LookupRequest(session_id=sid, keys=b""))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.refusal == pb.REFUSAL_SESSION_UNKNOWN
+    assert "expired" in e.value.message and "server.session_ttl_s" in e.value.message
+    c = KVStoreClient(d.socket_path)
+    c.register(LAYOUT, "test-model")
+    keys = c.keys(TOKENS)
+    assert c.lookup(TOKENS) == 3 * 16                  # committed blocks outlive their writer
+    assert c.delete(keys[:1]) == 1                     # the pin is gone: evictable again
+    c.close()
+    obs.close()
 
 
-def test_an_idle_live_client_keeps_its_session_past_several_ttls(tmp_path):
-    d = short_ttl_daemon(tmp_path)
-    try:
-        c = KVStoreClient(d.socket_path)
-        c.register(LAYOUT, "test-model")
-        c.put(TOKENS, _kv())
-        sid = c.session_id
-        obs = KVStoreClient(d.socket_path)
-        # Idle for three TTLs (idleness is the point: no clock to inject into two processes);
-        # only the client's keep-alive thread talks to the daemon meanwhile.
-        for _ in range(12):
-            time.sleep(TTL_S / 4)
-            assert counters(obs)["sessions"] == 1
-        assert c.lookup(TOKENS) == len(TOKENS) and c.session_id == sid  # no new registration
-        assert counters(obs)["kvstore_session_ends_total"] == 0
-        c.close()
-        assert counters(obs)["sessions"] == 0
-        obs.close()
-    finally:
-        assert d.stop() == 0
+def test_an_idle_live_client_keeps_its_session_past_several_ttls(short_ttl_daemon):
+    d = short_ttl_daemon
+    c = KVStoreClient(d.socket_path)
+    c.register(LAYOUT, "test-model")
+    c.put(TOKENS, _kv())
+    sid = c.session_id
+    obs = KVStoreClient(d.socket_path)
+    # Idle for three TTLs (idleness is the point: no clock to inject into two processes);
+    # only the client's keep-alive thread talks to the daemon meanwhile.
+    for _ in range(12):
+        time.sleep(TTL_S / 4)
+        assert counters(obs)["sessions"] == 1
+    assert c.lookup(TOKENS) == len(TOKENS) and c.session_id == sid  # no new registration
+    assert counters(obs)["kvstore_session_ends_total"] == 0
+    c.close()
+    assert counters(obs)["sessions"] == 0
+    obs.close()
 
 
 def test_register_again_closes_the_old_session(daemon, client_factory):
@@ -197,37 +191,34 @@ def _expire_while_stopped(sock: str, ready, go, report) -> None:
     c.close()
 
 
-def test_expired_session_is_not_found_and_the_client_registers_again(tmp_path):
-    d = short_ttl_daemon(tmp_path)
+def test_expired_session_is_not_found_and_the_client_registers_again(short_ttl_daemon):
+    d = short_ttl_daemon
+    ctx = mp.get_context("spawn")
+    ready, go, report = ctx.Event(), ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_expire_while_stopped, args=(d.socket_path, ready, go, report))
+    p.start()
+    assert ready.wait(60)
+    old = report.get(timeout=10)
+    obs = KVStoreClient(d.socket_path)
+    os.kill(p.pid, signal.SIGSTOP)       # a process that stops (debugger, swap storm): no keep-alive
     try:
-        ctx = mp.get_context("spawn")
-        ready, go, report = ctx.Event(), ctx.Event(), ctx.Queue()
-        p = ctx.Process(target=_expire_while_stopped, args=(d.socket_path, ready, go, report))
-        p.start()
-        assert ready.wait(60)
-        old = report.get(timeout=10)
-        obs = KVStoreClient(d.socket_path)
-        os.kill(p.pid, signal.SIGSTOP)       # a process that stops (debugger, swap storm): no keep-alive
-        try:
-            wait_for(lambda: counters(obs)["sessions"] == 0, TTL_S + REAPER_S + SLACK_S,
-                     "the stopped client's session to expire")
-            assert counters(obs)["leases"] == 0
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
-        go.set()
-        commit, hits, renewed, sid_len = report.get(timeout=60)
-        p.join(30)
-        assert p.exitcode == 0
-        assert commit == ("NOT_FOUND", pb.REFUSAL_SESSION_UNKNOWN)
-        assert hits == 2 * 16 and renewed and sid_len == 16
-        c = counters(obs)
-        assert c["sessions"] == 0 and c["kvstore_session_ends_total"] == 2  # expired, then closed
-        with pytest.raises(KVStoreError) as e:
-            obs.call("KeepAlive", pb.KeepAliveRequest(session_id=old))
-        assert e.value.code == grpc.StatusCode.NOT_FOUND and "expired" in e.value.message
-        obs.close()
+        wait_for(lambda: counters(obs)["sessions"] == 0, TTL_S + REAPER_S + SLACK_S,
+                 "the stopped client's session to expire")
+        assert counters(obs)["leases"] == 0
     finally:
-        assert d.stop() == 0
+        os.kill(p.pid, signal.SIGCONT)
+    go.set()
+    commit, hits, renewed, sid_len = report.get(timeout=60)
+    p.join(30)
+    assert p.exitcode == 0
+    assert commit == ("NOT_FOUND", pb.REFUSAL_SESSION_UNKNOWN)
+    assert hits == 2 * 16 and renewed and sid_len == 16
+    c = counters(obs)
+    assert c["sessions"] == 0 and c["kvstore_session_ends_total"] == 2  # expired, then closed
+    with pytest.raises(KVStoreError) as e:
+        obs.call("KeepAlive", pb.KeepAliveRequest(session_id=old))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and "expired" in e.value.message
+    obs.close()
 
 
 def test_a_worker_that_exits_without_close_ends_its_session(daemon, client_factory):
@@ -271,25 +262,22 @@ def test_close_session_bad_input(daemon, client_factory):
     assert daemon.alive() and c.lookup(TOKENS) == len(TOKENS)  # still serving, nothing lost
 
 
-def test_session_ttl_is_validated_and_changes_live(tmp_path):
+def test_session_ttl_is_validated_and_changes_live(tmp_path, daemons):
     with pytest.raises(C.ConfigError, match=r"^server\.session_ttl_s: must be in \[1, 86400\] seconds"):
         C.load(env={}, overrides={"server.session_ttl_s": "0.5"})
     assert C.load(env={"KVSTORE_SERVER_SESSION_TTL_S": "7"}).server.session_ttl_s == 7.0
     cfg = tmp_path / "k.toml"
     cfg.write_text("[server]\nsession_ttl_s = 60\n")
-    d = start_daemon(tmp_path, "--config", str(cfg))
-    try:
-        c = KVStoreClient(d.socket_path)
-        c.register(LAYOUT, "test-model")
-        assert c.info.session_ttl_s == 60
-        cfg.write_text("[server]\nsession_ttl_s = 5\n")
-        d.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: "reloaded config" in d.log(), 10, "the reload")
-        assert "server.session_ttl_s" in d.log().split("reloaded config")[1].split("need a restart")[0]
-        # The running client learns it from its next keep-alive; a new session from Register.
-        assert c.call("KeepAlive", pb.KeepAliveRequest(session_id=c.session_id)).session_ttl_s == 5
-        c.register(LAYOUT, "test-model")
-        assert c.info.session_ttl_s == 5
-        c.close()
-    finally:
-        assert d.stop() == 0
+    d = daemons("--config", str(cfg))
+    c = KVStoreClient(d.socket_path)
+    c.register(LAYOUT, "test-model")
+    assert c.info.session_ttl_s == 60
+    cfg.write_text("[server]\nsession_ttl_s = 5\n")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reloaded config" in d.log(), 10, "the reload")
+    assert "server.session_ttl_s" in d.log().split("reloaded config")[1].split("need a restart")[0]
+    # The running client learns it from its next keep-alive; a new session from Register.
+    assert c.call("KeepAlive", pb.KeepAliveRequest(session_id=c.session_id)).session_ttl_s == 5
+    c.register(LAYOUT, "test-model")
+    assert c.info.session_ttl_s == 5
+    c.close()

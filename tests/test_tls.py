@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from daemon_util import free_port, start_daemon
+from daemon_util import free_port
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
 
@@ -61,52 +61,46 @@ def _stats(port, ca, cert=None, key=None, token=None):
         c.close()
 
 
-def test_mutual_tls_and_token(tmp_path, pki):
+def test_mutual_tls_and_token(daemons, pki):
     d_pki, f = pki
     port = free_port()
-    d = start_daemon(tmp_path, "--server-tcp-listen", f"127.0.0.1:{port}",
-                     "--server-tls-cert-file", str(d_pki / "server.crt"), "--server-tls-key-file", str(d_pki / "server.key"),
-                     "--server-tls-client-ca-file", str(d_pki / "ca.crt"), "--server-auth-token", "s3cret")
-    try:
-        ca = f["ca"][0]
-        assert _stats(port, ca, *f["client"], token="s3cret").tiers[0].capacity_bytes == 64 << 20
-        with pytest.raises(KVStoreError) as e:
-            _stats(port, ca, *f["client"], token="wrong")
-        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in e.value.message
-        with pytest.raises(KVStoreError) as e:
-            _stats(port, ca, token="s3cret")  # no client certificate
-        assert e.value.code == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(KVStoreError) as e:
-            _stats(port, ca, *f["rogue"], token="s3cret")  # certificate from another CA
-        assert e.value.code == grpc.StatusCode.UNAVAILABLE
-        # Control calls work over TCP; data calls say they need the unix socket.
-        c = KVStoreClient(target=f"localhost:{port}", root_ca=ca, client_cert=f["client"][0], client_key=f["client"][1], token="s3cret")
-        c.register(KVLayout(2, 2, 64, "fp16"), "m")
-        assert c.lookup(list(range(32))) == 0
-        with pytest.raises(RuntimeError, match="unix socket"):
-            c.put(list(range(16)), None)
-        c.close()
-        # A plaintext client gets nothing.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            from kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pbg
-            with pytest.raises(grpc.RpcError):
-                pbg.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=3)
-        # The unix socket stays the default and needs none of it.
-        local = KVStoreClient(d.socket_path)
-        assert local.stats().tiers[0].capacity_bytes == 64 << 20
-        local.close()
-    finally:
-        assert d.stop() == 0
+    d = daemons("--server-tcp-listen", f"127.0.0.1:{port}",
+                "--server-tls-cert-file", str(d_pki / "server.crt"), "--server-tls-key-file", str(d_pki / "server.key"),
+                "--server-tls-client-ca-file", str(d_pki / "ca.crt"), "--server-auth-token", "s3cret")
+    ca = f["ca"][0]
+    assert _stats(port, ca, *f["client"], token="s3cret").tiers[0].capacity_bytes == 64 << 20
+    with pytest.raises(KVStoreError) as e:
+        _stats(port, ca, *f["client"], token="wrong")
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in e.value.message
+    with pytest.raises(KVStoreError) as e:
+        _stats(port, ca, token="s3cret")  # no client certificate
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(KVStoreError) as e:
+        _stats(port, ca, *f["rogue"], token="s3cret")  # certificate from another CA
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    # Control calls work over TCP; data calls say they need the unix socket.
+    c = KVStoreClient(target=f"localhost:{port}", root_ca=ca, client_cert=f["client"][0], client_key=f["client"][1], token="s3cret")
+    c.register(KVLayout(2, 2, 64, "fp16"), "m")
+    assert c.lookup(list(range(32))) == 0
+    with pytest.raises(RuntimeError, match="unix socket"):
+        c.put(list(range(16)), None)
+    c.close()
+    # A plaintext client gets nothing.
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        from kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pbg
+        with pytest.raises(grpc.RpcError):
+            pbg.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=3)
+    # The unix socket stays the default and needs none of it.
+    local = KVStoreClient(d.socket_path)
+    assert local.stats().tiers[0].capacity_bytes == 64 << 20
+    local.close()
 
 
-def test_tls_without_client_auth(tmp_path, pki):
+def test_tls_without_client_auth(daemons, pki):
     d_pki, f = pki
     port = free_port()
-    d = start_daemon(tmp_path, "--server-tcp-listen", f"127.0.0.1:{port}",
-                     "--server-tls-cert-file", str(d_pki / "server.crt"), "--server-tls-key-file", str(d_pki / "server.key"))
-    try:
-        assert _stats(port, f["ca"][0]).tiers[0].blocks == 0
-        with pytest.raises(KVStoreError):
-            _stats(port, f["rogue"][0])  # the client does not trust the server's CA
-    finally:
-        assert d.stop() == 0
+    daemons("--server-tcp-listen", f"127.0.0.1:{port}",
+            "--server-tls-cert-file", str(d_pki / "server.crt"), "--server-tls-key-file", str(d_pki / "server.key"))
+    assert _stats(port, f["ca"][0]).tiers[0].blocks == 0
+    with pytest.raises(KVStoreError):
+        _stats(port, f["rogue"][0])  # the client does not trust the server's CA

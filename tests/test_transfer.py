@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import faulty_daemon
-from daemon_util import free_port, start_daemon, stop_all
+from daemon_util import Daemons, DaemonSpec, free_port
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.transport import ucx_available
+from kvstore.v1 import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(6, 2, 64, "fp16")  # 6 layers, 4 KiB chunks
 _NO_UCX = pytest.mark.skipif(not ucx_available()[0], reason=f"UCX: {ucx_available()[1]}")
@@ -22,14 +23,11 @@ UCX_POOL = pytest.param("ucx", ("--transport-verify-threads", "2", "--transport-
                         marks=_NO_UCX, id="ucx-pool")
 
 
-def pair(tmp_path, backend, launcher_a=None, args_a=(), args=()):
-    """Daemons A and B; ``args`` go to both, ``args_a`` and ``launcher_a`` to A only."""
-    a = start_daemon(tmp_path / "a", *args, *args_a, name="a", launcher=launcher_a, transfer=backend)
-    try:
-        b = start_daemon(tmp_path / "b", *args, name="b", transfer=backend)
-    except BaseException:
-        a.stop()
-        raise
+def pair(daemons: Daemons, backend, launcher_a=None, args_a=(), args=()):
+    """Daemons A and B (started by ``daemons``, which stops them); ``args`` go to both,
+    ``args_a`` to A only."""
+    a, b = daemons.start(DaemonSpec((*args, *args_a), name="a", launcher=launcher_a, transfer=backend),
+                         DaemonSpec(tuple(args), name="b", transfer=backend))
     return a, b, b.transfer_addr
 
 
@@ -37,14 +35,15 @@ def pair(tmp_path, backend, launcher_a=None, args_a=(), args=()):
 def linked(tmp_path, backend, **kw):
     """:func:`pair` with a registered client on each daemon: yields ``(a, b, peer_b, ca, cb)``,
     then closes the clients and checks that both daemons exit cleanly."""
-    a, b, peer_b = pair(tmp_path, backend, **kw)
+    daemons = Daemons(tmp_path)
     try:
+        a, b, peer_b = pair(daemons, backend, **kw)
         ca, cb = clients(a, b)
         yield a, b, peer_b, ca, cb
         ca.close()
         cb.close()
     finally:
-        stop_all(a, b)
+        daemons.stop_all()
 
 
 def clients(a, b):
@@ -107,42 +106,39 @@ def test_blocks_arrive_bit_exact(tmp_path, backend, args):
 @pytest.mark.parametrize("backend,progress", [("tcp", "adaptive"), pytest.param("ucx", "adaptive", marks=_NO_UCX),
                                                pytest.param("ucx", "blocking", marks=_NO_UCX),
                                                pytest.param("ucx", "polling", marks=_NO_UCX)])
-def test_pipelined_layers_follow_the_doorbell(tmp_path, backend, progress):
-    a, b, peer_b = pair(tmp_path, backend, args=("--transport-ucx-progress", progress))
-    try:
-        ca, cb = clients(a, b)
-        tokens = list(range(4 * 16))
-        kv = kv_for(tokens, 1)
-        keys = ca.keys(tokens)
-        src = layers_of(kv, tokens)
-        w = ca.reserve(keys, doorbell=True)
-        assert w.doorbell
-        fut = ca.transfer(keys, peer_b, deadline_s=20, lease=w, wait=False)
-        inc = cb.await_transfer(keys, wait_s=10)
-        assert inc.lease_id and len(inc.offsets) == 4 and inc.layers_ready() == 0
-        if backend == "ucx":  # the setting reached both engines: with a transfer open, only
-            # blocking ones sleep (adaptive ones poll until it ends, polling ones always)
-            assert_spins((a, b), spinning=progress != "blocking")
-        for layer in range(LAYOUT.num_layers):  # "compute" layer l, write it, ring
-            write_layer(w, src, layer)
-            time.sleep(0.02)
-            assert inc.layers_ready() <= layer  # nothing arrives before it is announced
-            w.ring(layer + 1)
-            inc.wait_layer(layer, timeout_s=10)  # the decode side starts on layer l now
-            for i in range(4):
-                assert inc.layer_view(i, layer).tobytes() == src[layer, :, i * 16:(i + 1) * 16].tobytes()
-        w.commit()
-        r = fut.result()
-        assert r.blocks == 4
-        inc.release()
-        out = np.zeros_like(kv)
-        assert cb.get(tokens, out) == 64 and out.tobytes() == kv.tobytes()
-        ca.close()
-        cb.close()
-        if backend == "ucx":  # and with none open, only polling engines spin
-            assert_spins((b,), spinning=progress == "polling")
-    finally:
-        stop_all(a, b)
+def test_pipelined_layers_follow_the_doorbell(daemons, backend, progress):
+    a, b, peer_b = pair(daemons, backend, args=("--transport-ucx-progress", progress))
+    ca, cb = clients(a, b)
+    tokens = list(range(4 * 16))
+    kv = kv_for(tokens, 1)
+    keys = ca.keys(tokens)
+    src = layers_of(kv, tokens)
+    w = ca.reserve(keys, doorbell=True)
+    assert w.doorbell
+    fut = ca.transfer(keys, peer_b, deadline_s=20, lease=w, wait=False)
+    inc = cb.await_transfer(keys, wait_s=10)
+    assert inc.lease_id and len(inc.offsets) == 4 and inc.layers_ready() == 0
+    if backend == "ucx":  # the setting reached both engines: with a transfer open, only
+        # blocking ones sleep (adaptive ones poll until it ends, polling ones always)
+        assert_spins((a, b), spinning=progress != "blocking")
+    for layer in range(LAYOUT.num_layers):  # "compute" layer l, write it, ring
+        write_layer(w, src, layer)
+        time.sleep(0.02)
+        assert inc.layers_ready() <= layer  # nothing arrives before it is announced
+        w.ring(layer + 1)
+        inc.wait_layer(layer, timeout_s=10)  # the decode side starts on layer l now
+        for i in range(4):
+            assert inc.layer_view(i, layer).tobytes() == src[layer, :, i * 16:(i + 1) * 16].tobytes()
+    w.commit()
+    r = fut.result()
+    assert r.blocks == 4
+    inc.release()
+    out = np.zeros_like(kv)
+    assert cb.get(tokens, out) == 64 and out.tobytes() == kv.tobytes()
+    ca.close()
+    cb.close()
+    if backend == "ucx":  # and with none open, only polling engines spin
+        assert_spins((b,), spinning=progress == "polling")
 
 
 def assert_spins(daemons, spinning: bool, over_s: float = 0.5) -> None:
@@ -209,37 +205,34 @@ def test_a_pipelined_transfer_that_arrives_after_the_commit_ships_the_committed_
         assert e.value.code.name == "NOT_FOUND" and "unknown or expired" in e.value.message
 
 
-def test_prefill_daemon_killed_mid_transfer(tmp_path):
-    a, b, peer_b = pair(tmp_path, "tcp")
-    try:
-        ca, cb = clients(a, b)
-        base = dram_used(cb)
-        tokens = list(range(8 * 16))
-        keys = ca.keys(tokens)
-        w = ca.reserve(keys, doorbell=True)
-        fut = ca.transfer(keys, peer_b, deadline_s=5, lease=w, wait=False)
-        inc = cb.await_transfer(keys, wait_s=10)
-        w.ring(2)  # two layers go out, then the prefill node dies
-        inc.wait_layer(1, timeout_s=10)
-        t0 = time.monotonic()
-        a.kill()
-        with pytest.raises(KVStoreError) as e:
-            inc.wait_layer(LAYOUT.num_layers - 1, timeout_s=10)
-        assert "failed" in e.value.message
-        assert time.monotonic() - t0 < 6  # within the transfer's deadline
-        with pytest.raises(KVStoreError):
-            fut.result()
-        inc.release()
-        deadline = time.monotonic() + 5
-        while dram_used(cb) != base and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert dram_used(cb) == base  # every reserved slot released
-        assert cb.lookup(tokens) == 0
-        st = cb.stats()
-        assert st.counters["kvstore_transfer_failures_total"] >= 1
-        cb.close()
-    finally:
-        b.stop()
+def test_prefill_daemon_killed_mid_transfer(daemons):
+    a, b, peer_b = pair(daemons, "tcp")
+    ca, cb = clients(a, b)
+    base = dram_used(cb)
+    tokens = list(range(8 * 16))
+    keys = ca.keys(tokens)
+    w = ca.reserve(keys, doorbell=True)
+    fut = ca.transfer(keys, peer_b, deadline_s=5, lease=w, wait=False)
+    inc = cb.await_transfer(keys, wait_s=10)
+    w.ring(2)  # two layers go out, then the prefill node dies
+    inc.wait_layer(1, timeout_s=10)
+    t0 = time.monotonic()
+    a.kill()
+    with pytest.raises(KVStoreError) as e:
+        inc.wait_layer(LAYOUT.num_layers - 1, timeout_s=10)
+    assert "failed" in e.value.message
+    assert time.monotonic() - t0 < 6  # within the transfer's deadline
+    with pytest.raises(KVStoreError):
+        fut.result()
+    inc.release()
+    deadline = time.monotonic() + 5
+    while dram_used(cb) != base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dram_used(cb) == base  # every reserved slot released
+    assert cb.lookup(tokens) == 0
+    st = cb.stats()
+    assert st.counters["kvstore_transfer_failures_total"] >= 1
+    cb.close()
 
 
 @pytest.mark.parametrize("backend,args", [("tcp", ()), UCX_POOL])
@@ -306,27 +299,24 @@ def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
         assert ca.lookup(tokens[:16]) == 16
 
 
-def test_transfers_work_again_after_the_peer_restarts(tmp_path):
-    a, b, peer_b = pair(tmp_path, "tcp")
-    try:
-        ca, cb = clients(a, b)
-        tokens = list(range(3 * 16))
-        ca.put(tokens, kv_for(tokens, 3))
-        ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
-        cb.close()
-        assert b.stop() == 0
-        with pytest.raises(KVStoreError):
-            ca.transfer(ca.keys(tokens), peer_b, deadline_s=3)  # peer down: a clear failure
-        b = start_daemon(tmp_path / "b", name="b2", transfer="tcp", transfer_addr=peer_b)
-        cb = KVStoreClient(b.socket_path)
-        cb.register(LAYOUT, "disagg-model")
-        assert cb.lookup(tokens) == 0  # DRAM only: the restart emptied it
-        assert ca.transfer(ca.keys(tokens), peer_b, deadline_s=10).blocks == 3
-        assert cb.lookup(tokens) == 48
-        ca.close()
-        cb.close()
-    finally:
-        stop_all(a, b)
+def test_transfers_work_again_after_the_peer_restarts(daemons):
+    a, b, peer_b = pair(daemons, "tcp")
+    ca, cb = clients(a, b)
+    tokens = list(range(3 * 16))
+    ca.put(tokens, kv_for(tokens, 3))
+    ca.transfer(ca.keys(tokens), peer_b, deadline_s=10)
+    cb.close()
+    b.stop_cleanly()
+    with pytest.raises(KVStoreError):
+        ca.transfer(ca.keys(tokens), peer_b, deadline_s=3)  # peer down: a clear failure
+    b = daemons(name="b2", transfer="tcp", transfer_addr=peer_b)
+    cb = KVStoreClient(b.socket_path)
+    cb.register(LAYOUT, "disagg-model")
+    assert cb.lookup(tokens) == 0  # DRAM only: the restart emptied it
+    assert ca.transfer(ca.keys(tokens), peer_b, deadline_s=10).blocks == 3
+    assert cb.lookup(tokens) == 48
+    ca.close()
+    cb.close()
 
 
 def test_bad_transfer_requests(tmp_path):
@@ -345,7 +335,7 @@ def test_bad_transfer_requests(tmp_path):
             ca.transfer(w.keys, peer_b, lease=w)
         w.abort()
         r = cb.await_transfer(ca.keys([7] * 16), wait_s=0.2)
-        assert r.state == 3  # UNKNOWN: nothing is coming
+        assert r.state == pb.TRANSFER_UNKNOWN  # nothing is coming
 
 
 @pytest.fixture
@@ -356,24 +346,21 @@ def two_netns():
         yield pair
 
 
-def test_daemons_in_separate_network_namespaces(tmp_path, two_netns):
+def test_daemons_in_separate_network_namespaces(daemons, two_netns):
     (ns_a, addr_a), (ns_b, addr_b) = two_netns
-    a = start_daemon(tmp_path / "a", "--transport-listen", f"{addr_a}:7470", name="a", prefix=["ip", "netns", "exec", ns_a])
-    b = start_daemon(tmp_path / "b", "--transport-listen", f"{addr_b}:7470", name="b", prefix=["ip", "netns", "exec", ns_b])
-    try:
-        ca, cb = clients(a, b)  # control over each daemon's unix socket; data crosses the veth
-        tokens = list(range(6 * 16))
-        kv = kv_for(tokens, 4)
-        ca.put(tokens, kv)
-        assert ca.transfer(ca.keys(tokens), f"{addr_b}:7470", deadline_s=20).blocks == 6
-        out = np.zeros_like(kv)
-        assert cb.get(tokens, out) == 96 and out.tobytes() == kv.tobytes()
-        with pytest.raises(KVStoreError):
-            ca.transfer(ca.keys(tokens), "127.0.0.1:7470", deadline_s=2)  # B is not on A's loopback
-        ca.close()
-        cb.close()
-    finally:
-        stop_all(a, b)
+    a, b = daemons.start(DaemonSpec(("--transport-listen", f"{addr_a}:7470"), name="a", prefix=["ip", "netns", "exec", ns_a]),
+                         DaemonSpec(("--transport-listen", f"{addr_b}:7470"), name="b", prefix=["ip", "netns", "exec", ns_b]))
+    ca, cb = clients(a, b)  # control over each daemon's unix socket; data crosses the veth
+    tokens = list(range(6 * 16))
+    kv = kv_for(tokens, 4)
+    ca.put(tokens, kv)
+    assert ca.transfer(ca.keys(tokens), f"{addr_b}:7470", deadline_s=20).blocks == 6
+    out = np.zeros_like(kv)
+    assert cb.get(tokens, out) == 96 and out.tobytes() == kv.tobytes()
+    with pytest.raises(KVStoreError):
+        ca.transfer(ca.keys(tokens), "127.0.0.1:7470", deadline_s=2)  # B is not on A's loopback
+    ca.close()
+    cb.close()
 
 
 def test_committed_blocks_travel_in_runs_of_about_4_mib():

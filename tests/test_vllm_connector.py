@@ -11,6 +11,7 @@ change the last float bits of a CPU GEMM.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -23,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from daemon_util import free_port, start_daemon, stop_all  # noqa: E402
+from daemon_util import DaemonSpec, free_port  # noqa: E402
 from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
@@ -68,10 +69,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(workdir):
-    d = start_daemon(workdir / "d", dram="256MiB")
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(module_daemons):
+    return module_daemons(dram="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +141,6 @@ def replayed_events(replay: str, timeout_s: float = 30.0) -> list:
                 return events
             events += decode(payload).events
     raise AssertionError(f"no end of replay from {replay} within {timeout_s} s")
-
-
-def engine(model: str, log: Path, ktc: dict | None, **kw) -> EngineProc:
-    return EngineProc.start(EngineSpec(model, kv_transfer=ktc, **kw), log)
 
 
 # --- one daemon, engines in turn and at once ---------------------------------------------------
@@ -256,74 +251,102 @@ def test_vllm_and_the_hf_adapter_share_prefixes(model, writer, reader, daemon, r
 
 # --- restart and loss of the daemon -------------------------------------------------------------
 
-def test_prefix_from_nvme_after_a_daemon_restart(model, workdir, ref):
-    nvme = ["--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true"]
-    d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
+@pytest.fixture(scope="module")
+def restart_engines(model, workdir, module_daemons):
+    """The engines of the restart tests, started at once (their builds overlap): "store" on a
+    daemon with a durable NVMe tier, publishing vLLM's KV events; "fresh", for the daemon
+    restarted on that NVMe directory; "killed", for the daemon that is killed under it. The
+    last two start before their daemons do: the connector finds its daemon at the first
+    request (an absent daemon is retried every ``reconnect_s``)."""
+    nvme = ("--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true")
+    d = module_daemons(*nvme, dram="64MiB", name="nvme")
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
-    with engine(model, workdir / "nvme-a.log", connector(d.socket_path), kv_events=events) as e:
-        same(e.generate([P1])["results"][0], ref["P1"])
-        stored = wait_for(lambda: [ev for ev in replayed_events(replay)
-                                   if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"], 30,
-                          "kvstore's BlockStored events from vLLM's publisher")
+    socks = {"fresh": str(workdir / "restarted.sock"), "killed": str(workdir / "killed.sock")}
+    es = EngineProc.start_all([
+        (EngineSpec(model, kv_transfer=connector(d.socket_path), kv_events=events), workdir / "nvme-a.log"),
+        (EngineSpec(model, kv_transfer=connector(socks["fresh"], reconnect_s=0.5)), workdir / "nvme-b.log"),
+        (EngineSpec(model, kv_transfer=connector(socks["killed"], reconnect_s=0.5, rpc_timeout_s=2)),
+         workdir / "killed.log")])
+    yield dict(zip(("store", "fresh", "killed"), es), nvme=nvme, daemon=d, replay=replay, socks=socks)
+    EngineProc.stop_all(es)
+
+
+def test_prefix_from_nvme_after_a_daemon_restart(restart_engines, daemons, ref):
+    r = restart_engines
+    same(r["store"].generate([P1])["results"][0], ref["P1"])
+    stored = wait_for(lambda: [ev for ev in replayed_events(r["replay"])
+                               if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"], 30,
+                      "kvstore's BlockStored events from vLLM's publisher")
+    r["store"].stop()
     # The connector's events name kvstore's blocks: keys as hashes, chained, with their tokens.
     assert sum(len(ev.block_hashes) for ev in stored) == loadable(P1) // BT
     assert [t for ev in stored for t in ev.token_ids] == P1[:loadable(P1)]
     assert stored[0].parent_block_hash is None and all(len(h) == 32 for ev in stored for h in ev.block_hashes)
-    assert d.stop() == 0
-    d = start_daemon(workdir / "dn", *nvme, dram="64MiB")
-    try:
-        assert blocks_in(d.socket_path) == loadable(P1) // BT
-        with engine(model, workdir / "nvme-b.log", connector(d.socket_path)) as e:
-            got = e.generate([P1])["results"][0]
-            assert got["cached_tokens"] == loadable(P1)
-            same(got, ref["P1"])
-            m = e.metrics()["metrics"]
-            assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
-    finally:
-        assert d.stop() == 0
+    r["daemon"].stop_cleanly()
+    d = daemons(*r["nvme"], dram="64MiB", socket_path=r["socks"]["fresh"], name="restarted")
+    assert blocks_in(d.socket_path) == loadable(P1) // BT
+    e = r["fresh"]  # a process of its own: a prefix hit can only come from kvstore
+    got = e.generate([P1])["results"][0]
+    assert got["cached_tokens"] == loadable(P1)
+    same(got, ref["P1"])
+    m = e.metrics()["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
+    e.stop()
 
 
-def test_daemon_killed_while_vllm_serves(model, workdir, ref):
-    d = start_daemon(workdir / "dk", dram="64MiB")
-    sock = d.socket_path
-    with engine(model, workdir / "killed.log", connector(sock, reconnect_s=0.5, rpc_timeout_s=2)) as e:
-        same(e.generate([P1])["results"][0], ref["P1"])
-        d.kill()
-        for name in ("P2", "P3"):  # no daemon: vLLM recomputes, nothing hangs
-            got = e.generate([PROMPTS[name]])["results"][0]
-            same(got, ref[name])
-        d = start_daemon(workdir / "dk", dram="64MiB", socket_path=sock)
-        wait_for(lambda: (e.generate([P4], max_tokens=1), blocks_in(sock))[1] > 0, 60,
-                 "the engine to store into the restarted daemon")
-        got = e.generate([P4])["results"][0]  # vLLM's own cache has it now; kvstore has it too
-        same(got, ref["P4"])
+def test_daemon_killed_while_vllm_serves(restart_engines, daemons, ref):
+    e, sock = restart_engines["killed"], restart_engines["socks"]["killed"]
+    d = daemons(dram="64MiB", socket_path=sock, name="killed")
+    same(e.generate([P1])["results"][0], ref["P1"])
+    d.kill()
+    for name in ("P2", "P3"):  # no daemon: vLLM recomputes, nothing hangs
+        got = e.generate([PROMPTS[name]])["results"][0]
+        same(got, ref[name])
+    d = daemons(dram="64MiB", socket_path=sock, name="restarted-after-kill")
+    wait_for(lambda: (e.generate([P4], max_tokens=1), blocks_in(sock))[1] > 0, 60,
+             "the engine to store into the restarted daemon")
+    got = e.generate([P4])["results"][0]  # vLLM's own cache has it now; kvstore has it too
+    same(got, ref["P4"])
+    e.stop()
     assert blocks_in(sock) == loadable(P4) // BT  # what a new engine loads (as the DRAM test shows)
-    assert d.stop() == 0
 
 
 # --- two daemons: prefill on one, decode on the other ------------------------------------------
 
+@pytest.fixture(scope="module")
+def disaggregated(model, workdir, module_daemons) -> dict:
+    """Per backend (UCX where ucxx imports): daemons A and B, a prefill engine on A that ships
+    to B, and a decode engine on B; every backend's engines started at once."""
+    backends = [be for be in ("tcp", "ucx") if be == "tcp" or importlib.util.find_spec("ucxx")]
+    daemons, specs = {}, []
+    for be in backends:
+        a, b = daemons[be] = module_daemons.start(
+            DaemonSpec(dram="64MiB", transfer=be, name=f"a-{be}"),
+            DaemonSpec(("--server-session-ttl-s", "3"), dram="64MiB", transfer=be, name=f"b-{be}"))
+        prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
+        specs += [(EngineSpec(model, kv_transfer=prefill), workdir / f"prefill-{be}.log"),
+                  (EngineSpec(model, kv_transfer=connector(b.socket_path, role="kv_consumer")),
+                   workdir / f"decode-{be}.log")]
+    es = EngineProc.start_all(specs)
+    yield {be: (*daemons[be], *es[2 * i:2 * i + 2]) for i, be in enumerate(backends)}
+    EngineProc.stop_all(es)
+
+
 @pytest.mark.parametrize("backend", ["tcp", "ucx"])
-def test_prefill_on_daemon_a_decode_on_daemon_b(model, workdir, ref, backend):
+def test_prefill_on_daemon_a_decode_on_daemon_b(disaggregated, ref, backend):
     if backend == "ucx":
         pytest.importorskip("ucxx")
-    a = start_daemon(workdir / f"pa-{backend}", dram="64MiB", transfer=backend)
-    b = start_daemon(workdir / f"pb-{backend}", "--server-session-ttl-s", "3", dram="64MiB", transfer=backend)
+    _, b, p, d = disaggregated[backend]
     try:
-        prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
-        p, d = EngineProc.start_all([(EngineSpec(model, kv_transfer=prefill), workdir / f"prefill-{backend}.log"),
-                                     (EngineSpec(model, kv_transfer=connector(b.socket_path, role="kv_consumer")),
-                                      workdir / f"decode-{backend}.log")])
-        with p, d:
-            p.generate([P1], max_tokens=1)
-            wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
-            got = d.generate([P1])["results"][0]
-            assert got["cached_tokens"] == loadable(P1)
-            same(got, ref["P1"])
-        assert blocks_in(b.socket_path) == loadable(P1) // BT  # a consumer stores nothing
-        # The decode engine exited: its scheduler and worker sessions are gone, none leaks.
-        wait_for(lambda: kvstore_json(b.socket_path, "stats")["counters"]["sessions"] == 0, 30,
-                 "daemon B's session count back at 0 after vLLM exited")
+        p.generate([P1], max_tokens=1)
+        wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
+        got = d.generate([P1])["results"][0]
+        assert got["cached_tokens"] == loadable(P1)
+        same(got, ref["P1"])
     finally:
-        stop_all(a, b)
+        EngineProc.stop_all([p, d])  # their shutdowns overlap
+    assert blocks_in(b.socket_path) == loadable(P1) // BT  # a consumer stores nothing
+    # The decode engine exited: its scheduler and worker sessions are gone, none leaks.
+    wait_for(lambda: kvstore_json(b.socket_path, "stats")["counters"]["sessions"] == 0, 30,
+             "daemon B's session count back at 0 after vLLM exited")

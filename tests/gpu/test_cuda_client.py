@@ -152,4 +152,4 @@ def test_daemon_round_trip(tmp_path):
             torch.cuda.synchronize()
             assert torch.equal(gathered(PagedKV(src, LAYOUT), t_src, 80), gathered(PagedKV(dst, LAYOUT), t_dst, 80))
     finally:
-        assert d.stop() == 0, d.log()
+        d.stop_cleanly()

@@ -4,12 +4,12 @@ abort, deadlines and bad use. Every test also checks that no sink slot stays res
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 
 from conftest import make_payload, wait_for
+from daemon_util import free_port
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus
 
 POOL_VERIFY = True  # UCX tests run again with the receiver's verify pool (conftest)
@@ -135,9 +135,7 @@ def test_oversized_chunk_is_refused_by_the_receiver(backend, sink):
 
 
 def test_connect_to_a_closed_port_fails_fast(config):
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     with Sender(config) as sender:
         t0 = time.monotonic()  # the connect alone, not the engine's start and stop
         with pytest.raises(TransferError) as ei:
