@@ -682,11 +682,21 @@ class Core:
             self.forget(b)
 
     def drop_nvme_copy(self, b: Block) -> None:
-        """``b`` no longer has an NVMe copy (deleted, or the tier lost it)."""
+        """Delete ``b``'s NVMe copy (the block is being deleted)."""
         if b.on_nvme:
-            b.on_nvme = False
-            self.lru(NVME, b.ns_id).discard(b)
+            self.lose_nvme_copy(b)
             self.lower.delete_copy(b)
+
+    def note_nvme_copy(self, b: Block) -> None:
+        """``b`` (in DRAM) now also has an NVMe copy: dropping its DRAM copy loses nothing."""
+        b.on_nvme = True
+        self.lru(NVME, b.ns_id).add(b)
+
+    def lose_nvme_copy(self, b: Block) -> None:
+        """``b``'s NVMe copy is gone (the tier lost it or it failed its checksum); nothing to
+        delete there."""
+        b.on_nvme = False
+        self.lru(NVME, b.ns_id).discard(b)
 
     def drop_namespace(self, ns_id_hex: str) -> tuple[int, int]:
         text = ns_id_hex.lower()

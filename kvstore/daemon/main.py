@@ -114,25 +114,30 @@ class Daemon:
         except OSError as e:
             raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
-        self.hbm, hbm_copies = self._open_hbm()
-        self.nvme, nvme_copies, nvme_error = self._open_nvme()
-        self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=TierCopies(nvme_copies, hbm_copies),
-                         doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics)
-        self.policy = LoadPolicy()
-        self.tiering = None
-        if nvme_copies is not None:
-            from kvstore.daemon.tiering import Tiering
+        self.hbm = self.nvme = None
+        try:
+            self.hbm, hbm_copies = self._open_hbm()
+            self.nvme, nvme_copies, nvme_error = self._open_nvme()
+            self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=TierCopies(nvme_copies, hbm_copies),
+                             doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics)
+            self.policy = LoadPolicy()
+            self.tiering = None
+            if nvme_copies is not None:
+                from kvstore.daemon.tiering import Tiering
 
-            self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
-        self.hbm_cache = None
-        if hbm_copies is not None:
-            from kvstore.daemon.hbm_cache import HbmCache
+                self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
+            self.hbm_cache = None
+            if hbm_copies is not None:
+                from kvstore.daemon.hbm_cache import HbmCache
 
-            self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
-        self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
-        self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
-                                 nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
-        self.handout = ArenaHandout(self.arena_socket, cfg.server.socket_mode, self.arena, self.core, self.hbm_cache)
+                self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
+            self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
+            self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
+                                     nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
+            self.handout = ArenaHandout(self.arena_socket, cfg.server.socket_mode, self.arena, self.core, self.hbm_cache)
+        except BaseException:  # a part that opened (NVMe's lock and LMDB, the pinned arena) is let go
+            self._close_tiers()
+            raise
         self.server: grpc.Server | None = None
         self.tcp_server: grpc.Server | None = None
         self.metrics_server = None
@@ -178,6 +183,13 @@ class Daemon:
             return None, None, f"nvme.dir: {e}"
         return tier, NvmeCopies(tier, n), ""
 
+    def _close_tiers(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+        if self.hbm is not None:
+            self.hbm.close()
+        self.arena.close()
+
     def _transfer_sides(self):
         """(outbound, inbound): the sender and the listener of daemon-to-daemon transfer."""
         from kvstore.daemon.inbound import Inbound
@@ -217,7 +229,6 @@ class Daemon:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, cfg.server.socket_mode)
-        self.tcp_server = self._start_tcp(service) if cfg.server.tcp_listen else None
         if self.hbm_cache is not None:
             self.hbm_cache.start()
         if self.tiering is not None:
@@ -230,6 +241,8 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - a port in use stops start-up
                 raise StartupError(f"transport.listen: cannot start the {cfg.transport.backend} "
                                    f"listener on {cfg.transport.listen}: {e}") from None
+        # Remote clients only once recovery is done: a Register must not race it.
+        self.tcp_server = self._start_tcp(service) if cfg.server.tcp_listen else None
         self.server.start()
         if cfg.metrics.port:
             try:
@@ -284,6 +297,7 @@ class Daemon:
                 ("server", "reserve_wait_s"), ("server", "max_keys_per_request"), ("server", "log_level"),
                 ("server", "shutdown_grace_s"),
                 ("dram", "demote_high_watermark"), ("dram", "demote_low_watermark"), ("nvme", "admit_after_hits"),
+                ("nvme", "io_timeout_s"), ("nvme", "prefetch_deadline_s"),
                 ("policy", "prefill_tokens_per_s"), ("transport", "timeout_s")}
         changed, frozen = [], []
         for section, _ in C.sections():

@@ -52,6 +52,7 @@ class Outbound:
         self.metrics = metrics
         self.policy = policy
         self.backend = t.backend
+        self.cfg = t  # SIGHUP may change timeout_s, the default deadline
         self.config = wire_config(t)
         self.sender = sender_cls(self.config)
 
@@ -65,7 +66,7 @@ class Outbound:
         except ValueError as e:
             raise KVError(Code.INVALID_ARGUMENT, str(e)) from None
         core, st = self.core, s.ns
-        deadline_s = deadline_s or self.config.default_deadline_s
+        deadline_s = deadline_s or self.cfg.timeout_s
         bell = 0
         with core.lock:
             if pipelined and lease_id not in core.leases and all(

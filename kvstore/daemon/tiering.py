@@ -10,10 +10,12 @@ ends, so a slot is never reused under an I/O.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from contextlib import closing
@@ -92,6 +94,7 @@ class Tiering:
         self._ids = itertools.count(1)
         self._ns_file = os.path.join(self.nvme.dir, "namespaces.json")
         self._known_ns: dict[str, dict] = {}
+        self._ns_lock = threading.Lock()  # one writer of namespaces.json at a time
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
 
     # --- restart ----------------------------------------------------------------------------
@@ -138,16 +141,26 @@ class Tiering:
     def remember(self, st: NsState) -> None:
         """Persist a namespace's description so its NVMe blocks are recovered after a restart."""
         hex_id = st.id.hex()
-        if hex_id in self._known_ns:
-            return
-        ns = st.ns
-        self._known_ns[hex_id] = ns.to_dict()
-        tmp = self._ns_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._known_ns, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._ns_file)
+        # Registers run on several gRPC workers at once (a TP=8 engine registers 8 namespaces
+        # together): one writer at a time, each writing the whole file from a snapshot to a
+        # temporary file of its own; the new entry counts only once it is on disk, so a write
+        # that failed is tried again by the next Register.
+        with self._ns_lock:
+            if hex_id in self._known_ns:
+                return
+            known = {**self._known_ns, hex_id: st.ns.to_dict()}
+            fd, tmp = tempfile.mkstemp(prefix="namespaces.", suffix=".tmp", dir=os.path.dirname(self._ns_file))
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(known, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._ns_file)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self._known_ns = known
 
     # --- demotion ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -309,8 +322,7 @@ class Tiering:
         with self.core.lock:
             for st in self.core.namespaces.values():
                 for b in [b for b in st.blocks.values() if b.on_nvme]:
-                    b.on_nvme = False
-                    self.core.lru(NVME, b.ns_id).discard(b)
+                    self.core.lose_nvme_copy(b)
                     if b.tier is NVME and not b.busy:
                         self.core.forget(b)
 
@@ -342,8 +354,7 @@ class Tiering:
                 b.busy = False
                 b.keep_digests(sums.get(b.key))
                 if batch is not None and batch.results.get(b.key) in (IoResult.OK, IoResult.PRESENT):
-                    b.on_nvme = True
-                    core.lru(NVME, b.ns_id).add(b)
+                    core.note_nvme_copy(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
             self.changed.notify_all()
         if items and (batch is None or batch.error is not None):
@@ -400,8 +411,7 @@ class Tiering:
                 else:
                     core.dram.free(st.id, off)
                     if live:  # corrupt or lost on disk: never served
-                        b.on_nvme = False
-                        core.lru(NVME, st.id).discard(b)
+                        core.lose_nvme_copy(b)
                         core.forget(b)
             self.changed.notify_all()
         if batch.nbytes:
