@@ -180,7 +180,8 @@ class FakeKeyedTier:
                     self._alloc.free(item.ns_id, src.nbytes, slot)
                     batch.set(key, IoResult.FAILED, err)
                 else:
-                    s = array("Q", item.sums) if item.sums is not None else chunk_sums(src, src.nbytes, item.chunk_bytes)
+                    s = (array("Q", item.sums) if item.sums is not None  # as recorded, like the real tier
+                         else chunk_sums(src, src.nbytes, item.chunk_bytes))
                     parent = check_key(item.parent) if item.parent is not None else None
                     self._blocks[key] = _Stored(item.ns_id, parent, item.chunk_bytes, src.copy(), s, slot, now, now)
                     batch.set(key, IoResult.OK)
@@ -191,11 +192,9 @@ class FakeKeyedTier:
 
     def get_many(self, keys: Sequence[bytes], dsts: Sequence,
                  on_done: Callable[[NvmeBatch], None] | None = None) -> NvmeBatch:
-        if len(keys) != len(dsts):
-            raise ValueError(f"keys and dsts differ in length ({len(keys)} != {len(dsts)})")
         keys = [check_key(k) for k in keys]
-        if len(set(keys)) != len(keys):
-            raise ValueError("keys: duplicates in one get_many")
+        if len(keys) != len(dsts) or len(set(keys)) != len(keys):
+            raise ValueError("get_many: one dst per key, and no key twice")
         bufs = [as_u8(d, True, "dst") for d in dsts]
         batch = NvmeBatch("get", keys, on_done)
         reads = []
@@ -218,7 +217,8 @@ class FakeKeyedTier:
                     buf[:n] = r.data
                     got = chunk_sums(buf, n, r.chunk_bytes)
                     if got != r.sums:
-                        batch.set(k, IoResult.CORRUPT, NvmeChecksumError(f"block {k.hex()[:16]}: checksum mismatch", key=k))
+                        err = NvmeChecksumError(f"block {k.hex()[:16]}: checksum mismatch", key=k)
+                        batch.set(k, IoResult.CORRUPT, err)
                         if self._blocks.get(k) is r:  # dropped, as the real tier does
                             del self._blocks[k]
                             self._alloc.free(r.ns_id, n, r.slot)

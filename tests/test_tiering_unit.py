@@ -385,7 +385,8 @@ def test_durable_commit_writes_through_and_demotion_then_writes_nothing(make):
         assert (blk.tier, blk.on_nvme, blk.busy) == (DRAM, True, False)
         assert blk.digests == chunk_sums(content(k), BLOCK, LAYOUT.layer_chunk_bytes)
     assert env.nvme_keys() == {k for c in chains for k in c} and env.core.pressure.moving == 0
-    assert {e.key: e.parent for e in env.nvme.entries() if e.key in a} == {a[0]: None, a[1]: a[0], a[2]: a[1], a[3]: a[2]}
+    parents = {e.key: e.parent for e in env.nvme.entries() if e.key in a}
+    assert parents == {a[0]: None, a[1]: a[0], a[2]: a[1], a[3]: a[2]}
     puts = env.nvme.puts
     assert env.tiering.run_round() == 1
     assert env.nvme.puts == puts                         # the copies were there: DRAM is just dropped
