@@ -20,6 +20,7 @@ import threading
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvstore.config import DramConfig, NvmeConfig
 from kvstore.daemon.core import Core, DramOnly, NsState
@@ -42,7 +43,7 @@ class Prefetch:
     id: int
     session_id: bytes
     keys: list[bytes]
-    started: float
+    started: float  # Tiering's clock (seconds)
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
     missed: bool = False
@@ -76,11 +77,18 @@ class NvmeCopies(DramOnly):
 
 
 class Tiering:
-    """The demoter thread, promotions and prefetches between the core's DRAM tier and NVMe."""
+    """The demoter thread, promotions and prefetches between the core's DRAM tier and NVMe.
+
+    ``clock`` (seconds, monotonic) gives prefetch and make-resident deadlines; waits for a
+    promotion to land are real-time condition waits, each bounded by the time left on that
+    clock. Measured I/O durations stay on ``time.perf_counter``: they feed the load policy's
+    bandwidth estimate, which must be the disk's real speed (a stopped test clock would report
+    zero seconds)."""
 
     def __init__(self, core: Core, copies: NvmeCopies, cfg: NvmeConfig, dram_cfg: DramConfig, *,
-                 metrics: Metrics, policy: LoadPolicy) -> None:
+                 metrics: Metrics, policy: LoadPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.clock = clock
         self.nvme = copies.nvme
         self.cfg = cfg
         self.dram_cfg = dram_cfg  # the demotion watermarks
@@ -170,14 +178,22 @@ class Tiering:
         while not self.stopping.is_set():
             self.kick.wait(0.05)
             self.kick.clear()
-            if not self.nvme.enabled:
-                self._nvme_lost()
-                continue
             try:
-                while not self.stopping.is_set() and self._demote_round():
-                    pass
+                self.run_round()
             except Exception:  # noqa: BLE001 - keep the daemon serving from DRAM
                 log.exception("demotion round failed")
+
+    def run_round(self) -> int:
+        """What the demoter does each time it wakes: if the NVMe tier disabled itself, forget
+        the blocks only it held; else demote batches until DRAM is under the low watermark (or
+        nothing more can move). Returns the batches run."""
+        if not self.nvme.enabled:
+            self._nvme_lost()
+            return 0
+        n = 0
+        while not self.stopping.is_set() and self._demote_round():
+            n += 1
+        return n
 
     def _pick(self, want_bytes: int) -> list[Block]:
         """Least recent DRAM leaves across namespaces, up to ``want_bytes`` (under the lock). A
@@ -431,19 +447,21 @@ class Tiering:
         return n, False
 
     def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
+        """Promote the leading NVMe blocks of ``keys`` and wait until they are in DRAM, or until
+        ``wait_s`` seconds have passed on the clock."""
+        deadline = self.clock() + wait_s
         with self.core.lock:
             while True:
                 self.promote(session.ns, keys)  # idempotent: blocks under way are skipped
                 _, pending = self._resident(session.ns, keys)
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if not pending or left <= 0:
                     return
                 self.changed.wait(min(left, 0.05))
 
     def prefetch(self, session, keys: list[bytes], deadline_s: float) -> int:
-        p = Prefetch(next(self._ids), session.id, keys, time.monotonic(),
-                     time.monotonic() + (deadline_s or self.cfg.prefetch_deadline_s))
+        now = self.clock()
+        p = Prefetch(next(self._ids), session.id, keys, now, now + (deadline_s or self.cfg.prefetch_deadline_s))
         with self.core.lock:
             self.promote(session.ns, keys)
             self.prefetches[p.id] = p
@@ -456,11 +474,11 @@ class Tiering:
             p = self.prefetches.get(handle)
             if p is None or p.session_id != session.id:
                 raise KVError(Code.NOT_FOUND, f"prefetch {handle}: unknown handle for this session")
-            until = min(time.monotonic() + wait_s, p.deadline)
+            until = min(self.clock() + wait_s, p.deadline)
             while True:
                 self.promote(session.ns, p.keys)
                 ready, pending = self._resident(session.ns, p.keys)
-                now = time.monotonic()
+                now = self.clock()
                 if not pending or now >= until:
                     break
                 self.changed.wait(min(until - now, 0.05))
@@ -468,9 +486,9 @@ class Tiering:
             if ready == total:
                 if not p.done.is_set():
                     p.done.set()
-                    self.metrics.prefetch_latency.observe(time.monotonic() - p.started)
+                    self.metrics.prefetch_latency.observe(now - p.started)
                 return pb.PREFETCH_DONE, ready, total, "all blocks resident in DRAM"
-            if pending and time.monotonic() < p.deadline:
+            if pending and now < p.deadline:
                 return pb.PREFETCH_RUNNING, ready, total, f"{ready} of {total} leading blocks resident"
             if pending and not p.missed:
                 p.missed = True
@@ -480,7 +498,7 @@ class Tiering:
 
     def _drive_prefetches(self) -> None:
         """Demotion made room: push live prefetches on (under the lock)."""
-        now = time.monotonic()
+        now = self.clock()
         for p in list(self.prefetches.values()):
             if not p.done.is_set() and now < p.deadline:
                 s = self.core.sessions.find(p.session_id)
@@ -491,7 +509,8 @@ class Tiering:
     def close(self, grace_s: float) -> None:
         self.stopping.set()
         self.kick.set()
-        self.thread.join(grace_s)
+        if self.thread.ident is not None:  # started (a Tiering driven by run_round never is)
+            self.thread.join(grace_s)
         self._save_recency()
         self.nvme.close()
 
