@@ -78,15 +78,29 @@ def test_files_left_open_by_an_older_daemon_are_made_private(tmp_path):
             assert mode(os.path.join(root, f)) == 0o600, f
 
 
-def refused(tmp_path, *args, sock=None):
+def refused(tmp_path, *args, sock=None, left=False):
+    """``kvstore serve`` exits 2 before it builds the arena, leaving no socket (or the path in
+    the way as it was, ``left``); returns what it said."""
     sock = sock or tmp_path / "k.sock"
     p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", str(sock),
                         "--dram-capacity-bytes", "64MiB", "--metrics-port", "0", *args],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "DRAM arena" not in p.stderr, "the check must come before the arena is built:\n" + p.stderr
-    assert not os.path.exists(sock)
+    assert os.path.exists(sock) == left
     return p.stderr
+
+
+def test_a_socket_path_in_the_way_is_refused_before_the_arena(tmp_path):
+    sock = tmp_path / "k.sock"
+    sock.write_text("a file")
+    assert "is not a socket" in refused(tmp_path, sock=sock, left=True)
+    sock.unlink()
+    d = start_daemon(tmp_path, "--dram-prefault", "false", socket_path=str(sock))
+    try:
+        assert "another daemon is serving" in refused(tmp_path, sock=sock, left=True)
+    finally:
+        assert d.stop() == 0
 
 
 def test_a_socket_directory_others_can_write_is_refused(tmp_path):

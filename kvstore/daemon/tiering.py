@@ -154,7 +154,10 @@ class Tiering:
             self._known_ns[hex_id] = d
         if bad:
             self._quarantine(f"{len(bad)} of {len(known)} entries unreadable ({'; '.join(bad[:3])})")
-            self._write_namespaces()
+            try:
+                self._write_namespaces()
+            except OSError as e:  # the next Register writes it again
+                log.error("cannot write %s back: %s", self._ns_file, e)
         return good
 
     def _quarantine(self, why: str) -> None:
