@@ -28,6 +28,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import KeyedTier, TierKind
 from kvstore.tiers.nvme import IoResult
+from kvstore.tiers.nvme.files import PRIVATE_FILE
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.daemon.tiering")
@@ -130,7 +131,7 @@ class Tiering:
         entries it can are written back at once."""
         try:
             with open(self._ns_file, "rb") as f:
-                os.fchmod(f.fileno(), 0o600)  # written world-readable by older daemons; holds tenant salts
+                os.fchmod(f.fileno(), PRIVATE_FILE)  # older daemons left it world-readable; it holds tenant salts
                 known = json.loads(f.read())
         except FileNotFoundError:
             return []
@@ -182,9 +183,9 @@ class Tiering:
     def _write_namespaces(self) -> None:
         """Replace ``namespaces.json`` atomically; 0600 whatever the umask (tenant salts)."""
         tmp = self._ns_file + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
         with open(fd, "w") as f:
-            os.fchmod(fd, 0o600)  # a .tmp left by an older daemon keeps its mode through O_CREAT
+            os.fchmod(fd, PRIVATE_FILE)  # a .tmp left by an older daemon keeps its mode through O_CREAT
             json.dump(self._known_ns, f)
             f.flush()
             os.fsync(fd)

@@ -98,7 +98,6 @@ def _preadv_all(fd: int, bufs: list, offset: int) -> int:
     return done
 
 
-
 # Block data, the index and the namespaces file (tenant salts) are the daemon's alone.
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
 
