@@ -80,7 +80,7 @@ class ServerConfig:
     tls_cert_file: str = field(default="", metadata={"help": "PEM server certificate (required with tcp_listen)"})
     tls_key_file: str = field(default="", metadata={"help": "PEM server private key (required with tcp_listen)"})
     tls_client_ca_file: str = field(default="", metadata={"help": "PEM CA bundle; set to require client certificates (mutual TLS)"})
-    auth_token: str = field(default="", metadata={"help": "bearer token TCP clients must send; empty = none"})
+    auth_token: str = field(default="", metadata={"help": "bearer token TCP clients must send; empty = none", "secret": True})
     grpc_workers: int = field(default=64, metadata={"help": "gRPC server threads (durable Commits hold one each while NVMe writes)"})
     max_keys_per_request: int = field(default=65536, metadata={"help": "most keys one RPC may carry (blocks)"})
     lease_ttl_s: float = field(default=30.0, metadata={"help": "lifetime of a write reservation or read pin without renewal (seconds)"})
@@ -327,6 +327,16 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
     return cfg.validate()
 
 
+REDACTED = "<redacted>"
+_SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passphrase)$")  # a path to one (..._file) is not
+
+
+def is_secret(f: dataclasses.Field) -> bool:
+    """A field whose value is a credential: marked ``"secret": True``, or named like one (so a
+    knob added later is hidden even if its author forgets the mark)."""
+    return bool(f.metadata.get("secret")) or bool(_SECRET_NAME.search(f.name))
+
+
 def _flag(section: str, key: str) -> str:
     return f"--{section}-{key}".replace("_", "-")
 
@@ -338,6 +348,8 @@ def add_cli_flags(parser) -> None:
         for f in fields(cls):
             default = f.default
             shown = oct(default) if f.name.endswith("_mode") else default
+            if is_secret(f) and default:
+                shown = REDACTED
             group.add_argument(_flag(section, f.name), dest=f"cfg__{section}__{f.name}",
                                default=None, metavar=f.name.rsplit("_", 1)[-1].upper() if "_" in f.name else "VALUE",
                                help=f"{f.metadata.get('help', '')} [default: {shown!r}]")
@@ -357,13 +369,16 @@ def cli_overrides(args) -> dict[str, Any]:
 
 
 def to_toml(cfg: Config) -> str:
-    """The config as TOML (for `kvstore config show` and the deploy examples)."""
+    """The config as TOML (for `kvstore serve --print-config` and the deploy examples). A secret
+    that is set shows as ``<redacted>``; an unset one as empty, so the output says which is set."""
     lines = []
     for section, _ in sections():
         lines.append(f"[{section}]")
         for f in fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
-            if isinstance(v, bool):
+            if is_secret(f) and v:
+                lines.append(f'{f.name} = "{REDACTED}"')
+            elif isinstance(v, bool):
                 lines.append(f"{f.name} = {'true' if v else 'false'}")
             elif f.name.endswith("_mode"):
                 lines.append(f'{f.name} = "{v:04o}"')

@@ -163,3 +163,128 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
     env = {**os.environ, "KVSTORE_METRICS_PORT": "99999"}
     p = subprocess.run([sys.executable, "-m", "kvstore", "serve"], capture_output=True, text=True, timeout=30, env=env)
     assert p.returncode == 2 and "metrics.port" in p.stderr
+
+
+def test_prefetch_into_an_unknown_tier(setup):
+    c, tokens, _ = setup
+    keys = b"".join(c.keys(tokens))
+    for target in (99, -1):
+        err = expect(grpc.StatusCode.INVALID_ARGUMENT,
+                     lambda: c.call("Prefetch", pb.PrefetchRequest(session_id=c.session_id, keys=keys, target=target)),
+                     "target", str(target), "TIER_DRAM")
+        assert "internal" not in err.message
+    expect(grpc.StatusCode.INVALID_ARGUMENT,
+           lambda: c.call("Prefetch", pb.PrefetchRequest(session_id=c.session_id, keys=keys, target=pb.TIER_NVME)),
+           "target", "TIER_DRAM")
+
+
+NOT_FINITE = (float("nan"), float("inf"), -float("inf"), -1.0)
+
+
+def test_seconds_and_rates_that_are_not_finite(setup):
+    """NaN and infinity in a time or a rate are refused by name: a NaN wait once waited forever
+    (min(nan, cap) is nan) and a NaN rate poisoned the load-or-recompute advice."""
+    c, tokens, _ = setup
+    sid, keys = c.session_id, b"".join(c.keys(tokens))
+    lay = pb.Layout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16")
+    for v in NOT_FINITE:
+        for method, req, field in (
+                ("Acquire", pb.AcquireRequest(session_id=sid, keys=keys, wait_s=v), "wait_s"),
+                ("Prefetch", pb.PrefetchRequest(session_id=sid, keys=keys, deadline_s=v), "deadline_s"),
+                ("PrefetchStatus", pb.PrefetchStatusRequest(session_id=sid, handle=1, wait_s=v), "wait_s"),
+                ("AwaitTransfer", pb.AwaitTransferRequest(session_id=sid, keys=keys, wait_s=v), "wait_s"),
+                ("Transfer", pb.TransferRequest(session_id=sid, keys=keys, peer="127.0.0.1:1", deadline_s=v),
+                 "deadline_s"),
+                ("Register", pb.RegisterRequest(model_id="m", layout=lay, prefill_tokens_per_s=v),
+                 "prefill_tokens_per_s"),
+                ("Register", pb.RegisterRequest(model_id="m", layout=lay, model_params=v), "model_params")):
+            expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call(method, req, timeout_s=5), field)
+
+
+def test_boundary_integers_get_a_status_not_a_crash(setup):
+    c, tokens, _ = setup
+    sid, top = c.session_id, 2**64 - 1
+    lay = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16")
+    for method, req, code in (
+            ("Commit", pb.CommitRequest(session_id=sid, lease_id=top), grpc.StatusCode.NOT_FOUND),
+            ("Abort", pb.AbortRequest(session_id=sid, lease_id=0), grpc.StatusCode.NOT_FOUND),
+            ("Release", pb.ReleaseRequest(session_id=sid, lease_id=top), grpc.StatusCode.NOT_FOUND),
+            ("PrefetchStatus", pb.PrefetchStatusRequest(session_id=sid, handle=top), grpc.StatusCode.NOT_FOUND),
+            ("Register", pb.RegisterRequest(model_id="m", layout=pb.Layout(**lay), tp_rank=2**32 - 1, tp_world=2),
+             grpc.StatusCode.INVALID_ARGUMENT),
+            ("Register", pb.RegisterRequest(model_id="m", layout=pb.Layout(**{**lay, "num_layers": 2**32 - 1})),
+             grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ("Register", pb.RegisterRequest(model_id="m", layout=pb.Layout(**{**lay, "block_tokens": 2**32 - 1})),
+             grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ("Register", pb.RegisterRequest(model_id="m", layout=pb.Layout(**{**lay, "kind": "mla"})),
+             grpc.StatusCode.INVALID_ARGUMENT),
+            ("DropNamespace", pb.DropNamespaceRequest(namespace_id_hex="zz"), grpc.StatusCode.INVALID_ARGUMENT)):
+        e = expect(code, lambda: c.call(method, req, timeout_s=5))
+        assert e.message and "internal" not in e.message, e.message
+    assert c.keepalive([0, top]) == [0, top]
+
+
+def nvme_daemon(tmp_path, nvme):
+    from daemon_util import start_daemon
+
+    return start_daemon(tmp_path, "--nvme-dir", str(nvme), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes",
+                        "32MiB", "--nvme-durable-commit", "true", "--dram-prefault", "false")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"a string"', '{"00ff": [1]}', '{"00ff": {"model_id": 5}}', "{not json"])
+def test_a_namespaces_file_of_the_wrong_shape_is_quarantined(tmp_path, content):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o700)
+    (nvme / "namespaces.json").write_text(content)
+    d = nvme_daemon(tmp_path, nvme)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "m")  # writes a fresh namespaces.json
+        tokens = list(range(32))
+        assert c.put(tokens, np.ones(LAYOUT.tensor_shape(len(tokens)), np.float16)) == 2
+        c.close()
+    finally:
+        assert d.stop() == 0
+    log = d.log()
+    assert "Traceback" not in log, log
+    assert "namespaces.json" in log and "quarantined" in log, log
+    aside = [p for p in nvme.iterdir() if p.name.startswith("namespaces.json.bad-")]
+    assert len(aside) == 1 and aside[0].read_text() == content
+    # The file written since is good: a restart recovers the blocks without complaint.
+    d = nvme_daemon(tmp_path, nvme)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "m")
+        assert c.lookup(list(range(32))) == 32
+        c.close()
+    finally:
+        assert d.stop() == 0
+    assert "quarantined" not in d.log()[len(log):]
+
+
+def test_a_damaged_index_geometry_disables_the_tier_with_a_clear_message(tmp_path):
+    import lmdb
+
+    nvme = tmp_path / "nvme"
+    d = nvme_daemon(tmp_path, nvme)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "m")
+        assert c.put(list(range(32)), np.ones(LAYOUT.tensor_shape(32), np.float16)) == 2  # durable: on NVMe
+        c.close()
+    finally:
+        assert d.stop() == 0
+    for raw in (b"[1, 2]", b"{not json", b"\xff\xfe"):
+        env = lmdb.open(str(nvme / "index"), max_dbs=2)
+        with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+            txn.put(b"geometry", raw)
+        env.close()
+        d = nvme_daemon(tmp_path, nvme)
+        try:
+            c = KVStoreClient(d.socket_path)
+            nv = {t.tier: t for t in c.stats().tiers}[3]
+            assert not nv.enabled and "laid out with" in nv.detail, nv.detail
+            c.close()
+        finally:
+            assert d.stop() == 0
+        assert "Traceback" not in d.log(), d.log()

@@ -52,24 +52,58 @@ SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the rea
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says why and what to change."""
 
+    exit_code = 1
+
+
+class PreconditionError(StartupError):
+    """What the daemon was given cannot be used as it is (a path in the way, a directory others
+    could write into); like a config error, ``kvstore serve`` exits 2."""
+
+    exit_code = 2
+
+
+def _check_own_dir(d: str, key: str) -> None:
+    """Refuse a directory another user could plant or swap files in: one owned by another user,
+    or writable by group or others (a sticky /tmp included: names in it can be taken first)."""
+    st = os.stat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PreconditionError(f"{key}: {d} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PreconditionError(f"{key}: directory {d} belongs to uid {st.st_uid}, not to this daemon's user "
+                                f"(uid {os.getuid()}); chown it or choose another path")
+    who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit)
+    if who:
+        raise PreconditionError(f"{key}: directory {d} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}); "
+                                f"chmod go-w {d} (e.g. 0700, or 0750 to share the socket with a group) "
+                                "or choose another path")
+
+
+def _check_data_dir(d: str) -> None:
+    """nvme.dir, when it exists already (else the tier creates it 0700; a path it cannot create
+    leaves the daemon serving from DRAM, as any NVMe failure does)."""
+    if os.path.isdir(d):
+        _check_own_dir(d, "nvme.dir")
+
 
 def _prepare_socket_path(path: str) -> None:
     d = os.path.dirname(path) or "."
     if not os.path.isdir(d):
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid():
-        raise StartupError(f"server.socket_path: directory {d} belongs to uid {st.st_uid}, not us; choose another path")
+        old_umask = os.umask(0o077)  # parents too: 0700 whatever the umask (start-up is single-threaded)
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        finally:
+            os.umask(old_umask)
+    _check_own_dir(d, "server.socket_path")
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise StartupError(f"server.socket_path: {path} exists and is not a socket")
+            raise PreconditionError(f"server.socket_path: {path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except OSError:
             os.unlink(path)  # stale socket of a dead daemon
         else:
-            raise StartupError(f"server.socket_path: another daemon is serving on {path}")
+            raise PreconditionError(f"server.socket_path: another daemon is serving on {path}")
         finally:
             probe.close()
 
@@ -103,7 +137,10 @@ class Daemon:
         self.socket_path = cfg.resolved_socket_path()
         self.arena_socket = self.socket_path + ".arena"
         self.stopping = threading.Event()
+        # Paths first: building the arena (pre-faulting it) can take seconds.
         _prepare_socket_path(self.socket_path)
+        if cfg.nvme.dir:
+            _check_data_dir(cfg.nvme.dir)
         dram_bytes = cfg.resolved_dram_bytes()
         thp = shmem_thp_mode()
         log.info("creating %.2f GiB DRAM arena (prefault=%s, shared-memory huge pages: %s%s)", dram_bytes / 2**30,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,18 @@ def layout_from_pb(m: pb.Layout) -> KVLayout:
                         kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim)
     except LayoutError as e:
         raise invalid(f"layout.{e}") from None
+
+
+def finite(value: float, name: str, unit: str) -> float:
+    """``value`` if it is a finite number >= 0, else INVALID_ARGUMENT naming the field: NaN
+    passes every ``< 0`` check and ``min(nan, cap)`` is NaN, so a NaN wait would never end."""
+    if not (math.isfinite(value) and value >= 0):
+        raise invalid(f"{name}: must be a finite number of {unit} >= 0, got {value}")
+    return value
+
+
+# Prefetch targets: proto3 enums are open, so a request may carry any int32 there.
+PREFETCH_TARGETS = "TIER_UNSPECIFIED (= DRAM) or TIER_DRAM"
 
 
 def rpc(method):
@@ -106,8 +119,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @rpc
     def Register(self, req, context):
         layout = layout_from_pb(req.layout)
-        if req.prefill_tokens_per_s < 0 or req.model_params < 0:
-            raise invalid("prefill_tokens_per_s and model_params: must be >= 0")
+        finite(req.prefill_tokens_per_s, "prefill_tokens_per_s", "tokens per second")
+        finite(req.model_params, "model_params", "parameters")
         try:
             ns = Namespace(req.model_id, layout, req.tp_rank, req.tp_world or 1, req.tenant_salt)
         except LayoutError as e:
@@ -199,8 +212,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def Acquire(self, req, context):
-        if req.wait_s < 0:
-            raise invalid("wait_s: must be >= 0")
+        finite(req.wait_s, "wait_s", "seconds")
         with self.core.lock:
             s = self._session(req.session_id)
         if req.wait_s > 0 and self.tiering is not None:
@@ -240,14 +252,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def Prefetch(self, req, context):
-        if req.deadline_s < 0:
-            raise invalid("deadline_s: must be >= 0")
+        finite(req.deadline_s, "deadline_s", "seconds")
         with self.core.lock:
             s = self._session(req.session_id)
             keys = self.core.keys(req.keys)
-        target = TierKind(req.target) if req.target else TierKind.DRAM
-        if target is not TierKind.DRAM:
-            raise invalid(f"target: prefetch into {target.name} is not supported; use TIER_DRAM")
+        if req.target not in (pb.TIER_UNSPECIFIED, pb.TIER_DRAM):
+            what = pb.Tier.Name(req.target) if req.target in pb.Tier.values() else f"{req.target} (no such tier)"
+            raise invalid(f"target: {what} is not a prefetch target; use {PREFETCH_TARGETS}")
         if self.tiering is None:
             raise KVError(Code.UNAVAILABLE, "prefetch: no lower tier is enabled (set nvme.dir); DRAM blocks are already resident")
         handle = self.tiering.prefetch(s, keys, req.deadline_s)
@@ -255,8 +266,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def PrefetchStatus(self, req, context):
-        if req.wait_s < 0:
-            raise invalid("wait_s: must be >= 0")
+        finite(req.wait_s, "wait_s", "seconds")
         with self.core.lock:
             s = self._session(req.session_id)
         if self.tiering is None:
@@ -271,8 +281,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             keys = self.core.keys(req.keys)
         if not req.peer:
             raise invalid("peer: host:port of the peer's transfer listener is required")
-        if req.deadline_s < 0:
-            raise invalid("deadline_s: must be >= 0")
+        finite(req.deadline_s, "deadline_s", "seconds")
         if req.pipelined and not req.lease_id:
             raise invalid("lease_id: a pipelined transfer names the write lease whose doorbell it follows")
         blocks, nbytes, secs = self._listening(self.outbound).transfer(s, keys, req.peer, req.deadline_s,
@@ -281,8 +290,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def AwaitTransfer(self, req, context):
-        if req.wait_s < 0:
-            raise invalid("wait_s: must be >= 0")
+        finite(req.wait_s, "wait_s", "seconds")
         with self.core.lock:
             s = self._session(req.session_id)
             keys = self.core.keys(req.keys)

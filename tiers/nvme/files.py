@@ -12,6 +12,7 @@ import enum
 import errno
 import mmap
 import os
+import stat
 from array import array
 from typing import Iterable
 
@@ -97,6 +98,28 @@ def _preadv_all(fd: int, bufs: list, offset: int) -> int:
     return done
 
 
+# Block data, the index and the namespaces file (tenant salts) are the daemon's alone.
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
+
+
+def private_dir(path: str) -> None:
+    """Make ``path`` a directory only its owner can use, whatever the umask: missing directories
+    (parents included) are created 0700, and an existing ``path`` is taken to 0700."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        os.mkdir(d, PRIVATE_DIR)  # the umask can only take bits away
+    private_mode(path, PRIVATE_DIR)
+
+
+def private_mode(path: str, mode: int) -> None:
+    """Take an existing file or directory to ``mode`` (left alone when it has it already)."""
+    if stat.S_IMODE(os.stat(path).st_mode) != mode:
+        os.chmod(path, mode)
+
+
 class DataFiles:
     """``n`` preallocated files of ``file_bytes`` (the last may be shorter) forming one flat
     offset space of ``capacity_bytes``. A slot never straddles two files (extents divide
@@ -123,8 +146,9 @@ class DataFiles:
 
     @staticmethod
     def _open(path: str, size: int, preallocate: bool) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
         try:
+            os.fchmod(fd, PRIVATE_FILE)  # a file an older daemon made keeps its mode through O_CREAT
             old = os.fstat(fd).st_size
             if preallocate:
                 try:

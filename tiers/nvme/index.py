@@ -12,6 +12,7 @@ Thread-safety: LMDB serialises writers itself; read transactions may run on any 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from array import array
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Iterable, Iterator
 import lmdb
 
 from kvstore.tiers.base import ExtentAllocator
+from kvstore.tiers.nvme.files import PRIVATE_DIR, PRIVATE_FILE, private_dir, private_mode
 
 RECORD_VERSION = 1
 # version, flags, ns length, chunk count, offset, slot_bytes, nbytes, chunk_bytes, atime, ctime
@@ -77,8 +79,11 @@ class NvmeIndex:
     def __init__(self, path: str, map_bytes: int, durable: bool) -> None:
         # sync/metasync off still survives a process crash (commits reach the page cache); only
         # a power loss can then lose the last commits.
+        private_dir(path)
         self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=2, sync=durable,
-                             metasync=durable, readahead=False, lock=True)
+                             metasync=durable, readahead=False, lock=True, mode=PRIVATE_DIR)
+        for name in ("data.mdb", "lock.mdb"):  # LMDB makes them 0600 (mode less x); an older daemon's may be looser
+            private_mode(os.path.join(path, name), PRIVATE_FILE)
         self.blocks = self.env.open_db(b"blocks")
         self.meta = self.env.open_db(b"meta")
 
@@ -87,7 +92,10 @@ class NvmeIndex:
         holds no block (a fresh directory, or one whose first open failed)."""
         with self.env.begin(db=self.meta) as txn:
             raw = txn.get(b"geometry")
-        have = None if raw is None else json.loads(raw)
+        try:
+            have = None if raw is None else json.loads(raw)
+        except ValueError as e:  # damaged: laid out with what, nobody can tell
+            have = f"a geometry record that does not parse ({e})"
         if have != wanted and (have is None or self.count() == 0):
             with self.env.begin(write=True, db=self.meta) as txn:
                 txn.put(b"geometry", json.dumps(wanted, sort_keys=True).encode())

@@ -55,7 +55,7 @@ from kvstore.tiers.nvme.engine import IoEngine, Job
 from kvstore.tiers.nvme.errors import (
     DISABLING, NvmeBusyError, NvmeChecksumError, NvmeDisabledError, NvmeError, NvmeGeometryError, NvmeIOError,
     classify_lmdb_error, classify_os_error)
-from kvstore.tiers.nvme.files import ALIGN, DataFiles, IoMode, aligned_buffer, as_u8
+from kvstore.tiers.nvme.files import ALIGN, PRIVATE_FILE, DataFiles, IoMode, aligned_buffer, as_u8, private_dir
 from kvstore.tiers.nvme.index import BlockRecord, NvmeIndex, recover
 
 log = logging.getLogger("kvstore.tiers.nvme")
@@ -110,8 +110,9 @@ class NvmeTier:
 
     def _open(self) -> RecoveryReport:
         cfg = self.config
-        os.makedirs(cfg.dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(cfg.dir, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        private_dir(cfg.dir)
+        self._lock_fd = os.open(os.path.join(cfg.dir, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+        os.fchmod(self._lock_fd, PRIVATE_FILE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
