@@ -46,7 +46,7 @@ def cmd_serve(args, daemon_cls=None) -> int:
         return run(cfg, daemon_cls or Daemon, args.config, C.cli_overrides(args))
     except (StartupError, C.ConfigError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
-        return 1
+        return 2  # as for a config error: something to change before it can start
 
 
 def _client(args):
