@@ -189,15 +189,18 @@ def test_sigterm_during_prefault_stops_the_daemon_promptly(tmp_path):
     assert not (tmp_path / "k.sock").exists() and not (tmp_path / "k.sock.arena").exists()
 
 
-@pytest.mark.parametrize("what", ["metrics", "transport"])
+@pytest.mark.parametrize("what", ["metrics", "transport", "server"])
 def test_a_port_conflict_is_found_before_the_arena_and_exits_2(tmp_path, what):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
     try:
-        args = (["--metrics-port", str(port)] if what == "metrics" else
-                ["--metrics-port", "0", "--transport-listen", f"127.0.0.1:{port}"])
+        args = {"metrics": ["--metrics-port", str(port)],
+                "transport": ["--metrics-port", "0", "--transport-listen", f"127.0.0.1:{port}"],
+                "server": ["--metrics-port", "0", "--server-tcp-listen", f"127.0.0.1:{port}",  # the TLS listener
+                           "--server-tls-cert-file", str(tmp_path / "c.pem"), "--server-tls-key-file",
+                           str(tmp_path / "k.pem")]}[what]
         p = _serve(tmp_path, *args)
         out, _ = p.communicate(timeout=30)
     finally:
@@ -219,3 +222,13 @@ def test_a_socket_conflict_exits_2_like_a_port_conflict(tmp_path):
         assert d.alive() and os.path.exists(d.socket_path)
     finally:
         stop_all(d)
+
+
+def test_the_wait_bounds_must_leave_a_worker_free():
+    from kvstore import config as C
+
+    assert C.load(env={}, overrides={"server.grpc_workers": "8"}).server.resolved_max_waits() == 4
+    with pytest.raises(C.ConfigError, match="server.max_waits"):
+        C.load(env={}, overrides={"server.grpc_workers": "8", "server.max_waits": "8"})
+    with pytest.raises(C.ConfigError, match="server.handout_timeout_s"):
+        C.load(env={}, overrides={"server.handout_timeout_s": "0"})

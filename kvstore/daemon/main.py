@@ -179,6 +179,10 @@ class Daemon:
                              f"start the {cfg.transport.backend} listener")
         if cfg.server.tcp_listen:
             _check_port_free("server.tcp_listen", *_split_host_port(cfg.server.tcp_listen), "listen")
+            s = cfg.server
+            for f in (s.tls_key_file, s.tls_cert_file, s.tls_client_ca_file):
+                if f and not os.access(f, os.R_OK):
+                    raise StartupError(f"server.tls_*: cannot read {f}")
 
     def _open_hbm(self):
         """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
@@ -238,6 +242,22 @@ class Daemon:
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:  # a listener that cannot start: leave no socket file behind
+            if self.server is not None:
+                self.server.stop(0)
+            self._remove_sockets()
+            raise
+
+    def _remove_sockets(self) -> None:
+        self.handout.stop()
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    def _start(self) -> None:
         cfg = self.cfg
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.grpc_workers,
                                                              thread_name_prefix="grpc"),
@@ -381,11 +401,7 @@ class Daemon:
         if self.hbm_cache is not None:
             self.hbm_cache.close()
             self.hbm.close()
-        self.handout.stop()
-        try:
-            os.unlink(self.socket_path)
-        except OSError:
-            pass
+        self._remove_sockets()
 
 
 def _sd_notify(state: str) -> None:
