@@ -232,3 +232,40 @@ def test_the_wait_bounds_must_leave_a_worker_free():
         C.load(env={}, overrides={"server.grpc_workers": "8", "server.max_waits": "8"})
     with pytest.raises(C.ConfigError, match="server.handout_timeout_s"):
         C.load(env={}, overrides={"server.handout_timeout_s": "0"})
+
+
+def test_prefetch_waits_whose_client_gave_up_leave_workers_for_stats(tmp_path):
+    """PrefetchStatus waits for blocks that cannot reach DRAM (every slot is reserved): with its
+    client gone after 1 s, each ends then, not at the prefetch's 30 s deadline."""
+    import numpy as np
+
+    lay = KVLayout(8, 4, 128, "fp16", "mha")  # 256 KiB blocks: 128 fill the 32 MiB tier
+    d = start_daemon(tmp_path, "--nvme-dir", str(tmp_path / "nvme"), "--nvme-capacity-bytes", "128MiB",
+                     "--nvme-file-bytes", "64MiB", "--nvme-durable-commit", "true", "--server-grpc-workers", "4",
+                     "--dram-prefault", "false", dram="32MiB")
+    try:
+        with KVStoreClient(d.socket_path) as c:
+            c.register(lay, "stall")
+            toks = list(range(8 * 16))
+            c.put(toks, np.zeros(lay.tensor_shape(len(toks)), np.float16))  # on NVMe too (durable)
+            lease = c.reserve(c.keys(list(range(10**6, 10**6 + 128 * 16))))  # every DRAM slot: toks leave DRAM
+            handle = c.prefetch(c.keys(toks), deadline_s=30)
+            ch, stub = _stub(d.socket_path)
+
+            def status(_):
+                try:
+                    stub.PrefetchStatus(pb.PrefetchStatusRequest(session_id=c.session_id, handle=handle, wait_s=30),
+                                        timeout=1.0)
+                except grpc.RpcError as e:
+                    return e.code()
+
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(status, range(8)))
+            t1 = time.monotonic()
+            stub.Stats(pb.StatsRequest(), timeout=2.0)
+            assert time.monotonic() - t1 < 1.0
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes  # 2 of 4 workers may wait
+            lease.abort()
+            ch.close()
+    finally:
+        stop_all(d)

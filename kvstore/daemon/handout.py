@@ -54,7 +54,12 @@ class ArenaHandout:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            uid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+            try:
+                uid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+            except OSError as e:  # the accept loop must outlive any one connection
+                log.warning("arena handout: cannot tell who connected (%s); closing", e)
+                conn.close()
+                continue
             why = self._admit(uid)
             if why:
                 log.warning("arena handout: uid %d turned away: %s", uid, why)
