@@ -10,12 +10,12 @@ arena handout (:mod:`kvstore.daemon.handout`) and the reporter behind Stats and 
 (:mod:`kvstore.daemon.stats`).
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
-thread, the reaper, the demoter and HBM promoter when those tiers are on, and the transport's.
+thread and one per handout connection being served, the reaper, the demoter and HBM promoter
+when those tiers are on, and the transport's.
 """
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
@@ -89,8 +89,7 @@ def _check_port_free(key: str, host: str, port: int, what: str) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
             probe.bind(addr)
     except OSError as e:
-        raise StartupError(f"{key}: cannot {what} on {host}:{port}: {e.strerror or e}"
-                           f"{' (in use by another process)' if getattr(e, 'errno', None) == errno.EADDRINUSE else ''}") from None
+        raise StartupError(f"{key}: cannot {what} on {host}:{port}: {e.strerror or e}") from None
 
 
 def _split_host_port(text: str) -> tuple[str, int]:
