@@ -46,7 +46,7 @@ def cmd_serve(args, daemon_cls=None) -> int:
         return run(cfg, daemon_cls or Daemon, args.config, C.cli_overrides(args))
     except (StartupError, C.ConfigError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 1)  # a StartupError says which
+        return getattr(e, "exit_code", 2)  # a StartupError says which: 2 = something to change first
 
 
 def _client(args):

@@ -88,8 +88,16 @@ class ServerConfig:
     reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases and sessions are reclaimed (seconds)"})
     reserve_wait_s: float = field(default=0.5, metadata={"help": "longest a Reserve waits in the daemon for demotion to free DRAM before RESOURCE_EXHAUSTED (seconds; 0 = refuse at once)"})
     shutdown_grace_s: float = field(default=10.0, metadata={"help": "bound on finishing in-flight work at SIGTERM (seconds)"})
+    max_waits: int = field(default=0, metadata={"help": "most calls waiting in the daemon at once (AwaitTransfer, PrefetchStatus and Acquire with wait_s, Reserve waiting for demotion), so the other gRPC workers stay free; over it a wait is refused with RESOURCE_EXHAUSTED (0 = half of grpc_workers)"})
+    max_waits_per_session: int = field(default=4, metadata={"help": "most calls one session may have waiting in the daemon at once; over it RESOURCE_EXHAUSTED"})
+    handout_timeout_s: float = field(default=0.5, metadata={"help": "an arena-socket connection that has not sent its 17-byte request within this is closed (seconds)"})
+    handout_per_user: int = field(default=8, metadata={"help": "most arena-socket connections one uid may have open at once; more are closed at once"})
     log_json: bool = field(default=False, metadata={"help": "log one JSON object per line"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def resolved_max_waits(self) -> int:
+        """Half the workers wait at most, the other half answer Stats, Lookup, Register..."""
+        return self.max_waits or max(1, self.grpc_workers // 2)
 
 
 @dataclass
@@ -177,6 +185,11 @@ class Config:
         _check(1 <= s.session_ttl_s <= 86400, "server.session_ttl_s", "must be in [1, 86400] seconds")
         _check(s.reaper_interval_s > 0, "server.reaper_interval_s", "must be > 0 seconds")
         _check(0 <= s.reserve_wait_s <= 60, "server.reserve_wait_s", "must be in [0, 60] seconds")
+        _check(0 <= s.max_waits < s.grpc_workers, "server.max_waits",
+               f"must be in [0, grpc_workers - 1 = {s.grpc_workers - 1}]: waits must leave a worker for other calls")
+        _check(s.max_waits_per_session >= 1, "server.max_waits_per_session", "must be >= 1")
+        _check(0 < s.handout_timeout_s <= 60, "server.handout_timeout_s", "must be in (0, 60] seconds")
+        _check(s.handout_per_user >= 1, "server.handout_per_user", "must be >= 1")
         _check(s.log_level in ("debug", "info", "warning", "error"), "server.log_level", "must be debug, info, warning or error")
         if s.tcp_listen:
             _check(bool(s.tls_cert_file and s.tls_key_file), "server.tcp_listen",

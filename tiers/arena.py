@@ -32,12 +32,20 @@ def shmem_thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
 
 
+class PrefaultStopped(Exception):
+    """The pre-fault was stopped (a signal asked the process to stop) before every page was in."""
+
+
+PREFAULT_CHUNK_BYTES = 64 << 20  # ~0.1 s of first-touch faults here: how soon a stop is seen
+
+
 class Arena:
     """A memfd of ``size_bytes`` mapped read-write. ``prefault`` touches every page up front:
-    first-touch faults run at ~0.3 GB/s here against 14-20 GB/s into faulted pages."""
+    first-touch faults run at ~0.3 GB/s here against 14-20 GB/s into faulted pages. ``stop``
+    (set by a signal handler) ends a pre-fault early with :class:`PrefaultStopped`."""
 
     def __init__(self, size_bytes: int, name: str = "kvstore-arena", prefault: bool = True,
-                 fd: int | None = None) -> None:
+                 fd: int | None = None, stop: threading.Event | None = None) -> None:
         self.size_bytes = size_bytes
         self.fd = fd if fd is not None else os.memfd_create(name, os.MFD_CLOEXEC)
         if fd is None:
@@ -46,9 +54,17 @@ class Arena:
         self.buf = np.frombuffer(self.mmap, dtype=np.uint8)
         self.prefault_s = 0.0
         if prefault:
-            self.prefault()
+            try:
+                self.prefault(stop)
+            except PrefaultStopped:
+                self.close()
+                raise
 
-    def prefault(self) -> None:
+    def prefault(self, stop: threading.Event | None = None) -> None:
+        """Fault every page in, a chunk at a time: between chunks the main thread runs signal
+        handlers and ``stop`` is checked, so a SIGTERM during a minutes-long pre-fault of a large
+        node is honoured within a chunk's time. madvise runs through ctypes, which releases the
+        GIL."""
         t0 = time.perf_counter()
         try:
             # Huge pages cut TLB misses: copies into the arena run ~25% faster (measured 13.4
@@ -56,11 +72,15 @@ class Arena:
             self.mmap.madvise(MADV_HUGEPAGE)
         except (OSError, ValueError):
             pass
-        try:
-            self.mmap.madvise(MADV_POPULATE_WRITE)
-        except (OSError, ValueError):
-            step = mmap.PAGESIZE
-            self.buf[::step] = 0  # one write per page faults it in
+        base, size, populate = self.buf.ctypes.data, self.size_bytes, True
+        for off in range(0, size, PREFAULT_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                raise PrefaultStopped(f"stopped after pre-faulting {off >> 20} of {size >> 20} MiB")
+            n = min(PREFAULT_CHUNK_BYTES, size - off)
+            if populate and _libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
+                populate = False  # a kernel before 5.14: touch the pages instead
+            if not populate:
+                self.buf[off:off + n:mmap.PAGESIZE] = 0  # one write per page faults it in
         self.prefault_s = time.perf_counter() - t0
 
     def map_in_background(self, chunk_bytes: int = 256 << 20) -> threading.Event:

@@ -7,30 +7,44 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 
+from kvstore.config import ServerConfig
 from kvstore.daemon.core import Core
 from kvstore.tiers.arena import Arena, send_fd
 
 log = logging.getLogger("kvstore.daemon.handout")
+# Connections served at once, all users together: each costs a thread for at most
+# server.handout_timeout_s, and a handout itself takes microseconds.
+MAX_CONNECTIONS = 64
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class ArenaHandout:
-    def __init__(self, path: str, mode: int, arena: Arena, core: Core, hbm_cache=None) -> None:
+    """Serves each connection on its own thread, so an idle or slow one holds up no other: a
+    connection that has not sent its request within ``server.handout_timeout_s`` is closed, and
+    one uid may have at most ``server.handout_per_user`` open (more are closed at once), so a
+    user can only ever stall its own handouts."""
+
+    def __init__(self, path: str, cfg: ServerConfig, arena: Arena, core: Core, hbm_cache=None) -> None:
         self.path = path
-        self.mode = mode
+        self.cfg = cfg
         self.arena = arena
         self.core = core
         self.hbm_cache = hbm_cache  # kvstore.daemon.hbm_cache.HbmCache or None
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}  # uid -> connections being served
+        self._total = 0
 
     def start(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
-        os.chmod(self.path, self.mode)
+        os.chmod(self.path, self.cfg.socket_mode)
         self._listener.listen(64)
         threading.Thread(target=self._loop, name="arena-handout", daemon=True).start()
 
@@ -40,20 +54,55 @@ class ArenaHandout:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            try:
+                uid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+            except OSError as e:  # the accept loop must outlive any one connection
+                log.warning("arena handout: cannot tell who connected (%s); closing", e)
+                conn.close()
+                continue
+            why = self._admit(uid)
+            if why:
+                log.warning("arena handout: uid %d turned away: %s", uid, why)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, uid), name="arena-handout-conn", daemon=True).start()
+
+    def _admit(self, uid: int) -> str:
+        """Count a connection of ``uid`` in: "" when admitted, else why not."""
+        with self._lock:
+            mine = self._open.get(uid, 0)
+            if mine >= self.cfg.handout_per_user:
+                return f"{mine} connections of this user are open (server.handout_per_user)"
+            if self._total >= MAX_CONNECTIONS:
+                return f"{self._total} connections are open in all"
+            self._open[uid] = mine + 1
+            self._total += 1
+            return ""
+
+    def _serve(self, conn: socket.socket, uid: int) -> None:
+        try:
             with conn:
-                conn.settimeout(2.0)
-                try:
-                    req = conn.recv(17)  # session id, then b"H" for the HBM pool's handle
-                    sid, what = req[:16], req[16:]
-                    with self.core.lock:
-                        known = sid in self.core.sessions
-                    if known and what == b"H":
-                        if self.hbm_cache is not None:  # without an HBM tier the connection just closes
-                            self.hbm_cache.handout(conn)
-                    elif known:
-                        send_fd(conn, self.arena.fd, self.arena.size_bytes)
-                except OSError as e:
-                    log.warning("arena handout failed: %s", e)
+                conn.settimeout(self.cfg.handout_timeout_s)  # the request comes in one write
+                req = conn.recv(17)  # session id, then b"H" for the HBM pool's handle
+                sid, what = req[:16], req[16:]
+                with self.core.lock:
+                    known = sid in self.core.sessions
+                if known and what == b"H":
+                    if self.hbm_cache is not None:  # without an HBM tier the connection just closes
+                        self.hbm_cache.handout(conn)
+                elif known:
+                    send_fd(conn, self.arena.fd, self.arena.size_bytes)
+        except TimeoutError:
+            log.debug("arena handout: uid %d sent no request within %.2f s", uid, self.cfg.handout_timeout_s)
+        except OSError as e:
+            log.warning("arena handout failed: %s", e)
+        finally:
+            with self._lock:
+                self._total -= 1
+                if self._open[uid] == 1:
+                    del self._open[uid]
+                else:
+                    self._open[uid] -= 1
 
     def stop(self) -> None:
         self._stopping.set()

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore import doorbell
@@ -182,7 +183,10 @@ class Inbound:
     def stop(self, grace_s: float) -> None:
         self.listener.stop(min(grace_s, 5.0))
 
-    def await_transfer(self, s: Session, keys: list[bytes], wait_s: float):
+    def await_transfer(self, s: Session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True):
+        """Wait at most ``wait_s`` for a transfer of ``keys`` to start (or to have ended), and
+        pin what it brings. ``wanted`` (the call's ``is_active``) is asked every 50 ms: a wait
+        whose client gave up ends then and frees its worker."""
         core = self.core
         deadline = time.monotonic() + wait_s
         with core.lock:
@@ -209,8 +213,8 @@ class Inbound:
                     return pb.AwaitTransferResponse(state=pb.TRANSFER_DONE, lease_id=lease.id, offsets=[b.offset for b in done],
                                                     layers_ready=s.ns.ns.layout.num_layers, detail="already here")
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not wanted():
                     return pb.AwaitTransferResponse(state=pb.TRANSFER_UNKNOWN, detail="no transfer of these blocks has started")
-                self.arrived.wait(left)
+                self.arrived.wait(min(left, 0.05))
 
 

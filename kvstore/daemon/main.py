@@ -10,7 +10,8 @@ arena handout (:mod:`kvstore.daemon.handout`) and the reporter behind Stats and 
 (:mod:`kvstore.daemon.stats`).
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
-thread, the reaper, the demoter and HBM promoter when those tiers are on, and the transport's.
+thread and one per handout connection being served, the reaper, the demoter and HBM promoter
+when those tiers are on, and the transport's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
-from kvstore.tiers.arena import SHMEM_THP, Arena, shmem_thp_mode
+from kvstore.tiers.arena import SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
 from kvstore.transport import Sender
@@ -50,9 +51,10 @@ SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the rea
 
 
 class StartupError(RuntimeError):
-    """The daemon cannot start; the message says why and what to change."""
+    """The daemon cannot start; the message says why and what to change. ``kvstore serve``
+    exits 2, as for a config error: something must change before it can start."""
 
-    exit_code = 1
+    exit_code = 2
 
 
 class PreconditionError(StartupError):
@@ -108,6 +110,28 @@ def _prepare_socket_path(path: str) -> None:
             probe.close()
 
 
+def _check_port_free(key: str, host: str, port: int, what: str) -> None:
+    """Bind ``host:port`` for a moment: a port another process holds is found before the arena
+    is built (minutes of pre-fault on a large node) rather than after. The listener itself binds
+    later; a port taken in between is still reported, then."""
+    if not port:
+        return
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
+            probe.bind(addr)
+    except OSError as e:
+        raise StartupError(f"{key}: cannot {what} on {host}:{port}: {e.strerror or e}") from None
+
+
+def _split_host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")  # config validation checked the shape
+    return host, int(port)
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses calls without ``authorization: Bearer <token>`` (health checks included)."""
 
@@ -129,7 +153,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
 class Daemon:
     transfer_sender = Sender  # the Sender class of the transfer service (a test subclass may corrupt frames)
 
-    def __init__(self, cfg: Config, config_path: str | None = None, cli_overrides: dict | None = None) -> None:
+    def __init__(self, cfg: Config, config_path: str | None = None, cli_overrides: dict | None = None,
+                 interrupt: threading.Event | None = None) -> None:
+        """``interrupt``: set by a signal handler; it stops the arena's pre-fault
+        (:class:`~kvstore.tiers.arena.PrefaultStopped`)."""
         self.cfg = cfg
         self.config_path = config_path
         self.cli_overrides = cli_overrides or {}
@@ -137,17 +164,18 @@ class Daemon:
         self.socket_path = cfg.resolved_socket_path()
         self.arena_socket = self.socket_path + ".arena"
         self.stopping = threading.Event()
-        # Paths first: building the arena (pre-faulting it) can take seconds.
+        # Every path and port conflict before the arena: building it can take minutes.
         _prepare_socket_path(self.socket_path)
         if cfg.nvme.dir:
             _check_data_dir(cfg.nvme.dir)
+        self._check_ports()
         dram_bytes = cfg.resolved_dram_bytes()
         thp = shmem_thp_mode()
         log.info("creating %.2f GiB DRAM arena (prefault=%s, shared-memory huge pages: %s%s)", dram_bytes / 2**30,
                  cfg.dram.prefault, thp, "" if thp in ("advise", "always", "within_size", "force") else
                  "; set advise in " + SHMEM_THP + " for ~25% faster copies")
         try:  # the doorbell cells live just past the slots
-            self.arena = Arena(dram_bytes + doorbell.REGION_BYTES, prefault=cfg.dram.prefault)
+            self.arena = Arena(dram_bytes + doorbell.REGION_BYTES, prefault=cfg.dram.prefault, stop=interrupt)
         except OSError as e:
             raise StartupError(f"dram.capacity_bytes: cannot create a {dram_bytes}-byte arena: {e}") from None
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
@@ -171,7 +199,7 @@ class Daemon:
             self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
             self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
                                      nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
-            self.handout = ArenaHandout(self.arena_socket, cfg.server.socket_mode, self.arena, self.core, self.hbm_cache)
+            self.handout = ArenaHandout(self.arena_socket, cfg.server, self.arena, self.core, self.hbm_cache)
         except BaseException:  # a part that opened (NVMe's lock and LMDB, the pinned arena) is let go
             self._close_tiers()
             raise
@@ -182,6 +210,21 @@ class Daemon:
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
+    def _check_ports(self) -> None:
+        """Each listener's port, with the message its own failure to bind would give."""
+        cfg = self.cfg
+        if cfg.metrics.port:
+            _check_port_free("metrics.port", cfg.metrics.host, cfg.metrics.port, "listen")
+        if cfg.transport.listen:
+            _check_port_free("transport.listen", *_split_host_port(cfg.transport.listen),
+                             f"start the {cfg.transport.backend} listener")
+        if cfg.server.tcp_listen:
+            _check_port_free("server.tcp_listen", *_split_host_port(cfg.server.tcp_listen), "listen")
+            s = cfg.server
+            for f in (s.tls_key_file, s.tls_cert_file, s.tls_client_ca_file):
+                if f and not os.access(f, os.R_OK):
+                    raise StartupError(f"server.tls_*: cannot read {f}")
+
     def _open_hbm(self):
         """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
         if not self.cfg.hbm.capacity_bytes:
@@ -247,6 +290,22 @@ class Daemon:
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:  # a listener that cannot start: leave no socket file behind
+            if self.server is not None:
+                self.server.stop(0)
+            self._remove_sockets()
+            raise
+
+    def _remove_sockets(self) -> None:
+        self.handout.stop()
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    def _start(self) -> None:
         cfg = self.cfg
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.grpc_workers,
                                                              thread_name_prefix="grpc"),
@@ -392,11 +451,7 @@ class Daemon:
         if self.hbm_cache is not None:
             self.hbm_cache.close()
             self.hbm.close()
-        self.handout.stop()
-        try:
-            os.unlink(self.socket_path)
-        except OSError:
-            pass
+        self._remove_sockets()
 
 
 def _sd_notify(state: str) -> None:
@@ -420,7 +475,11 @@ def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_over
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    d = daemon_cls(cfg, config_path, cli_overrides)
+    try:
+        d = daemon_cls(cfg, config_path, cli_overrides, interrupt=stop)
+    except PrefaultStopped as e:  # nothing serves yet: no socket to remove
+        log.info("a signal arrived while pre-faulting the DRAM arena (%s); exiting before serving", e)
+        return 0
     reload_ready = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: reload_ready.is_set() and threading.Thread(target=d.reload, name="reload").start())
     d.start()

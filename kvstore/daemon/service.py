@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import grpc
@@ -56,6 +58,56 @@ def finite(value: float, name: str, unit: str) -> float:
 
 # Prefetch targets: proto3 enums are open, so a request may carry any int32 there.
 PREFETCH_TARGETS = "TIER_UNSPECIFIED (= DRAM) or TIER_DRAM"
+class Waits:
+    """The places for calls that wait in the daemon (AwaitTransfer, PrefetchStatus and Acquire
+    with wait_s, Reserve waiting for demotion): at most ``per_session`` for one session and
+    ``total`` in all, so waiting calls never hold every gRPC worker and Stats, Lookup or
+    Register always find one. A call over either bound is refused at once."""
+
+    def __init__(self, total: int, per_session: int) -> None:
+        self.total = total
+        self.per_session = per_session
+        self._lock = threading.Lock()  # never held with anything else taken inside
+        self._mine: dict[bytes, int] = {}
+        self._n = 0
+
+    def take(self, sid: bytes) -> str:
+        """Take a place for session ``sid``: "" when taken, else why not."""
+        with self._lock:
+            mine = self._mine.get(sid, 0)
+            if mine >= self.per_session:
+                return (f"this session already has {mine} calls waiting in the daemon "
+                        f"(server.max_waits_per_session = {self.per_session} per session); let one end first")
+            if self._n >= self.total:
+                return (f"{self._n} calls are waiting in the daemon in all (server.max_waits = {self.total}); "
+                        "retry shortly, or wait less per call")
+            self._mine[sid] = mine + 1
+            self._n += 1
+            return ""
+
+    def leave(self, sid: bytes) -> None:
+        with self._lock:
+            self._n -= 1
+            if self._mine[sid] == 1:
+                del self._mine[sid]
+            else:
+                self._mine[sid] -= 1
+
+    @contextmanager
+    def place(self, sid: bytes, method: str):
+        why = self.take(sid)
+        if why:
+            raise KVError(Code.RESOURCE_EXHAUSTED, f"{method}: {why}")
+        try:
+            yield
+        finally:
+            self.leave(sid)
+
+
+def wait_budget(context, wait_s: float) -> float:
+    """``wait_s`` cut to the call's deadline: a wait ends before its client stops listening."""
+    left = context.time_remaining()
+    return wait_s if left is None else max(0.0, min(wait_s, left))
 
 
 def rpc(method):
@@ -100,6 +152,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.tiering = tiering
         self.outbound = outbound
         self.inbound = inbound
+        self.waits = Waits(cfg.resolved_max_waits(), cfg.max_waits_per_session)
 
     @property
     def durable_commit(self) -> bool:
@@ -176,22 +229,29 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Reserve(self, req, context):
         # DRAM full of blocks still being demoted: wait here, woken when a demotion lands,
         # rather than have the client poll (the client retries past this bound).
+        # A wait takes one of the session's places (Waits); with none free the refusal goes
+        # back at once, and the client retries as it would after the wait.
         deadline = None  # set at the first refusal: the common path pays nothing
-        with self.core.lock:
-            while True:
-                s = self._session(req.session_id)  # again after a wait: it may have closed
-                try:
-                    lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
-                    break
-                except KVError as e:
-                    if deadline is None:
-                        budget = context.time_remaining()
-                        wait_s = self.cfg.reserve_wait_s
-                        deadline = time.monotonic() + (wait_s if budget is None else min(wait_s, budget))
-                    left = deadline - time.monotonic()
-                    if not e.transient or left <= 0:
-                        raise
-                    self.core.changed.wait(min(left, 0.02))
+        placed = b""
+        try:
+            with self.core.lock:
+                while True:
+                    s = self._session(req.session_id)  # again after a wait: it may have closed
+                    try:
+                        lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
+                        break
+                    except KVError as e:
+                        if deadline is None:
+                            deadline = time.monotonic() + wait_budget(context, self.cfg.reserve_wait_s)
+                            if e.transient and not self.waits.take(s.id):
+                                placed = s.id
+                        left = deadline - time.monotonic()
+                        if not e.transient or not placed or left <= 0 or not context.is_active():
+                            raise
+                        self.core.changed.wait(min(left, 0.02))
+        finally:
+            if placed:
+                self.waits.leave(placed)
         return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
                                   expires_in_s=self.core.cfg.lease_ttl_s if lease else 0.0,
                                   doorbell_offset=lease.doorbell if lease else 0)
@@ -216,7 +276,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
         if req.wait_s > 0 and self.tiering is not None:
-            self.tiering.make_resident(s, self.core.keys(req.keys), min(req.wait_s, 60.0))
+            with self._waiting(s, "Acquire", req.wait_s):
+                self.tiering.make_resident(s, self.core.keys(req.keys), wait_budget(context, min(req.wait_s, 60.0)),
+                                           context.is_active)
         with self.core.lock:
             s = self._session(req.session_id)  # again after the wait: it may have ended
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
@@ -271,7 +333,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             s = self._session(req.session_id)
         if self.tiering is None:
             raise not_found(f"prefetch {req.handle}: unknown handle")
-        state, ready, total, detail = self.tiering.prefetch_status(s, req.handle, min(req.wait_s, 300.0))
+        with self._waiting(s, "PrefetchStatus", req.wait_s):
+            state, ready, total, detail = self.tiering.prefetch_status(
+                s, req.handle, wait_budget(context, min(req.wait_s, 300.0)), context.is_active)
         return pb.PrefetchStatusResponse(state=state, ready_blocks=ready, total_blocks=total, detail=detail)
 
     @rpc
@@ -296,7 +360,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             keys = self.core.keys(req.keys)
         if not keys:
             raise invalid("keys: name the blocks being shipped here")
-        return self._listening(self.inbound).await_transfer(s, keys, min(req.wait_s, 300.0))
+        inbound = self._listening(self.inbound)
+        with self._waiting(s, "AwaitTransfer", req.wait_s):
+            return inbound.await_transfer(s, keys, wait_budget(context, min(req.wait_s, 300.0)), context.is_active)
+
+    def _waiting(self, s, method: str, wait_s: float):
+        """A place among the waiting calls (:class:`Waits`) for a call that may wait; a call
+        that only looks (wait_s = 0) needs none."""
+        return self.waits.place(s.id, method) if wait_s > 0 else nullcontext()
 
     @staticmethod
     def _listening(side):

@@ -18,9 +18,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvstore.config import DramConfig, NvmeConfig
 from kvstore.daemon.core import Core, DramOnly, NsState
@@ -489,16 +489,17 @@ class Tiering:
             n += 1
         return n, False
 
-    def make_resident(self, session, keys: list[bytes], wait_s: float) -> None:
+    def make_resident(self, session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True) -> None:
         """Promote the leading NVMe blocks of ``keys`` and wait until they are in DRAM, or until
-        ``wait_s`` seconds have passed on the clock."""
+        ``wait_s`` seconds have passed on the clock; ``wanted`` (the call's ``is_active``) is
+        asked every 50 ms, so a call whose client gave up ends then."""
         deadline = self.clock() + wait_s
         with self.core.lock:
             while True:
                 self.promote(session.ns, keys)  # idempotent: blocks under way are skipped
                 _, pending = self._resident(session.ns, keys)
                 left = deadline - self.clock()
-                if not pending or left <= 0:
+                if not pending or left <= 0 or not wanted():
                     return
                 self.changed.wait(min(left, 0.05))
 
@@ -512,7 +513,9 @@ class Tiering:
                 self.prefetches.pop(next(iter(self.prefetches)))
         return p.id
 
-    def prefetch_status(self, session, handle: int, wait_s: float):
+    def prefetch_status(self, session, handle: int, wait_s: float, wanted: Callable[[], bool] = lambda: True):
+        """The prefetch's state, after waiting at most ``wait_s`` for it to finish; ``wanted``
+        as for :meth:`make_resident`."""
         with self.core.lock:
             p = self.prefetches.get(handle)
             if p is None or p.session_id != session.id:
@@ -522,7 +525,7 @@ class Tiering:
                 self.promote(session.ns, p.keys)
                 ready, pending = self._resident(session.ns, p.keys)
                 now = self.clock()
-                if not pending or now >= until:
+                if not pending or now >= until or not wanted():
                     break
                 self.changed.wait(min(until - now, 0.05))
             total = len(p.keys)
