@@ -17,6 +17,7 @@ children in its tier goes first. A miss is a normal answer; failures are :class:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -474,13 +475,41 @@ class Core:
         self.touch(b)
         return b
 
-    def link_recovered(self) -> None:
+    def link_recovered(self) -> list[Block]:
+        """Link recovered blocks into their chains; returns those a prefix read can never reach
+        (a chain parent that was not recovered, or whose own chain is broken), for the caller
+        to reclaim. They are already out of the index."""
         for st in self.namespaces.values():
             for b in st.blocks.values():
                 p = st.blocks.get(b.parent_key) if b.parent_key else None
                 if p is not None:
                     b.parent = p
                     p.kids.add(b)
+        reached = {id(b) for b in self._chains_from_roots()}
+        lost = [b for st in self.namespaces.values() for b in st.blocks.values() if id(b) not in reached]
+        for b in lost:
+            self.forget(b)
+        return lost
+
+    def _chains_from_roots(self) -> Iterator[Block]:
+        """Every committed block a prefix read can reach, a parent always before its children,
+        and otherwise most recent first (so a prefix of the walk is the most valuable set of
+        whole prefixes)."""
+        heap = [(-b.tick, id(b), b) for st in self.namespaces.values() for b in st.blocks.values()
+                if b.parent_key is None and b.state is BlockState.COMMITTED]
+        heapq.heapify(heap)
+        while heap:
+            _, _, b = heapq.heappop(heap)
+            yield b
+            for k in b.kids:
+                if k.state is BlockState.COMMITTED:
+                    heapq.heappush(heap, (-k.tick, id(k), k))
+
+    def dram_only_chains(self) -> list[Block]:
+        """Committed blocks whose only copy is in DRAM and that a prefix read can reach, heads
+        of chains before their tails and most recent first: the order to write DRAM out in at
+        shutdown, so whatever part of it lands on NVMe is served after a restart."""
+        return [b for b in self._chains_from_roots() if b.tier is DRAM and not b.on_nvme and not b.busy]
 
     def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)

@@ -33,6 +33,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger("kvstore.daemon.tiering")
 NVME, DRAM = TierKind.NVME, TierKind.DRAM
 MAX_PREFETCHES = 4096
+FLUSH_BATCH_BYTES = 64 << 20  # one put (and one index transaction) of the shutdown write-out
 
 
 @dataclass(eq=False)
@@ -60,8 +61,13 @@ class NvmeCopies(DramOnly):
     def holds_copy(self, b: Block) -> bool:
         return self.nvme.enabled
 
+    def admits(self, b: Block) -> bool:
+        """NVMe admission: looked up ``admit_after_hits`` times, or the head of children that are
+        on NVMe or on their way there (dropping it would strand them there, unreachable)."""
+        return b.hits >= self.cfg.admit_after_hits or any(k.on_nvme or k.busy for k in b.kids)
+
     def must_demote(self, b: Block) -> bool:
-        if b.on_nvme or not self.nvme.enabled or b.hits < self.cfg.admit_after_hits:
+        if b.on_nvme or not self.nvme.enabled or not self.admits(b):
             return False
         self.kick.set()
         return True
@@ -85,6 +91,7 @@ class Tiering:
         self.metrics = metrics
         self.policy = policy
         self.kick = copies.kick
+        self.admits = copies.admits
         self.stopping = threading.Event()
         self.changed = self.core.changed  # notified when demotions, durable writes and promotions land
         self.prefetches: dict[int, Prefetch] = {}
@@ -123,7 +130,7 @@ class Tiering:
                     continue
                 core.add_recovered(st, e.key, e.parent)
                 n += 1
-            core.link_recovered()
+            lost = core.link_recovered()
             # Re-file in recency order now that parents are linked.
             for e in entries:
                 st = core.namespaces.get(e.ns_id)
@@ -133,7 +140,10 @@ class Tiering:
         if orphans:
             log.warning("dropping %d NVMe blocks of namespaces this daemon cannot describe", len(orphans))
             self.nvme.delete(orphans)
-        return n
+        if lost:
+            log.warning("reclaiming %d NVMe blocks unreachable by a prefix read (their chain's head is gone)", len(lost))
+            self.nvme.delete([b.key for b in lost])
+        return n - len(lost)
 
     def remember(self, st: NsState) -> None:
         """Persist a namespace's description so its NVMe blocks are recovered after a restart."""
@@ -211,7 +221,7 @@ class Tiering:
                 st = core.namespaces[b.ns_id]
                 if b.on_nvme:
                     core.evict_from_dram(b)  # a copy is there already: just move
-                elif b.hits < self.cfg.admit_after_hits:
+                elif not self.admits(b):
                     core.evict_from_dram(b)  # not admitted to NVMe
                 else:
                     b.busy = True
@@ -257,12 +267,15 @@ class Tiering:
                   "ok" if batch is not None and batch.error is None else batch.error if batch else "tier off")
         return True
 
-    def _put(self, items):
+    def _put(self, items, wait_s: float | None = None):
         try:
             batch = self.nvme.put_many(items)
         except Exception as e:  # noqa: BLE001 - disabled tier: DRAM keeps serving
             log.error("NVMe put failed: %s", e)
             return None
+        if wait_s is not None:
+            batch.wait(wait_s)
+            return batch
         if not batch.wait(self.cfg.io_timeout_s):
             log.error("NVMe put of %d blocks still running after its bound", len(items))
             batch.wait()  # the slots are under I/O: they must not be reused until it ends
@@ -324,6 +337,16 @@ class Tiering:
 
     def persist(self, blocks: list[Block]) -> None:
         """Write committed DRAM blocks through to NVMe before the commit is acknowledged."""
+        written, batch = self._write_through(blocks)
+        if written and (batch is None or batch.error is not None):
+            raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
+                                            f"{batch.error if batch else 'NVMe tier disabled'}")
+
+    def _write_through(self, blocks: list[Block], wait_s: float | None = None):
+        """Copy committed DRAM blocks to NVMe, keeping their DRAM copies; returns (blocks it
+        tried, the batch or None when the tier is off). With ``wait_s``, gives up waiting after
+        that long and returns the unfinished batch, its blocks left busy (shutdown only: the
+        tier's close still waits for the I/O)."""
         core = self.core
         with core.lock:
             todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
@@ -333,8 +356,10 @@ class Tiering:
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
                       core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes), b.digests) for b in todo]
         t0 = time.perf_counter()
-        batch = self._put(items) if items else None
-        log.debug("persisted %d blocks in %.4f s", len(items), time.perf_counter() - t0)
+        batch = self._put(items, wait_s) if items else None
+        log.debug("wrote %d DRAM blocks through in %.4f s", len(items), time.perf_counter() - t0)
+        if batch is not None and not batch.done():
+            return todo, batch
         sums = batch.digests() if batch is not None else {}
         with core.lock:
             core.pressure.moving -= len(todo)
@@ -346,9 +371,7 @@ class Tiering:
                     core.lru(NVME, b.ns_id).add(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
             self.changed.notify_all()
-        if items and (batch is None or batch.error is not None):
-            raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
-                                            f"{batch.error if batch else 'NVMe tier disabled'}")
+        return todo, batch
 
     # --- promotion and prefetch -------------------------------------------------------------
     def promote(self, st: NsState, keys: list[bytes]) -> int:
@@ -478,12 +501,55 @@ class Tiering:
                     self.promote(s.ns, p.keys)
 
     # --- shutdown ---------------------------------------------------------------------------
-    def close(self, grace_s: float) -> None:
+    def close(self, deadline: float) -> None:
+        """Shut down by ``deadline`` (``time.monotonic()``): stop demoting, write what only DRAM
+        holds to NVMe (see :meth:`write_out`), save recency, commit and close the tier. Call
+        once nothing writes any more (the RPC server and the transfer listener are stopped)."""
         self.stopping.set()
         self.kick.set()
-        self.thread.join(grace_s)
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        self.write_out(deadline)
         self._save_recency()
         self.nvme.close()
+
+    def write_out(self, deadline: float) -> int:
+        """Copy DRAM-only blocks to NVMe until ``deadline``, heads of chains before their tails
+        and most recent first (:meth:`Core.dram_only_chains`), in batches of ``FLUSH_BATCH_BYTES``
+        (each committed to the index in one transaction), so that however far it gets, the next
+        start recovers whole prefixes. Returns blocks written."""
+        if not self.nvme.enabled:
+            return 0
+        t0 = time.monotonic()
+        with self.core.lock:
+            order = self.core.dram_only_chains()
+        total, written, failed = len(order), 0, set()
+        stride = max(1, FLUSH_BATCH_BYTES // max(1, max((self.core.namespaces[b.ns_id].block_bytes for b in order),
+                                                          default=1)))
+        i, why = 0, "done"
+        while i < total:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "shutdown grace spent"
+                break
+            chunk = [b for b in order[i:i + stride] if not (b.parent is not None and id(b.parent) in failed)]
+            failed.update(id(b) for b in order[i:i + stride] if b not in chunk)
+            i += stride
+            tried, batch = self._write_through(chunk, left)
+            if batch is None:
+                why = "NVMe tier disabled"
+                break
+            if not batch.done():
+                why = "shutdown grace spent (the last batch completes while the tier closes)"
+                break
+            ok = {k for k, r in batch.results.items() if r in (IoResult.OK, IoResult.PRESENT)}
+            written += len(ok)
+            failed.update(id(b) for b in tried if b.key not in ok)
+            if any(r is IoResult.NO_SPACE for r in batch.results.values()):
+                why = "NVMe tier full"
+                break
+        log.info("%d of %d DRAM-only blocks written to NVMe at shutdown in %.3f s (%s)", written, total,
+                 time.monotonic() - t0, why)
+        return written
 
     def _save_recency(self) -> None:
         """Give every NVMe block an access time in the order of its recency here (lookups and
