@@ -4,20 +4,23 @@ bit-exact blocks; recovery reclaims blocks no prefix read can reach; admission n
 chain's tail on NVMe under a head that exists nowhere."""
 
 import re
+import signal
 import time
 
+import grpc
 import numpy as np
 
 from daemon_util import start_daemon
 from kvstore.clients import KVStoreClient
+from kvstore.clients.leases import KVStoreError
 from test_tiering import DRAM, LAYOUT, block_kv, nvme_args
 from wait_util import wait_for
 
 CHAIN = 16  # blocks per sequence
 
 
-def seqs(n: int, base: int = 0) -> list[list[int]]:
-    return [list(range((base + s) * 100_000, (base + s) * 100_000 + CHAIN * LAYOUT.block_tokens)) for s in range(n)]
+def seqs(n: int, base: int = 0, blocks: int = CHAIN) -> list[list[int]]:
+    return [list(range((base + s) * 100_000, (base + s) * 100_000 + blocks * LAYOUT.block_tokens)) for s in range(n)]
 
 
 def nvme_blocks(c: KVStoreClient) -> int:
@@ -42,7 +45,7 @@ def fill(d, model: str, all_toks) -> None:
     c = KVStoreClient(d.socket_path)
     c.register(LAYOUT, model)
     for toks in all_toks:
-        assert c.put(toks, block_kv(toks)) == CHAIN
+        assert c.put(toks, block_kv(toks)) == len(toks) // LAYOUT.block_tokens
     c.close()
 
 
@@ -71,11 +74,11 @@ def test_sigterm_writes_dram_to_nvme_and_a_restart_serves_it(tmp_path):
 
 
 def test_shutdown_out_of_grace_leaves_only_reachable_bit_exact_blocks(tmp_path):
-    """A grace too short to write DRAM out: whatever the next start recovers is bit-exact and
-    reachable by a prefix read (NVMe holds nothing else)."""
+    """No grace to write DRAM out: whatever the next start recovers is bit-exact and reachable by
+    a prefix read; the demoted tail of the chain whose head was only in DRAM is reclaimed."""
     nv = tmp_path / "nvme"
-    all_toks = seqs(24)  # 3 x DRAM: tails demoted, heads still in DRAM at SIGTERM
-    d = start_daemon(tmp_path, *nvme_args(nv), "--server-shutdown-grace-s", "0.02", dram=DRAM)
+    all_toks = seqs(3, blocks=128)  # chains as long as DRAM: the last one's tail is demoted, its head is not
+    d = start_daemon(tmp_path, *nvme_args(nv), "--server-shutdown-grace-s", "0", dram=DRAM)
     try:
         fill(d, "short", all_toks)
     finally:
@@ -91,6 +94,7 @@ def test_shutdown_out_of_grace_leaves_only_reachable_bit_exact_blocks(tmp_path):
         c.close()
     finally:
         assert d2.stop() == 0
+    assert "NVMe blocks unreachable" in d2.log()
 
 
 def test_recovery_reclaims_tails_whose_head_is_gone(tmp_path):
@@ -142,3 +146,38 @@ def test_admission_never_strands_a_tail_under_a_dropped_head(tmp_path):
         c.close()
     finally:
         assert d.stop() == 0
+
+
+def test_drain_refuses_new_writes_serves_reads_and_writes_dram_out(tmp_path):
+    """SIGUSR1 (the Kubernetes preStop hook): Reserve gets UNAVAILABLE, reads go on, and DRAM is
+    written to NVMe in the background, so the SIGTERM after it has nothing left to write."""
+    nv = tmp_path / "nvme"
+    all_toks = seqs(4)  # 64 blocks: DRAM only, under the demotion watermark
+    d = start_daemon(tmp_path, *nvme_args(nv), dram=DRAM)
+    try:
+        fill(d, "drain", all_toks)
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "drain")
+        assert nvme_blocks(c) == 0
+        d.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: nvme_blocks(c) == 4 * CHAIN, what="the drain's write-out")
+        (more,) = seqs(1, base=50)
+        try:
+            c.put(more, block_kv(more))
+            raise AssertionError("a write was taken while draining")
+        except KVStoreError as e:
+            assert e.code is grpc.StatusCode.UNAVAILABLE and "draining" in e.message
+        assert servable(c, all_toks) == 4 * CHAIN  # reads go on
+        c.close()
+    finally:
+        assert d.stop() == 0
+    assert "64 of 64 DRAM-only blocks written to NVMe while draining" in d.log()
+    assert "0 of 0 DRAM-only blocks written to NVMe at shutdown" in d.log()
+    d2 = start_daemon(tmp_path, *nvme_args(nv), dram=DRAM, name="restarted")
+    try:
+        c = KVStoreClient(d2.socket_path)
+        c.register(LAYOUT, "drain")
+        assert servable(c, all_toks) == 4 * CHAIN
+        c.close()
+    finally:
+        assert d2.stop() == 0

@@ -192,6 +192,7 @@ class Core:
         self._own_ids = itertools.count(1)
         self._hot: list[Block] = []  # blocks read hot_after_reads times, for the HBM copier
         self._passes: dict[bytes, Iterator[Block]] | None = None  # open DRAM victim streams (eviction_pass)
+        self.writes_refused = ""  # why new blocks are refused (draining before a shutdown); "" = taken
 
     def configure(self, cfg: CoreConfig) -> None:
         """Apply a reloaded config (SIGHUP): TTLs and limits take effect on the next call."""
@@ -293,6 +294,8 @@ class Core:
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
                 ) -> tuple[Lease | None, list[int], bytes]:
         self.sessions.check_open(s)
+        if self.writes_refused:
+            raise KVError(Code.UNAVAILABLE, self.writes_refused)
         keys = self.keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")

@@ -322,6 +322,16 @@ class Daemon:
                         break
             self.reporter.refresh_gauges()
 
+    def drain(self) -> None:
+        """SIGUSR1 (the Kubernetes preStop hook): stop taking new blocks (Reserve and incoming
+        transfers get UNAVAILABLE) while reads go on, and start writing what only DRAM holds to
+        NVMe, so the SIGTERM that follows has less left to write in its grace."""
+        with self.core.lock:
+            self.core.writes_refused = "the daemon is draining before a shutdown: it takes no new blocks"
+        log.info("draining: new writes refused%s", ", writing DRAM out to NVMe" if self.tiering else "")
+        if self.tiering is not None:
+            self.tiering.start_write_out()
+
     def stop(self, grace_s: float | None = None) -> None:
         """Stop within ``grace_s`` (``server.shutdown_grace_s``), one budget for all of it, in
         the order that keeps the cache: refuse new RPCs and transfers (nothing new is written),
@@ -383,12 +393,15 @@ def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_over
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    drain = threading.Event()  # SIGUSR1: stop taking writes (see Daemon.drain), acted on once serving
+    signal.signal(signal.SIGUSR1, lambda *_: drain.set())
     d = daemon_cls(cfg, config_path, cli_overrides)
     reload_ready = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: reload_ready.is_set() and threading.Thread(target=d.reload, name="reload").start())
     d.start()
     reload_ready.set()
     while not stop.wait(0.2):
-        pass
+        if drain.is_set() and not d.core.writes_refused:
+            d.drain()
     d.stop()
     return 0

@@ -100,6 +100,7 @@ class Tiering:
         self._ns_file = os.path.join(self.nvme.dir, "namespaces.json")
         self._known_ns: dict[str, dict] = {}
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
+        self._writer: threading.Thread | None = None  # write_out started by a drain
 
     # --- restart ----------------------------------------------------------------------------
     def recover(self) -> int:
@@ -508,15 +509,25 @@ class Tiering:
         self.stopping.set()
         self.kick.set()
         self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self._writer is not None:  # a drain's write-out: it stops at its next batch
+            self._writer.join(max(0.0, deadline - time.monotonic()))
         self.write_out(deadline)
         self._save_recency()
         self.nvme.close()
 
-    def write_out(self, deadline: float) -> int:
+    def start_write_out(self) -> None:
+        """Drain before a shutdown: write DRAM out in the background (:meth:`write_out`) while
+        reads go on, until done or :meth:`close`; the shutdown then has less to write."""
+        if self._writer is None and not self.stopping.is_set():
+            self._writer = threading.Thread(target=self.write_out, args=(float("inf"), self.stopping),
+                                            name="write-out", daemon=True)
+            self._writer.start()
+
+    def write_out(self, deadline: float, cancel: threading.Event | None = None) -> int:
         """Copy DRAM-only blocks to NVMe until ``deadline``, heads of chains before their tails
         and most recent first (:meth:`Core.dram_only_chains`), in batches of ``FLUSH_BATCH_BYTES``
         (each committed to the index in one transaction), so that however far it gets, the next
-        start recovers whole prefixes. Returns blocks written."""
+        start recovers whole prefixes. Stops early once ``cancel`` is set. Returns blocks written."""
         if not self.nvme.enabled:
             return 0
         t0 = time.monotonic()
@@ -531,10 +542,13 @@ class Tiering:
             if left <= 0:
                 why = "shutdown grace spent"
                 break
+            if cancel is not None and cancel.is_set():
+                why = "the shutdown takes over"
+                break
             chunk = [b for b in order[i:i + stride] if not (b.parent is not None and id(b.parent) in failed)]
             failed.update(id(b) for b in order[i:i + stride] if b not in chunk)
             i += stride
-            tried, batch = self._write_through(chunk, left)
+            tried, batch = self._write_through(chunk, None if cancel is not None else left)
             if batch is None:
                 why = "NVMe tier disabled"
                 break
@@ -547,8 +561,8 @@ class Tiering:
             if any(r is IoResult.NO_SPACE for r in batch.results.values()):
                 why = "NVMe tier full"
                 break
-        log.info("%d of %d DRAM-only blocks written to NVMe at shutdown in %.3f s (%s)", written, total,
-                 time.monotonic() - t0, why)
+        log.info("%d of %d DRAM-only blocks written to NVMe %s in %.3f s (%s)", written, total,
+                 "while draining" if cancel is not None else "at shutdown", time.monotonic() - t0, why)
         return written
 
     def _save_recency(self) -> None:
