@@ -545,10 +545,16 @@ class Tiering:
             if cancel is not None and cancel.is_set():
                 why = "the shutdown takes over"
                 break
-            chunk = [b for b in order[i:i + stride] if not (b.parent is not None and id(b.parent) in failed)]
-            failed.update(id(b) for b in order[i:i + stride] if b not in chunk)
+            chunk = []
+            for b in order[i:i + stride]:
+                if b.parent is not None and id(b.parent) in failed:
+                    failed.add(id(b))  # its parent did not make it: it would be unreachable
+                else:
+                    chunk.append(b)
             i += stride
             tried, batch = self._write_through(chunk, None if cancel is not None else left)
+            if not tried:
+                continue  # moved or dropped meanwhile (a drain's write-out, the demoter)
             if batch is None:
                 why = "NVMe tier disabled"
                 break
