@@ -488,31 +488,33 @@ class Core:
                 if p is not None:
                     b.parent = p
                     p.kids.add(b)
-        reached = {id(b) for b in self._chains_from_roots()}
+        reached, todo = set(), [b for st in self.namespaces.values() for b in st.blocks.values() if b.parent_key is None]
+        while todo:  # plain walk from the roots: start-up on millions of blocks needs no order
+            b = todo.pop()
+            reached.add(id(b))
+            todo.extend(b.kids)
         lost = [b for st in self.namespaces.values() for b in st.blocks.values() if id(b) not in reached]
         for b in lost:
             self.forget(b)
         return lost
 
-    def _chains_from_roots(self) -> Iterator[Block]:
-        """Every committed block a prefix read can reach, a parent always before its children,
-        and otherwise most recent first (so a prefix of the walk is the most valuable set of
-        whole prefixes)."""
+    def dram_only_chains(self) -> list[Block]:
+        """Committed blocks whose only copy is in DRAM and that a prefix read can reach, heads
+        of chains before their tails and otherwise most recent first: the order to write DRAM
+        out in at shutdown, so that any prefix of it that lands on NVMe is the most valuable set
+        of whole prefixes a restart can serve."""
         heap = [(-b.tick, id(b), b) for st in self.namespaces.values() for b in st.blocks.values()
                 if b.parent_key is None and b.state is BlockState.COMMITTED]
         heapq.heapify(heap)
-        while heap:
+        out = []
+        while heap:  # a block enters the heap only once its parent is out: parents go first
             _, _, b = heapq.heappop(heap)
-            yield b
+            if b.tier is DRAM and not b.on_nvme and not b.busy:
+                out.append(b)
             for k in b.kids:
                 if k.state is BlockState.COMMITTED:
                     heapq.heappush(heap, (-k.tick, id(k), k))
-
-    def dram_only_chains(self) -> list[Block]:
-        """Committed blocks whose only copy is in DRAM and that a prefix read can reach, heads
-        of chains before their tails and most recent first: the order to write DRAM out in at
-        shutdown, so whatever part of it lands on NVMe is served after a restart."""
-        return [b for b in self._chains_from_roots() if b.tier is DRAM and not b.on_nvme and not b.busy]
+        return out
 
     def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)

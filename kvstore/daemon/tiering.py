@@ -268,19 +268,23 @@ class Tiering:
                   "ok" if batch is not None and batch.error is None else batch.error if batch else "tier off")
         return True
 
-    def _put(self, items, wait_s: float | None = None):
+    def _put(self, items):
+        batch = self._submit(items)
+        if batch is not None:
+            self._wait(batch, len(items))
+        return batch
+
+    def _submit(self, items):
         try:
-            batch = self.nvme.put_many(items)
+            return self.nvme.put_many(items)
         except Exception as e:  # noqa: BLE001 - disabled tier: DRAM keeps serving
             log.error("NVMe put failed: %s", e)
             return None
-        if wait_s is not None:
-            batch.wait(wait_s)
-            return batch
+
+    def _wait(self, batch, n: int) -> None:
         if not batch.wait(self.cfg.io_timeout_s):
-            log.error("NVMe put of %d blocks still running after its bound", len(items))
+            log.error("NVMe put of %d blocks still running after its bound", n)
             batch.wait()  # the slots are under I/O: they must not be reused until it ends
-        return batch
 
     def _delete_nvme(self, keys: list[bytes]) -> None:
         try:
@@ -343,11 +347,18 @@ class Tiering:
             raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
                                             f"{batch.error if batch else 'NVMe tier disabled'}")
 
-    def _write_through(self, blocks: list[Block], wait_s: float | None = None):
-        """Copy committed DRAM blocks to NVMe, keeping their DRAM copies; returns (blocks it
-        tried, the batch or None when the tier is off). With ``wait_s``, gives up waiting after
-        that long and returns the unfinished batch, its blocks left busy (shutdown only: the
-        tier's close still waits for the I/O)."""
+    def _write_through(self, blocks: list[Block]):
+        """Copy committed DRAM blocks to NVMe, keeping their DRAM copies, and wait; returns
+        (blocks it tried, the batch or None when the tier is off)."""
+        todo, batch = self._start_copy(blocks)
+        if batch is not None:
+            self._wait(batch, len(todo))
+        self._copied(todo, batch)
+        return todo, batch
+
+    def _start_copy(self, blocks: list[Block]):
+        """Start copying the DRAM-only ones of ``blocks`` to NVMe (marked busy until
+        :meth:`_copied`); returns (those blocks, the batch, or None when the tier is off)."""
         core = self.core
         with core.lock:
             todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
@@ -356,11 +367,22 @@ class Tiering:
             core.pressure.moving += len(todo)
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
                       core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes), b.digests) for b in todo]
-        t0 = time.perf_counter()
-        batch = self._put(items, wait_s) if items else None
-        log.debug("wrote %d DRAM blocks through in %.4f s", len(items), time.perf_counter() - t0)
-        if batch is not None and not batch.done():
-            return todo, batch
+        return todo, self._submit(items) if items else None
+
+    def _copied(self, todo: list[Block], batch) -> None:
+        """The copy :meth:`_start_copy` started has ended: blocks it wrote have an NVMe copy."""
+        core = self.core
+        sums = batch.digests() if batch is not None else {}
+        with core.lock:
+            core.pressure.moving -= len(todo)
+            for b in todo:
+                b.busy = False
+                b.keep_digests(sums.get(b.key))
+                if batch is not None and batch.results.get(b.key) in (IoResult.OK, IoResult.PRESENT):
+                    b.on_nvme = True
+                    core.lru(NVME, b.ns_id).add(b)
+            self._enforce_nvme_quota({b.ns_id for b in todo})
+            self.changed.notify_all()
         sums = batch.digests() if batch is not None else {}
         with core.lock:
             core.pressure.moving -= len(todo)
@@ -526,20 +548,39 @@ class Tiering:
     def write_out(self, deadline: float, cancel: threading.Event | None = None) -> int:
         """Copy DRAM-only blocks to NVMe until ``deadline``, heads of chains before their tails
         and most recent first (:meth:`Core.dram_only_chains`), in batches of ``FLUSH_BATCH_BYTES``
-        (each committed to the index in one transaction), so that however far it gets, the next
-        start recovers whole prefixes. Stops early once ``cancel`` is set. Returns blocks written."""
+        (each committed to the index in one transaction), two in flight, so that however far it
+        gets, the next start recovers prefixes (a child whose parent's batch had not landed is
+        reclaimed at that start). Stops early once ``cancel`` is set. Returns blocks written."""
         if not self.nvme.enabled:
             return 0
         t0 = time.monotonic()
         with self.core.lock:
             order = self.core.dram_only_chains()
         total, written, failed = len(order), 0, set()
-        stride = max(1, FLUSH_BATCH_BYTES // max(1, max((self.core.namespaces[b.ns_id].block_bytes for b in order),
-                                                          default=1)))
+        stride = max(1, FLUSH_BATCH_BYTES // max((self.core.namespaces[b.ns_id].block_bytes for b in order), default=1))
+        flying: list[tuple[list[Block], object]] = []
         i, why = 0, "done"
-        while i < total:
-            left = deadline - time.monotonic()
-            if left <= 0:
+
+        def land() -> bool:
+            """Wait for the oldest batch in flight; False if it did not end in time."""
+            nonlocal written, why
+            todo, batch = flying[0]
+            if cancel is not None:
+                self._wait(batch, len(todo))
+            elif not batch.wait(max(0.0, deadline - time.monotonic())):
+                why = "shutdown grace spent (batches in flight complete while the tier closes)"
+                return False
+            flying.pop(0)
+            self._copied(todo, batch)
+            ok = {k for k, r in batch.results.items() if r in (IoResult.OK, IoResult.PRESENT)}
+            written += len(ok)
+            failed.update(id(b) for b in todo if b.key not in ok)
+            if any(r is IoResult.NO_SPACE for r in batch.results.values()):
+                why = "NVMe tier full"
+            return True
+
+        while i < total and why == "done":
+            if deadline - time.monotonic() <= 0:
                 why = "shutdown grace spent"
                 break
             if cancel is not None and cancel.is_set():
@@ -552,21 +593,17 @@ class Tiering:
                 else:
                     chunk.append(b)
             i += stride
-            tried, batch = self._write_through(chunk, None if cancel is not None else left)
-            if not tried:
-                continue  # moved or dropped meanwhile (a drain's write-out, the demoter)
-            if batch is None:
+            todo, batch = self._start_copy(chunk)
+            if todo and batch is None:
                 why = "NVMe tier disabled"
+                self._copied(todo, None)
                 break
-            if not batch.done():
-                why = "shutdown grace spent (the last batch completes while the tier closes)"
+            if todo:
+                flying.append((todo, batch))
+            if len(flying) == 2 and not land():
                 break
-            ok = {k for k, r in batch.results.items() if r in (IoResult.OK, IoResult.PRESENT)}
-            written += len(ok)
-            failed.update(id(b) for b in tried if b.key not in ok)
-            if any(r is IoResult.NO_SPACE for r in batch.results.values()):
-                why = "NVMe tier full"
-                break
+        while flying and land():
+            pass
         log.info("%d of %d DRAM-only blocks written to NVMe %s in %.3f s (%s)", written, total,
                  "while draining" if cancel is not None else "at shutdown", time.monotonic() - t0, why)
         return written
