@@ -383,18 +383,6 @@ class Tiering:
                     core.lru(NVME, b.ns_id).add(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
             self.changed.notify_all()
-        sums = batch.digests() if batch is not None else {}
-        with core.lock:
-            core.pressure.moving -= len(todo)
-            for b in todo:
-                b.busy = False
-                b.keep_digests(sums.get(b.key))
-                if batch is not None and batch.results.get(b.key) in (IoResult.OK, IoResult.PRESENT):
-                    b.on_nvme = True
-                    core.lru(NVME, b.ns_id).add(b)
-            self._enforce_nvme_quota({b.ns_id for b in todo})
-            self.changed.notify_all()
-        return todo, batch
 
     # --- promotion and prefetch -------------------------------------------------------------
     def promote(self, st: NsState, keys: list[bytes]) -> int:
