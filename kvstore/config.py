@@ -87,7 +87,7 @@ class ServerConfig:
     session_ttl_s: float = field(default=60.0, metadata={"help": "a client session the daemon has heard no call of for this long is ended with its leases, so a killed worker leaks nothing; clients send KeepAlive every third of it (seconds, >= 1)"})
     reaper_interval_s: float = field(default=0.5, metadata={"help": "how often expired leases and sessions are reclaimed (seconds)"})
     reserve_wait_s: float = field(default=0.5, metadata={"help": "longest a Reserve waits in the daemon for demotion to free DRAM before RESOURCE_EXHAUSTED (seconds; 0 = refuse at once)"})
-    shutdown_grace_s: float = field(default=10.0, metadata={"help": "bound on finishing in-flight work at SIGTERM (seconds)"})
+    shutdown_grace_s: float = field(default=10.0, metadata={"help": "at SIGTERM, bound on finishing in-flight calls and writing what only DRAM holds to NVMe for a warm restart (seconds)"})
     max_waits: int = field(default=0, metadata={"help": "most calls waiting in the daemon at once (AwaitTransfer, PrefetchStatus and Acquire with wait_s, Reserve waiting for demotion), so the other gRPC workers stay free; over it a wait is refused with RESOURCE_EXHAUSTED (0 = half of grpc_workers)"})
     max_waits_per_session: int = field(default=4, metadata={"help": "most calls one session may have waiting in the daemon at once; over it RESOURCE_EXHAUSTED"})
     handout_timeout_s: float = field(default=0.5, metadata={"help": "an arena-socket connection that has not sent its 17-byte request within this is closed (seconds)"})

@@ -350,3 +350,20 @@ def test_sessions_not_heard_from_for_the_ttl_end_oldest_first_with_their_leases(
     with pytest.raises(KVError, match="closed by its client"):
         core.session(a.id)
     assert not core.sessions and ns.sessions == 0
+
+
+def test_dram_only_chains_lists_heads_first_most_recent_first_and_skips_unreachable(env):
+    """The shutdown write-out order: every parent before its children, otherwise most recent
+    first; a block whose chain parent is gone is left out (no prefix read reaches it)."""
+    core, s, _ = env
+    a, b, c = chain(1, 4), chain(2, 4), chain(3, 3)
+    put(core, s, a)
+    put(core, s, b)
+    put(core, s, c)
+    core.lookup(s, b"".join(a[:2]))  # a's head is now the most recent
+    assert core.delete(s, c[0]) == (1, 0)  # c's tail loses its head
+    order = [blk.key for blk in core.dram_only_chains()]
+    assert set(order) == set(a) | set(b)
+    for keys in (a, b):
+        assert [order.index(k) for k in keys] == sorted(order.index(k) for k in keys)
+    assert order[:2] == a[:2]

@@ -163,7 +163,14 @@ def check_objects(docs: list[dict], tmp_path: Path, monitoring: bool = True) -> 
     req, lim = main["resources"]["requests"], main["resources"]["limits"]
     assert all(quantity(req[k]) == quantity(lim[k]) for k in ("cpu", "memory")), "requests == limits: Guaranteed QoS"
     grace = ds["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
-    assert grace > cfg.server.shutdown_grace_s
+    # Warm restart: the preStop drains (SIGUSR1 to the daemon, then waits), the SIGTERM after it
+    # writes DRAM out to NVMe within shutdown_grace_s; Kubernetes must not kill it before.
+    pre = main["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre[:2] == ["/bin/sh", "-c"] and re.fullmatch(r"kill -USR1 1; sleep (\d+)", pre[2]), pre
+    drain_s = int(pre[2].rsplit(" ", 1)[1])
+    assert grace > drain_s + cfg.server.shutdown_grace_s
+    if cfg.nvme.dir:  # time to write the whole DRAM tier at 1 GB/s
+        assert cfg.server.shutdown_grace_s >= dram / 1e9, "shutdown_grace_s too short to write DRAM out to NVMe"
 
     if monitoring:
         (sm,) = kinds["ServiceMonitor"]

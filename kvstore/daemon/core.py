@@ -17,6 +17,7 @@ children in its tier goes first. A miss is a normal answer; failures are :class:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -191,6 +192,7 @@ class Core:
         self._own_ids = itertools.count(1)
         self._hot: list[Block] = []  # blocks read hot_after_reads times, for the HBM copier
         self._passes: dict[bytes, Iterator[Block]] | None = None  # open DRAM victim streams (eviction_pass)
+        self.writes_refused = ""  # why new blocks are refused (draining before a shutdown); "" = taken
 
     def configure(self, cfg: CoreConfig) -> None:
         """Apply a reloaded config (SIGHUP): TTLs and limits take effect on the next call."""
@@ -292,6 +294,8 @@ class Core:
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
                 ) -> tuple[Lease | None, list[int], bytes]:
         self.sessions.check_open(s)
+        if self.writes_refused:
+            raise KVError(Code.UNAVAILABLE, self.writes_refused)
         keys = self.keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
@@ -474,13 +478,43 @@ class Core:
         self.touch(b)
         return b
 
-    def link_recovered(self) -> None:
+    def link_recovered(self) -> list[Block]:
+        """Link recovered blocks into their chains; returns those a prefix read can never reach
+        (a chain parent that was not recovered, or whose own chain is broken), for the caller
+        to reclaim. They are already out of the index."""
         for st in self.namespaces.values():
             for b in st.blocks.values():
                 p = st.blocks.get(b.parent_key) if b.parent_key else None
                 if p is not None:
                     b.parent = p
                     p.kids.add(b)
+        reached, todo = set(), [b for st in self.namespaces.values() for b in st.blocks.values() if b.parent_key is None]
+        while todo:  # plain walk from the roots: start-up on millions of blocks needs no order
+            b = todo.pop()
+            reached.add(id(b))
+            todo.extend(b.kids)
+        lost = [b for st in self.namespaces.values() for b in st.blocks.values() if id(b) not in reached]
+        for b in lost:
+            self.forget(b)
+        return lost
+
+    def dram_only_chains(self) -> list[Block]:
+        """Committed blocks whose only copy is in DRAM and that a prefix read can reach, heads
+        of chains before their tails and otherwise most recent first: the order to write DRAM
+        out in at shutdown, so that any prefix of it that lands on NVMe is the most valuable set
+        of whole prefixes a restart can serve."""
+        heap = [(-b.tick, id(b), b) for st in self.namespaces.values() for b in st.blocks.values()
+                if b.parent_key is None and b.state is BlockState.COMMITTED]
+        heapq.heapify(heap)
+        out = []
+        while heap:  # a block enters the heap only once its parent is out: parents go first
+            _, _, b = heapq.heappop(heap)
+            if b.tier is DRAM and not b.on_nvme and not b.busy:
+                out.append(b)
+            for k in b.kids:
+                if k.state is BlockState.COMMITTED:
+                    heapq.heappush(heap, (-k.tick, id(k), k))
+        return out
 
     def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)

@@ -23,6 +23,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -47,7 +48,8 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.daemon")
 SERVICE_NAME = "kvstore.v1.KVStore"
-SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the reaper
+SESSION_EXPIRY_BATCH = 64
+RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM  # sessions ended per hold of the core lock by the reaper
 
 
 class StartupError(RuntimeError):
@@ -430,24 +432,46 @@ class Daemon:
                         break
             self.reporter.refresh_gauges()
 
+    def drain(self) -> None:
+        """SIGUSR1 (the Kubernetes preStop hook): stop taking new blocks (Reserve and incoming
+        transfers get UNAVAILABLE) while reads go on, and start writing what only DRAM holds to
+        NVMe, so the SIGTERM that follows has less left to write in its grace."""
+        with self.core.lock:
+            self.core.writes_refused = "the daemon is draining before a shutdown: it takes no new blocks"
+        log.info("draining: new writes refused%s", ", writing DRAM out to NVMe" if self.tiering else "")
+        if self.tiering is not None:
+            self.tiering.start_write_out()
+
     def stop(self, grace_s: float | None = None) -> None:
+        """Stop within ``grace_s`` (``server.shutdown_grace_s``), one budget for all of it, in
+        the order that keeps the cache: refuse new RPCs and transfers (nothing new is written),
+        let in-flight calls finish, then write what only DRAM holds to NVMe and commit the index
+        (warm restart), then close the tiers."""
         grace = self.cfg.server.shutdown_grace_s if grace_s is None else grace_s
         if self.stopping.is_set():
             return
         self.stopping.set()
+        deadline = time.monotonic() + grace
         log.info("shutting down (grace %.1f s)", grace)
         _sd_notify("STOPPING=1")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         done = self.server.stop(grace)
-        if self.tcp_server is not None:
-            self.tcp_server.stop(grace).wait(grace + 1)
-        done.wait(grace + 1)
+        tcp_done = self.tcp_server.stop(grace) if self.tcp_server is not None else None
         if self.inbound is not None:
-            self.inbound.stop(grace)
+            self.inbound.stop(max(0.0, deadline - time.monotonic()))
             self.outbound.stop()
+        # Calls already running are mostly sub-millisecond: the write-out starts once they are
+        # done or after a second (a long poll such as AwaitTransfer must not use up the grace;
+        # the servers cancel whatever still runs at the deadline).
+        for ev in (done, tcp_done):
+            if ev is not None:
+                ev.wait(min(RPC_DRAIN_S, max(0.0, deadline - time.monotonic())))
         if self.tiering is not None:
-            self.tiering.close(grace)
+            self.tiering.close(deadline)
+        for ev in (done, tcp_done):
+            if ev is not None:
+                ev.wait(max(0.0, deadline - time.monotonic()) + 1)
         if self.hbm_cache is not None:
             self.hbm_cache.close()
             self.hbm.close()
@@ -475,6 +499,8 @@ def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_over
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    drain = threading.Event()  # SIGUSR1: stop taking writes (see Daemon.drain), acted on once serving
+    signal.signal(signal.SIGUSR1, lambda *_: drain.set())
     try:
         d = daemon_cls(cfg, config_path, cli_overrides, interrupt=stop)
     except PrefaultStopped as e:  # nothing serves yet: no socket to remove
@@ -485,6 +511,7 @@ def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_over
     d.start()
     reload_ready.set()
     while not stop.wait(0.2):
-        pass
+        if drain.is_set() and not d.core.writes_refused:
+            d.drain()
     d.stop()
     return 0

@@ -37,6 +37,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger("kvstore.daemon.tiering")
 NVME, DRAM = TierKind.NVME, TierKind.DRAM
 MAX_PREFETCHES = 4096
+FLUSH_BATCH_BYTES = 64 << 20  # one put (and one index transaction) of the shutdown write-out
 
 
 @dataclass(eq=False)
@@ -64,8 +65,13 @@ class NvmeCopies(DramOnly):
     def holds_copy(self, b: Block) -> bool:
         return self.nvme.enabled
 
+    def admits(self, b: Block) -> bool:
+        """NVMe admission: looked up ``admit_after_hits`` times, or the head of children that are
+        on NVMe or on their way there (dropping it would strand them there, unreachable)."""
+        return b.hits >= self.cfg.admit_after_hits or any(k.on_nvme or k.busy for k in b.kids)
+
     def must_demote(self, b: Block) -> bool:
-        if b.on_nvme or not self.nvme.enabled or b.hits < self.cfg.admit_after_hits:
+        if b.on_nvme or not self.nvme.enabled or not self.admits(b):
             return False
         self.kick.set()
         return True
@@ -96,6 +102,7 @@ class Tiering:
         self.metrics = metrics
         self.policy = policy
         self.kick = copies.kick
+        self.admits = copies.admits
         self.stopping = threading.Event()
         self.changed = self.core.changed  # notified when demotions, durable writes and promotions land
         self.prefetches: dict[int, Prefetch] = {}
@@ -105,6 +112,7 @@ class Tiering:
         self._known_ns: dict[str, dict] = {}
         self._ns_lock = threading.Lock()  # one writer of namespaces.json at a time
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
+        self._writer: threading.Thread | None = None  # write_out started by a drain
 
     # --- restart ----------------------------------------------------------------------------
     def recover(self) -> int:
@@ -122,7 +130,7 @@ class Tiering:
                     continue
                 core.add_recovered(st, e.key, e.parent)
                 n += 1
-            core.link_recovered()
+            lost = core.link_recovered()
             # Re-file in recency order now that parents are linked.
             for e in entries:
                 st = core.namespaces.get(e.ns_id)
@@ -132,7 +140,10 @@ class Tiering:
         if orphans:
             log.warning("dropping %d NVMe blocks of namespaces this daemon cannot describe", len(orphans))
             self.nvme.delete(orphans)
-        return n
+        if lost:
+            log.warning("reclaiming %d NVMe blocks unreachable by a prefix read (their chain's head is gone)", len(lost))
+            self.nvme.delete([b.key for b in lost])
+        return n - len(lost)
 
     def _read_namespaces(self) -> list[Namespace]:
         """The namespaces ``namespaces.json`` describes. A file that is not what :meth:`remember`
@@ -283,7 +294,7 @@ class Tiering:
                 st = core.namespaces[b.ns_id]
                 if b.on_nvme:
                     core.evict_from_dram(b)  # a copy is there already: just move
-                elif b.hits < self.cfg.admit_after_hits:
+                elif not self.admits(b):
                     core.evict_from_dram(b)  # not admitted to NVMe
                 else:
                     b.busy = True
@@ -330,15 +341,22 @@ class Tiering:
         return True
 
     def _put(self, items):
+        batch = self._submit(items)
+        if batch is not None:
+            self._wait(batch, len(items))
+        return batch
+
+    def _submit(self, items):
         try:
-            batch = self.nvme.put_many(items)
+            return self.nvme.put_many(items)
         except Exception as e:  # noqa: BLE001 - disabled tier: DRAM keeps serving
             log.error("NVMe put failed: %s", e)
             return None
+
+    def _wait(self, batch, n: int) -> None:
         if not batch.wait(self.cfg.io_timeout_s):
-            log.error("NVMe put of %d blocks still running after its bound", len(items))
+            log.error("NVMe put of %d blocks still running after its bound", n)
             batch.wait()  # the slots are under I/O: they must not be reused until it ends
-        return batch
 
     def _delete_nvme(self, keys: list[bytes]) -> None:
         try:
@@ -395,6 +413,23 @@ class Tiering:
 
     def persist(self, blocks: list[Block]) -> None:
         """Write committed DRAM blocks through to NVMe before the commit is acknowledged."""
+        written, batch = self._write_through(blocks)
+        if written and (batch is None or batch.error is not None):
+            raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
+                                            f"{batch.error if batch else 'NVMe tier disabled'}")
+
+    def _write_through(self, blocks: list[Block]):
+        """Copy committed DRAM blocks to NVMe, keeping their DRAM copies, and wait; returns
+        (blocks it tried, the batch or None when the tier is off)."""
+        todo, batch = self._start_copy(blocks)
+        if batch is not None:
+            self._wait(batch, len(todo))
+        self._copied(todo, batch)
+        return todo, batch
+
+    def _start_copy(self, blocks: list[Block]):
+        """Start copying the DRAM-only ones of ``blocks`` to NVMe (marked busy until
+        :meth:`_copied`); returns (those blocks, the batch, or None when the tier is off)."""
         core = self.core
         with core.lock:
             todo = [b for b in blocks if b.tier is DRAM and not b.on_nvme and not b.busy]
@@ -403,9 +438,11 @@ class Tiering:
             core.pressure.moving += len(todo)
             items = [(b.ns_id, b.key, b.parent_key, core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes,
                       core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes), b.digests) for b in todo]
-        t0 = time.perf_counter()
-        batch = self._put(items) if items else None
-        log.debug("persisted %d blocks in %.4f s", len(items), time.perf_counter() - t0)
+        return todo, self._submit(items) if items else None
+
+    def _copied(self, todo: list[Block], batch) -> None:
+        """The copy :meth:`_start_copy` started has ended: blocks it wrote have an NVMe copy."""
+        core = self.core
         sums = batch.digests() if batch is not None else {}
         with core.lock:
             core.pressure.moving -= len(todo)
@@ -416,9 +453,6 @@ class Tiering:
                     core.note_nvme_copy(b)
             self._enforce_nvme_quota({b.ns_id for b in todo})
             self.changed.notify_all()
-        if items and (batch is None or batch.error is not None):
-            raise KVError(Code.UNAVAILABLE, f"commit: blocks are in DRAM but not durable on NVMe: "
-                                            f"{batch.error if batch else 'NVMe tier disabled'}")
 
     # --- promotion and prefetch -------------------------------------------------------------
     def promote(self, st: NsState, keys: list[bytes]) -> int:
@@ -552,13 +586,90 @@ class Tiering:
                     self.promote(s.ns, p.keys)
 
     # --- shutdown ---------------------------------------------------------------------------
-    def close(self, grace_s: float) -> None:
+    def close(self, deadline: float) -> None:
+        """Shut down by ``deadline`` (``time.monotonic()``): stop demoting, write what only DRAM
+        holds to NVMe (see :meth:`write_out`), save recency, commit and close the tier. Call
+        once nothing writes any more (the RPC server and the transfer listener are stopped)."""
         self.stopping.set()
         self.kick.set()
         if self.thread.ident is not None:  # started (a Tiering driven by run_round never is)
-            self.thread.join(grace_s)
+            self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self._writer is not None:  # a drain's write-out: it stops at its next batch
+            self._writer.join(max(0.0, deadline - time.monotonic()))
+        self.write_out(deadline)
         self._save_recency()
         self.nvme.close()
+
+    def start_write_out(self) -> None:
+        """Drain before a shutdown: write DRAM out in the background (:meth:`write_out`) while
+        reads go on, until done or :meth:`close`; the shutdown then has less to write."""
+        if self._writer is None and not self.stopping.is_set():
+            self._writer = threading.Thread(target=self.write_out, args=(float("inf"), self.stopping),
+                                            name="write-out", daemon=True)
+            self._writer.start()
+
+    def write_out(self, deadline: float, cancel: threading.Event | None = None) -> int:
+        """Copy DRAM-only blocks to NVMe until ``deadline``, heads of chains before their tails
+        and most recent first (:meth:`Core.dram_only_chains`), in batches of ``FLUSH_BATCH_BYTES``
+        (each committed to the index in one transaction), two in flight, so that however far it
+        gets, the next start recovers prefixes (a child whose parent's batch had not landed is
+        reclaimed at that start). Stops early once ``cancel`` is set. Returns blocks written."""
+        if not self.nvme.enabled:
+            return 0
+        t0 = time.monotonic()
+        with self.core.lock:
+            order = self.core.dram_only_chains()
+        total, written, failed = len(order), 0, set()
+        stride = max(1, FLUSH_BATCH_BYTES // max((self.core.namespaces[b.ns_id].block_bytes for b in order), default=1))
+        flying: list[tuple[list[Block], object]] = []
+        i, why = 0, "done"
+
+        def land() -> bool:
+            """Wait for the oldest batch in flight; False if it did not end in time."""
+            nonlocal written, why
+            todo, batch = flying[0]
+            if cancel is not None:
+                self._wait(batch, len(todo))
+            elif not batch.wait(max(0.0, deadline - time.monotonic())):
+                why = "shutdown grace spent (batches in flight complete while the tier closes)"
+                return False
+            flying.pop(0)
+            self._copied(todo, batch)
+            ok = {k for k, r in batch.results.items() if r in (IoResult.OK, IoResult.PRESENT)}
+            written += len(ok)
+            failed.update(id(b) for b in todo if b.key not in ok)
+            if any(r is IoResult.NO_SPACE for r in batch.results.values()):
+                why = "NVMe tier full"
+            return True
+
+        while i < total and why == "done":
+            if deadline - time.monotonic() <= 0:
+                why = "shutdown grace spent"
+                break
+            if cancel is not None and cancel.is_set():
+                why = "the shutdown takes over"
+                break
+            chunk = []
+            for b in order[i:i + stride]:
+                if b.parent is not None and id(b.parent) in failed:
+                    failed.add(id(b))  # its parent did not make it: it would be unreachable
+                else:
+                    chunk.append(b)
+            i += stride
+            todo, batch = self._start_copy(chunk)
+            if todo and batch is None:
+                why = "NVMe tier disabled"
+                self._copied(todo, None)
+                break
+            if todo:
+                flying.append((todo, batch))
+            if len(flying) == 2 and not land():
+                break
+        while flying and land():
+            pass
+        log.info("%d of %d DRAM-only blocks written to NVMe %s in %.3f s (%s)", written, total,
+                 "while draining" if cancel is not None else "at shutdown", time.monotonic() - t0, why)
+        return written
 
     def _save_recency(self) -> None:
         """Give every NVMe block an access time in the order of its recency here (lookups and
