@@ -48,12 +48,18 @@ def layout_from_pb(m: pb.Layout) -> KVLayout:
         raise invalid(f"layout.{e}") from None
 
 
-def finite(value: float, name: str, unit: str) -> float:
-    """``value`` if it is a finite number >= 0, else INVALID_ARGUMENT naming the field: NaN
-    passes every ``< 0`` check and ``min(nan, cap)`` is NaN, so a NaN wait would never end."""
+def finite(value: float, name: str, unit: str, most: float = math.inf) -> float:
+    """``value`` if it is a finite number in [0, ``most``], else INVALID_ARGUMENT naming the
+    field: NaN passes every ``< 0`` check and ``min(nan, cap)`` is NaN, so a NaN wait would never
+    end; a huge one overflows the clocks it is added to."""
     if not (math.isfinite(value) and value >= 0):
         raise invalid(f"{name}: must be a finite number of {unit} >= 0, got {value}")
+    if value > most:
+        raise invalid(f"{name}: must be at most {most:g} {unit}, got {value:g}")
     return value
+
+
+MAX_TRANSFER_DEADLINE_S = 86400.0  # a day: past any real transfer, far below what overflows time_t
 
 
 # Prefetch targets: proto3 enums are open, so a request may carry any int32 there.
@@ -343,9 +349,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             keys = self.core.keys(req.keys)
+        if not keys:
+            raise invalid("keys: name the blocks to ship")
         if not req.peer:
             raise invalid("peer: host:port of the peer's transfer listener is required")
-        finite(req.deadline_s, "deadline_s", "seconds")
+        finite(req.deadline_s, "deadline_s", "seconds", MAX_TRANSFER_DEADLINE_S)
         if req.pipelined and not req.lease_id:
             raise invalid("lease_id: a pipelined transfer names the write lease whose doorbell it follows")
         blocks, nbytes, secs = self._listening(self.outbound).transfer(s, keys, req.peer, req.deadline_s,
