@@ -48,6 +48,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.daemon")
 SERVICE_NAME = "kvstore.v1.KVStore"
+CLUSTER_HEALTH = "kvstore.v1.Cluster"  # SERVING while registered in etcd; the daemon serves locally either way
 SESSION_EXPIRY_BATCH = 64
 RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM  # sessions ended per hold of the core lock by the reaper
 
@@ -209,6 +210,7 @@ class Daemon:
         self.tcp_server: grpc.Server | None = None
         self.metrics_server = None
         self.transfer_address = ""
+        self.membership = None
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -350,12 +352,38 @@ class Daemon:
                 raise StartupError(f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port}: {e}") from None
         self.metrics.info.labels(version=__version__, hbm_emulated=str(self.reporter.hbm_emulated).lower()).set(1)
         self.reporter.refresh_gauges()
+        if cfg.cluster.etcd_endpoints:
+            self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.membership = self._membership()
+            self.membership.start()
         self._spawn("reaper", self._reaper)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on unix:%s (arena %s, %.2f GiB DRAM, metrics %s:%s)", self.socket_path,
                  self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
         _sd_notify("READY=1")
+
+    def _membership(self):
+        """This daemon's registration in etcd (``[cluster]``), advertising its transfer listener."""
+        from kvstore.cluster.etcd import Etcd, EtcdTls
+        from kvstore.cluster.member import Member
+        from kvstore.cluster.membership import Membership, State
+        from kvstore.cluster.metrics import ClusterMetrics
+
+        c = self.cfg.cluster
+        for f in (c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file):
+            if f and not os.access(f, os.R_OK):
+                raise StartupError(f"cluster.etcd_*_file: cannot read {f}")
+        tiers = ["dram"] + (["nvme"] if self.nvme is not None else []) + (["hbm"] if self.hbm is not None else [])
+        advert = Member(node_id=c.node_id or socket.gethostname(), epoch=0,
+                        transfer_addr=c.advertise_transfer or self.transfer_address,
+                        capabilities={"version": __version__, "transport": self.cfg.transport.backend if
+                                      self.transfer_address else "", "tiers": tiers})
+        etcd = Etcd(c.endpoints(), EtcdTls(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file))
+        H = health_pb2.HealthCheckResponse
+        return Membership(c, etcd, advert, metrics=ClusterMetrics(self.metrics.registry),
+                          on_state=lambda st: self.health.set(CLUSTER_HEALTH, H.SERVING if st is State.REGISTERED
+                                                              else H.NOT_SERVING))
 
     def _start_tcp(self, service: KVStoreService) -> grpc.Server:
         """The cross-node control listener: TLS always, client certificates when a CA is set,
@@ -431,6 +459,14 @@ class Daemon:
                     if self.core.expire_sessions(SESSION_EXPIRY_BATCH) < SESSION_EXPIRY_BATCH:
                         break
             self.reporter.refresh_gauges()
+            if self.membership is not None:
+                self._cluster_round()
+
+    def _cluster_round(self) -> None:
+        """Advertise the namespaces held here (the membership thread publishes a change)."""
+        with self.core.lock:
+            held = [ns_id.hex() for ns_id in self.core.namespaces]
+        self.membership.set_namespaces(held)
 
     def drain(self) -> None:
         """SIGUSR1 (the Kubernetes preStop hook): stop taking new blocks (Reserve and incoming
@@ -456,6 +492,8 @@ class Daemon:
         _sd_notify("STOPPING=1")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.membership is not None:  # leave first: peers stop sending here at once
+            self.membership.stop(min(2.0, grace))
         done = self.server.stop(grace)
         tcp_done = self.tcp_server.stop(grace) if self.tcp_server is not None else None
         if self.inbound is not None:

@@ -1,0 +1,83 @@
+"""A real etcd server (Debian's ``etcd-server``, ``make sysdeps``) for the cluster tests: one
+member on a private data directory and free ports, started, stopped, killed and started again
+on the same directory and port (as an operator's restart would)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.cluster.etcd import Etcd, EtcdError
+from tests.daemon_util import free_port
+
+
+class EtcdServer:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", prefix: list[str] | None = None) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            pytest.skip("etcd is not installed (make sysdeps installs Debian's etcd-server)")
+        self.binary = binary
+        self.dir = workdir / "etcd"
+        self.host = host
+        self.prefix = prefix or []  # e.g. ["ip", "netns", "exec", NS]
+        self.port, self.peer_port = free_port(), free_port()
+        self.log_path = workdir / "etcd.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "EtcdServer":
+        client, peer = f"http://{self.host}:{self.port}", f"http://{self.host}:{self.peer_port}"
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.prefix, self.binary, "--name", "t", "--data-dir", str(self.dir),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"t={peer}", "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        c = Etcd([self.endpoint])
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                try:
+                    c.put(b"/ready", b"1", timeout_s=1.0)  # a write needs a leader, not just a socket
+                    return
+                except EtcdError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"etcd not ready in {timeout_s} s:\n{self.log()[-3000:]}") from None
+                    time.sleep(0.05)
+        finally:
+            c.close()
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def client(self) -> Etcd:
+        return Etcd([self.endpoint])
