@@ -163,6 +163,7 @@ class ClusterConfig:
     lease_ttl_s: int = field(default=10, metadata={"help": "etcd lease of the registration: a node silent this long is out of the fleet (seconds, >= 2; renewed every third of it)"})
     etcd_timeout_s: float = field(default=2.0, metadata={"help": "deadline of one etcd call (seconds)"})
     advertise_transfer: str = field(default="", metadata={"help": "host:port peers reach the transfer listener at; empty = transport.listen's address"})
+    advertise_control: str = field(default="", metadata={"help": "host:port peers reach the TLS control listener at, for pulls; empty = server.tcp_listen"})
     etcd_ca_file: str = field(default="", metadata={"help": "PEM CA bundle of etcd's server certificate; set for an etcd that serves TLS"})
     etcd_cert_file: str = field(default="", metadata={"help": "PEM client certificate for etcd (mutual TLS)"})
     etcd_key_file: str = field(default="", metadata={"help": "PEM private key of etcd_cert_file"})
@@ -250,8 +251,9 @@ class Config:
                "must be in (0, lease_ttl_s / 3]: a renewal that hangs must leave time for the next one")
         _check(c.prefix.startswith("/") and not c.prefix.endswith("/"), "cluster.prefix", "must start with / and not end with /")
         _check(bool(re.fullmatch(r"[A-Za-z0-9._-]{0,128}", c.node_id)), "cluster.node_id", "must be 1-128 of A-Z a-z 0-9 . _ -")
-        if c.advertise_transfer:
-            _host_port("cluster.advertise_transfer", c.advertise_transfer)
+        for key in ("advertise_transfer", "advertise_control"):
+            if getattr(c, key):
+                _host_port(f"cluster.{key}", getattr(c, key))
         _check(bool(c.etcd_cert_file) == bool(c.etcd_key_file), "cluster.etcd_cert_file",
                "etcd_cert_file and etcd_key_file go together")
         return self

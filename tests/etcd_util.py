@@ -10,10 +10,17 @@ import subprocess
 import time
 from pathlib import Path
 
+import urllib.request
+
 import pytest
 
+from kvstore.cluster.cli import collect
 from kvstore.cluster.etcd import Etcd, EtcdError
-from tests.daemon_util import free_port
+from tests.daemon_util import DaemonSpec, free_port
+
+# Cluster tests' leases: 3 s, renewed every second with 1 s deadlines (etcd's shortest lease is
+# 2 s; on this shared 2-core machine a 0.5 s deadline was seen to miss).
+TTL = 3
 
 
 class EtcdServer:
@@ -81,3 +88,26 @@ class EtcdServer:
 
     def client(self) -> Etcd:
         return Etcd([self.endpoint])
+
+
+def node(etcd: EtcdServer, name: str, *flags: str, **kw) -> DaemonSpec:
+    """A daemon in the fleet on ``etcd`` as ``name``, with a TCP transfer listener."""
+    return DaemonSpec(("--cluster-etcd-endpoints", etcd.endpoint, "--cluster-node-id", name,
+                       "--cluster-lease-ttl-s", str(TTL), "--cluster-etcd-timeout-s", "1", "--dram-prefault", "false",
+                       "--server-reaper-interval-s", "0.2", *flags), name=name, transfer="tcp", **kw)
+
+
+def registered(etcd_client) -> dict[str, dict]:
+    """Members as etcd holds them, by node id (``kvstore cluster``'s own reading)."""
+    return {m["node_id"]: m for m in collect(etcd_client, "/kvstore", 2.0)["members"]}
+
+
+def registered_revision(etcd_client) -> int:
+    """The revision a watch starts at to see every change from now on."""
+    return etcd_client.get_prefix(b"/kvstore/members/", 2.0)[1] + 1
+
+
+def scraped(d, name: str) -> float:
+    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+    (value,) = [line.split()[1] for line in text.splitlines() if line.startswith(name + " ")]
+    return float(value)

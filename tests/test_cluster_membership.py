@@ -11,7 +11,6 @@ import json
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 import numpy as np
@@ -19,15 +18,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.clients import KVStoreClient
-from kvstore.cluster.cli import collect
 from kvstore.cluster.etcd import Event
 from kvstore.layout import KVLayout
 from tests import busy_daemon
-from tests.daemon_util import DaemonSpec
-from tests.etcd_util import EtcdServer
+from tests.etcd_util import TTL, EtcdServer, node, registered, registered_revision, scraped
 from tests.wait_util import wait_for
 
-TTL = 3
 LAYOUT = KVLayout(4, 2, 64, "fp16")
 
 
@@ -43,28 +39,6 @@ def etcd_client(etcd):
     c = etcd.client()
     yield c
     c.close()
-
-
-def node(etcd: EtcdServer, name: str, **kw) -> DaemonSpec:
-    return DaemonSpec(("--cluster-etcd-endpoints", etcd.endpoint, "--cluster-node-id", name,
-                       "--cluster-lease-ttl-s", str(TTL), "--cluster-etcd-timeout-s", "1", "--dram-prefault", "false",
-                       "--server-reaper-interval-s", "0.2"), name=name, transfer="tcp", **kw)
-
-
-def registered(etcd_client) -> dict[str, dict]:
-    """Members as etcd holds them, by node id (``kvstore cluster``'s own reading)."""
-    return {m["node_id"]: m for m in collect(etcd_client, "/kvstore", 2.0)["members"]}
-
-
-def registered_revision(etcd_client) -> int:
-    """The revision a watch starts at to see every change from now on."""
-    return etcd_client.get_prefix(b"/kvstore/members/", 2.0)[1] + 1
-
-
-def scraped(d, name: str) -> float:
-    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
-    (value,) = [line.split()[1] for line in text.splitlines() if line.startswith(name + " ")]
-    return float(value)
 
 
 def cluster_health(d) -> str:

@@ -14,13 +14,15 @@ from kvstore.cluster.member import Member
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_etcd_stubs_are_fresh(tmp_path):
-    protos = [str(ROOT / f"proto/kvstore/cluster/etcdpb/{n}.proto") for n in ("kv", "rpc")]
+@pytest.mark.parametrize("pkg, names", [("kvstore/cluster/etcdpb", ("kv", "rpc")), ("kvstore/v1", ("peer",))])
+def test_etcd_and_peer_stubs_are_fresh(tmp_path, pkg, names):
+    protos = [str(ROOT / "proto" / pkg / f"{n}.proto") for n in names]
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
                     f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *protos], check=True)
-    for name in ("kv_pb2.py", "kv_pb2.pyi", "kv_pb2_grpc.py", "rpc_pb2.py", "rpc_pb2.pyi", "rpc_pb2_grpc.py"):
-        fresh = (tmp_path / "kvstore/cluster/etcdpb" / name).read_text()
-        assert fresh == (ROOT / "kvstore/cluster/etcdpb" / name).read_text(), f"{name} is stale: run make proto"
+    for n in names:
+        for name in (f"{n}_pb2.py", f"{n}_pb2.pyi", f"{n}_pb2_grpc.py"):
+            fresh = (tmp_path / pkg / name).read_text()
+            assert fresh == (ROOT / pkg / name).read_text(), f"{pkg}/{name} is stale: run make proto"
 
 
 def test_member_records_round_trip_and_foreign_values_are_refused():

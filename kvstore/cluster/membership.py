@@ -55,25 +55,26 @@ class State(enum.Enum):
 
 
 class Membership:
-    """This daemon's registration and its view of the fleet. ``advert`` is this daemon's record
-    (its epoch is filled in at each registration); :meth:`set_namespaces` updates what it holds.
+    """This daemon's registration (as ``node_id``) and its view of the fleet. :meth:`start`
+    takes this daemon's record (its epoch is filled in at each registration);
+    :meth:`set_namespaces` updates what it holds.
     ``on_state`` is told each change of :class:`State`, on the lease thread (the daemon's health
     service follows it). ``clock`` is monotonic seconds. Thread-safe."""
 
-    def __init__(self, cfg: ClusterConfig, etcd: Etcd, advert: Member, *, metrics: ClusterMetrics,
+    def __init__(self, cfg: ClusterConfig, etcd: Etcd, node_id: str, *, metrics: ClusterMetrics,
                  on_state=lambda state: None, clock=time.monotonic) -> None:
         self.cfg = cfg
         self.on_state = on_state
         self.etcd = etcd
         self.metrics = metrics
         self.clock = clock
-        self.node_id = advert.node_id
+        self.node_id = node_id
         root = cfg.prefix.encode()
         self.members_prefix = root + b"/members/"
-        self.member_key = self.members_prefix + advert.node_id.encode()
-        self.epoch_key = root + b"/epochs/" + advert.node_id.encode()
+        self.member_key = self.members_prefix + node_id.encode()
+        self.epoch_key = root + b"/epochs/" + node_id.encode()
         self._lock = threading.Lock()
-        self._advert = advert
+        self._advert = Member(node_id, 0)
         self._published: Member | None = None  # the record etcd holds for this registration
         self._state = State.JOINING
         self._lease = 0
@@ -130,7 +131,10 @@ class Membership:
         self._wake.set()
 
     # --- lifecycle ------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, advert: Member) -> None:
+        """Register ``advert`` (this daemon's addresses and capabilities) and watch the fleet."""
+        with self._lock:
+            self._advert = replace(advert, node_id=self.node_id, epoch=0, namespaces=self._advert.namespaces)
         for name, fn in (("cluster-lease", self._lease_loop), ("cluster-watch", self._watch_loop)):
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()

@@ -19,6 +19,17 @@ class ClusterMetrics:
                                        buckets=_RENEW_BUCKETS, registry=r)
         self.etcd_errors = Counter("kvstore_cluster_etcd_errors", "etcd calls that failed, by call", ["op"], registry=r)
         self.rejoins = Counter("kvstore_cluster_rejoins", "Registrations after a lost lease (each a new epoch)", registry=r)
+        self.pulls = Counter("kvstore_cluster_pulls", "Pulls asked of this daemon: ok (blocks came), miss (none "
+                             "could: no holder, fenced, evicted, dead or late peer)", ["result"], registry=r)
+        self.pull_latency = Histogram("kvstore_cluster_pull_seconds", "A pull from its start to its answer",
+                                      buckets=_RENEW_BUCKETS, registry=r)
+        self.pushes = Counter("kvstore_cluster_pushes", "Pushes peers asked of this daemon: ok, fenced "
+                              "(an epoch is not current), missing (none of the blocks here), failed (transfer)",
+                              ["result"], registry=r)
+        for result in ("ok", "miss"):
+            self.pulls.labels(result=result)
+        for result in ("ok", "fenced", "missing", "failed"):
+            self.pushes.labels(result=result)
         for op in ("keepalive", "grant", "watch", "put", "txn", "get", "range"):
             self.etcd_errors.labels(op=op)
 
