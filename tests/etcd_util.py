@@ -4,9 +4,11 @@ on the same directory and port (as an operator's restart would)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +56,13 @@ class EtcdServer:
         return self
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:
+        if self.prefix:  # in a network namespace: ask from inside it
+            deadline = time.monotonic() + timeout_s
+            while cli_members(self.prefix, self.endpoint) is None:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+                time.sleep(0.1)
+            return
         c = Etcd([self.endpoint])
         try:
             deadline = time.monotonic() + timeout_s
@@ -111,3 +120,22 @@ def scraped(d, name: str) -> float:
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
     (value,) = [line.split()[1] for line in text.splitlines() if line.startswith(name + " ")]
     return float(value)
+
+
+def cli_members(prefix: list[str], endpoint: str) -> dict[str, dict] | None:
+    """``kvstore cluster --json`` run behind ``prefix`` (e.g. in the etcd's network namespace):
+    the members by node id, or None while etcd does not answer."""
+    out = subprocess.run([*prefix, sys.executable, "-m", "kvstore", "cluster", "--etcd-endpoints", endpoint, "--json",
+                          "--timeout", "1"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return None
+    return {m["node_id"]: m for m in json.loads(out.stdout)["members"]}
+
+
+def scraped_in(prefix: list[str], port: int, name: str) -> float:
+    """:func:`scraped` for a daemon whose /metrics is on 127.0.0.1 of another network namespace."""
+    script = ("import sys, urllib.request\n"
+              f"t = urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5).read().decode()\n"
+              f"print([l.split()[1] for l in t.splitlines() if l.startswith({name + ' '!r})][0])")
+    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True)
+    return float(out.stdout)
