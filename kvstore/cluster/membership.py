@@ -311,6 +311,15 @@ class Membership:
                 m = self._decode(ev.kv.value)
                 if m is None:
                     continue
+                mine = self._published
+                if m.node_id == self.node_id and mine is not None and m.epoch != mine.epoch and \
+                        m.transfer_addr != mine.transfer_addr:
+                    # Our key now holds another registration: a second daemon was given this
+                    # node id. Pushes naming its epoch are refused here, so nothing is served
+                    # wrongly, but the two take the name from each other at every restart.
+                    log.error("cluster: node id %r was registered again (epoch %d) by another daemon "
+                              "(transfer %s); give each daemon its own cluster.node_id",
+                              self.node_id, m.epoch, m.transfer_addr or "-")
                 e = _change(self._view.get(m.node_id), m)
                 self._view[m.node_id] = m
                 if e is not None:
