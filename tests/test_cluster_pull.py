@@ -5,8 +5,8 @@ its own and etcd in a fourth that holds the bridge joining them, so every byte c
 
 Shown: a prefix stored on A is pulled by C and served bit-exact; blocks evicted on A between
 C's look and its pull are a clean miss; etcd stopped and started again with every daemon
-serving throughout and registered again; A killed: C's pulls fail within their deadline and C
-stops listing A once its lease is gone; A back with a new epoch: served again, never an old
+serving throughout and registered again; A paused: the pull ends at its deadline; A killed:
+C's pulls fail within their deadline and C stops listing A once its lease is gone; A back with a new epoch: served again, never an old
 block, and a Push naming A's old epoch is refused."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import datetime
 import ipaddress
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -184,6 +185,14 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     wait_for(lambda: all(health(d, "kvstore.v1.Cluster") == "SERVING" for d in (a, b, c)), timeout_s=20,
              what="every daemon registered again")
     assert {n: m["epoch"] for n, m in members().items() if n in NAMES} == {n: 1 for n in NAMES}
+
+    # A stalls (paused, still registered): C's pull ends at its deadline, as a miss.
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = pull(c, cc, third, holder="pull-a", deadline_s=1.0)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert (r.blocks, r.pulled) == (0, 0) and "DEADLINE_EXCEEDED" in r.detail
 
     # A dies: C's pull fails within its deadline, as a miss; C stops listing A once its lease is gone.
     a.kill()

@@ -15,6 +15,7 @@ late peer) ends as a miss within the deadline: the worker recomputes. docs/clust
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -153,7 +154,8 @@ class Pulls:
         log.info("pull of %d blocks missed: %s", len(keys) - have, "; ".join(why))
         return miss("; ".join(why))
 
-    def push(self, req: ppb.PushRequest, keys: list[bytes]) -> ppb.PushResponse:
+    def push(self, req: ppb.PushRequest, keys: list[bytes], deadline_s: float) -> ppb.PushResponse:
+        """``deadline_s``: what is left of the caller's wait; the transfer ends within it."""
         me = self.membership.epoch
         if not me or req.holder_epoch != me:
             self.metrics.pushes.labels(result="fenced").inc()
@@ -172,7 +174,7 @@ class Pulls:
             self.metrics.pushes.labels(result="missing").inc()
             raise KVError(Code.NOT_FOUND, "none of the leading blocks is in this daemon's DRAM (evicted, or never here)")
         try:
-            blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, req.deadline_s, False, 0)
+            blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, deadline_s, False, 0)
         except KVError:  # evicted between the look and the transfer (NOT_FOUND), or the wire failed
             self.metrics.pushes.labels(result="failed").inc()
             raise
@@ -218,4 +220,10 @@ class PeerService(peer_grpc.PeerServicer):
             keys = self.core.keys(req.keys)
         if not keys:
             raise invalid("keys: name the blocks to push")
-        return self._on().push(req, keys)
+        # The caller's deadline, as gRPC carries it, bounds the transfer too: a holder that
+        # was stalled (paused, swapping) must not ship blocks after the requester gave up.
+        left = context.time_remaining()
+        deadline_s = min(req.deadline_s or self._on().cfg.timeout_s, left * 0.9 if left is not None else math.inf)
+        if deadline_s <= 0.01:
+            raise KVError(Code.DEADLINE_EXCEEDED, "push: the requester's deadline has passed")
+        return self._on().push(req, keys, deadline_s)
