@@ -26,11 +26,15 @@ $(TSTAMP): pyproject.toml scripts/install_vllm.sh
 install: $(STAMP)
 install-test: $(TSTAMP)
 
-# System tools the tests use: fio (same-run NVMe reference). Installed only when missing.
+# System tools the tests use: fio (same-run NVMe reference), etcd (Debian's etcd-server 3.4,
+# the cluster tests' coordination store). Installed only when missing.
 sysdeps:
 	@command -v fio >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null) || \
 	  echo "warning: fio not installed; NVMe benchmarks fall back to a raw O_DIRECT reference"; }
+	@command -v etcd >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server >/dev/null) || \
+	  echo "warning: etcd not installed; the cluster tests are skipped"; }
 
 serve: $(STAMP)
 	$(VENV)/bin/kvstore serve $(ARGS)

@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("rest", nargs=argparse.REMAINDER)
     pl.set_defaults(fn=_delegate(DELEGATED[("plan",)]))
 
+    cl = sub.add_parser("cluster", help="the fleet in etcd: members, epochs, lease TTL left, etcd health", add_help=False)
+    cl.add_argument("rest", nargs=argparse.REMAINDER)
+    cl.set_defaults(fn=_delegate(DELEGATED[("cluster",)]))
+
     b = sub.add_parser("bench", help="benchmarks against same-run references (raw paths, plain vLLM)")
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, help_ in (("store", "put/get through the daemon vs memcpy; Lookup latency"),
@@ -201,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands with parsers of their own, by the words that name them: main() hands them the rest
 # of the line; build_parser() lists them for --help.
-DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
+DELEGATED = {("plan",): "kvstore.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
              ("bench", "vllm"): "kvstore.bench.vllm"}
 

@@ -156,6 +156,23 @@ class PolicyConfig:
 
 
 @dataclass
+class ClusterConfig:
+    etcd_endpoints: str = field(default="", metadata={"help": "comma-separated host:port of etcd members; empty = no cluster (this daemon alone)"})
+    prefix: str = field(default="/kvstore", metadata={"help": "etcd key prefix of this fleet's records (one per fleet sharing an etcd)"})
+    node_id: str = field(default="", metadata={"help": "this daemon's name in the fleet; empty = the host name"})
+    lease_ttl_s: int = field(default=10, metadata={"help": "etcd lease of the registration: a node silent this long is out of the fleet (seconds, >= 2; renewed every third of it)"})
+    etcd_timeout_s: float = field(default=2.0, metadata={"help": "deadline of one etcd call (seconds)"})
+    advertise_transfer: str = field(default="", metadata={"help": "host:port peers reach the transfer listener at; empty = transport.listen's address"})
+    advertise_control: str = field(default="", metadata={"help": "host:port peers reach the TLS control listener at, for pulls; empty = server.tcp_listen"})
+    etcd_ca_file: str = field(default="", metadata={"help": "PEM CA bundle of etcd's server certificate; set for an etcd that serves TLS"})
+    etcd_cert_file: str = field(default="", metadata={"help": "PEM client certificate for etcd (mutual TLS)"})
+    etcd_key_file: str = field(default="", metadata={"help": "PEM private key of etcd_cert_file"})
+
+    def endpoints(self) -> list[str]:
+        return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
@@ -164,6 +181,7 @@ class Config:
     hbm: HbmConfig = field(default_factory=HbmConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     # -- derived values ---------------------------------------------------------------------
     def resolved_socket_path(self) -> str:
@@ -225,6 +243,19 @@ class Config:
         _check(-1 <= self.transport.verify_threads <= 64, "transport.verify_threads", "must be -1 (auto) or 0..64")
         _check(self.transport.verify_min_bytes >= 0, "transport.verify_min_bytes", "must be >= 0")
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
+        c = self.cluster
+        for e in c.endpoints():
+            _host_port("cluster.etcd_endpoints", e)
+        _check(c.lease_ttl_s >= 2, "cluster.lease_ttl_s", "must be >= 2 seconds (etcd's shortest lease)")
+        _check(0 < c.etcd_timeout_s <= c.lease_ttl_s / 3, "cluster.etcd_timeout_s",
+               "must be in (0, lease_ttl_s / 3]: a renewal that hangs must leave time for the next one")
+        _check(c.prefix.startswith("/") and not c.prefix.endswith("/"), "cluster.prefix", "must start with / and not end with /")
+        _check(bool(re.fullmatch(r"[A-Za-z0-9._-]{0,128}", c.node_id)), "cluster.node_id", "must be 1-128 of A-Z a-z 0-9 . _ -")
+        for key in ("advertise_transfer", "advertise_control"):
+            if getattr(c, key):
+                _host_port(f"cluster.{key}", getattr(c, key))
+        _check(bool(c.etcd_cert_file) == bool(c.etcd_key_file), "cluster.etcd_cert_file",
+               "etcd_cert_file and etcd_key_file go together")
         return self
 
 

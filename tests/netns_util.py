@@ -50,3 +50,47 @@ def veth_pair(tag: str, second_octet: int):
     finally:
         for ns in (ns_a, ns_b):  # deleting a namespace deletes its end of the veth pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+@contextlib.contextmanager
+def star(tag: str, second_octet: int, n: int):
+    """``n`` namespaces on one bridge, which lives in a hub namespace of its own (nothing is
+    added to the host's network). Yield ``((hub_ns, hub_addr), [(ns, addr), ...])`` on
+    ``10.<second_octet>.N.0/24``: the hub is ``.254``, the others ``.1`` to ``.n``. Skips as
+    :func:`veth_pair` does."""
+    if shutil.which("ip") is None:
+        pytest.skip("netns test: the `ip` tool (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("netns test: needs root to create network namespaces")
+    sfx = f"{os.getpid() % 100000}"
+    net = f"10.{second_octet}.{os.getpid() % 250}"
+    hub = f"{tag}-hub-{sfx}"
+    spokes = [(f"{tag}-{i}-{sfx}", f"{net}.{i}") for i in range(1, n + 1)]
+    made = []
+    try:
+        for ns in [hub] + [s for s, _ in spokes]:
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "addr", "add", f"{net}.254/24", "dev", "br0")
+        for ns in [hub] + [s for s, _ in spokes]:
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(spokes, 1):
+            inner, outer = f"{tag}{i}i{sfx}", f"{tag}{i}o{sfx}"
+            _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("link", "set", outer, "netns", hub)
+            _ip("-n", hub, "link", "set", outer, "master", "br0")
+            _ip("-n", hub, "link", "set", outer, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
+            _ip("-n", ns, "link", "set", inner, "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        pytest.skip(f"netns test: cannot wire the namespaces: {exc.stderr.strip()}")
+    try:
+        yield (hub, f"{net}.254"), spokes
+    finally:
+        for ns in made:  # deleting a namespace deletes its ends of the veth pairs (and the bridge)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)

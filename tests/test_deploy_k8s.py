@@ -227,6 +227,8 @@ HELM_VARIANTS = {
         "grafanaDashboard": {"enabled": True}, "hostNetwork": True, "priorityClassName": "system-node-critical",
         "serviceMonitor": {"labels": {"release": "kube-prometheus-stack"}},
         "extraEnv": [{"name": "UCX_TLS", "value": "rc,sm"}], "podAnnotations": {"team": "inference"},
+        "cluster": {"etcdEndpoints": "etcd-0.etcd:2379,etcd-1.etcd:2379", "etcdTls": {"secretName": "etcd-client",
+                                                                                     "clientCert": True}},
     }, "cache"),
     "minimal": ({"nvme": {"enabled": False}, "serviceMonitor": {"enabled": False},
                  "prometheusRule": {"enabled": False}}, "kvstore"),

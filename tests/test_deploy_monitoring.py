@@ -23,11 +23,16 @@ PROMETHEUS_BUILTINS = {"up"}
 # --- metric names ----------------------------------------------------------------------------
 
 def declared_series() -> dict[str, tuple[str, str, set[str]]]:
-    """Series name as scraped -> (family, type, label names), from kvstore/daemon/metrics.py."""
+    """Series name as scraped -> (family, type, label names), from kvstore/daemon/metrics.py
+    and kvstore/cluster/metrics.py."""
     from prometheus_client.metrics import MetricWrapperBase
 
+    from prometheus_client import CollectorRegistry
+
+    from kvstore.cluster.metrics import ClusterMetrics
+
     out = {}
-    for m in vars(Metrics()).values():
+    for m in [*vars(Metrics()).values(), *vars(ClusterMetrics(CollectorRegistry())).values()]:
         if not isinstance(m, MetricWrapperBase):
             continue
         labels = set(m._labelnames)

@@ -13,4 +13,6 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
 7. :mod:`.handout` (the arena over a unix socket), :mod:`.stats` and :mod:`.metrics` (Stats and
    /metrics), :mod:`.advice` (load-or-recompute). The per-layer doorbell cells, shared with clients, are
    :mod:`kvstore.doorbell`.
+8. :mod:`.pull` (kvstore.v1.Peer: a prefix pulled from the peer that holds it), over the fleet's
+   membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md).
 """

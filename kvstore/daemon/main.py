@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore import doorbell
+from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.daemon.advice import Advisor
 from kvstore.config import Config
 from kvstore.daemon.core import Core, CoreConfig, TierCopies
@@ -45,9 +46,12 @@ from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
 from kvstore.transport import Sender
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.v1 import peer_pb2_grpc as peer_grpc
 
 log = logging.getLogger("kvstore.daemon")
 SERVICE_NAME = "kvstore.v1.KVStore"
+PEER_SERVICE = "kvstore.v1.Peer"
+CLUSTER_HEALTH = "kvstore.v1.Cluster"  # SERVING while registered in etcd; the daemon serves locally either way
 SESSION_EXPIRY_BATCH = 64
 RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM  # sessions ended per hold of the core lock by the reaper
 
@@ -163,6 +167,7 @@ class Daemon:
         self.config_path = config_path
         self.cli_overrides = cli_overrides or {}
         self.metrics = Metrics()
+        self.cluster_metrics = ClusterMetrics(self.metrics.registry)
         self.socket_path = cfg.resolved_socket_path()
         self.arena_socket = self.socket_path + ".arena"
         self.stopping = threading.Event()
@@ -209,6 +214,7 @@ class Daemon:
         self.tcp_server: grpc.Server | None = None
         self.metrics_server = None
         self.transfer_address = ""
+        self.membership = None
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -317,8 +323,13 @@ class Daemon:
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if cfg.cluster.etcd_endpoints:
+            self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.membership = self._membership()
+        peer = self._peer_service()
+        peer_grpc.add_PeerServicer_to_server(peer, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            (SERVICE_NAME, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
         try:
             if not self.server.add_insecure_port(f"unix:{self.socket_path}"):
@@ -340,7 +351,7 @@ class Daemon:
                 raise StartupError(f"transport.listen: cannot start the {cfg.transport.backend} "
                                    f"listener on {cfg.transport.listen}: {e}") from None
         # Remote clients only once recovery is done: a Register must not race it.
-        self.tcp_server = self._start_tcp(service) if cfg.server.tcp_listen else None
+        self.tcp_server = self._start_tcp(service, peer) if cfg.server.tcp_listen else None
         self.server.start()
         if cfg.metrics.port:
             try:
@@ -350,6 +361,8 @@ class Daemon:
                 raise StartupError(f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port}: {e}") from None
         self.metrics.info.labels(version=__version__, hbm_emulated=str(self.reporter.hbm_emulated).lower()).set(1)
         self.reporter.refresh_gauges()
+        if self.membership is not None:
+            self.membership.start(self._advert())
         self._spawn("reaper", self._reaper)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -357,7 +370,45 @@ class Daemon:
                  self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
         _sd_notify("READY=1")
 
-    def _start_tcp(self, service: KVStoreService) -> grpc.Server:
+    def _membership(self):
+        """This daemon's registration in etcd (``[cluster]``); it registers at :meth:`_start`'s end."""
+        from kvstore.cluster.etcd import Etcd, EtcdTls
+        from kvstore.cluster.membership import Membership, State
+
+        c = self.cfg.cluster
+        for f in (c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file):
+            if f and not os.access(f, os.R_OK):
+                raise StartupError(f"cluster.etcd_*_file: cannot read {f}")
+        etcd = Etcd(c.endpoints(), EtcdTls(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file))
+        H = health_pb2.HealthCheckResponse
+        return Membership(c, etcd, c.node_id or socket.gethostname(), metrics=self.cluster_metrics,
+                          on_state=lambda st: self.health.set(CLUSTER_HEALTH, H.SERVING if st is State.REGISTERED
+                                                              else H.NOT_SERVING))
+
+    def _advert(self):
+        """What peers learn of this daemon: where its transfer listener and its TLS control
+        listener (for Push) are, and what it runs."""
+        from kvstore.cluster.member import Member
+
+        c = self.cfg.cluster
+        tiers = ["dram"] + (["nvme"] if self.nvme is not None else []) + (["hbm"] if self.hbm is not None else [])
+        caps = {"version": __version__, "transport": self.cfg.transport.backend if self.transfer_address else "",
+                "tiers": tiers, "control_addr": c.advertise_control or self.cfg.server.tcp_listen}
+        return Member(self.membership.node_id, 0, transfer_addr=c.advertise_transfer or self.transfer_address,
+                      capabilities=caps)
+
+    def _peer_service(self):
+        """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no
+        transfer listener, both answer UNAVAILABLE saying what to set."""
+        from kvstore.daemon.pull import PeerLinks, PeerService, Pulls
+
+        pulls = None
+        if self.membership is not None and self.outbound is not None:
+            pulls = Pulls(self.core, self.membership, self.outbound, PeerLinks(self.cfg.server), self.cfg.transport,
+                          metrics=self.cluster_metrics)
+        return PeerService(self.core, pulls, metrics=self.metrics)
+
+    def _start_tcp(self, service: KVStoreService, peer) -> grpc.Server:
         """The cross-node control listener: TLS always, client certificates when a CA is set,
         and a bearer token when one is configured. It serves the same servicer."""
         s = self.cfg.server
@@ -371,6 +422,7 @@ class Daemon:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc-tcp"),
                              interceptors=interceptors)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
+        peer_grpc.add_PeerServicer_to_server(peer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             self.tcp_port = server.add_secure_port(s.tcp_listen, creds)
@@ -431,6 +483,14 @@ class Daemon:
                     if self.core.expire_sessions(SESSION_EXPIRY_BATCH) < SESSION_EXPIRY_BATCH:
                         break
             self.reporter.refresh_gauges()
+            if self.membership is not None:
+                self._cluster_round()
+
+    def _cluster_round(self) -> None:
+        """Advertise the namespaces held here (the membership thread publishes a change)."""
+        with self.core.lock:
+            held = [ns_id.hex() for ns_id in self.core.namespaces]
+        self.membership.set_namespaces(held)
 
     def drain(self) -> None:
         """SIGUSR1 (the Kubernetes preStop hook): stop taking new blocks (Reserve and incoming
@@ -456,6 +516,8 @@ class Daemon:
         _sd_notify("STOPPING=1")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.membership is not None:  # leave first: peers stop sending here at once
+            self.membership.stop(min(2.0, grace))
         done = self.server.stop(grace)
         tcp_done = self.tcp_server.stop(grace) if self.tcp_server is not None else None
         if self.inbound is not None:

@@ -1,0 +1,229 @@
+"""Pulls: a daemon that lacks a prefix fetches it from the peer that holds it (kvstore.v1.Peer).
+
+The requester's worker calls Pull on its own daemon. The daemon asks a holder (named, or each
+peer advertising the namespace in etcd, in turn) to Push the blocks it lacks: a unary call on the
+holder's TLS control listener, carrying both ends' epochs. The holder checks that its own epoch
+and the requester's are the ones etcd holds now (a node that lost its lease and came back is
+fenced either way), then runs an ordinary transfer (:class:`~kvstore.daemon.outbound.Outbound`)
+of the leading committed DRAM blocks to the requester's *registered* transfer listener, never
+to an address in the request. The transfer commits the blocks at the requester before the
+holder's Push answers, so when Pull answers they are local blocks the worker reads as any other.
+Everything a pull can meet (no holder, a fenced epoch, blocks evicted on the holder, a dead or
+late peer) ends as a miss within the deadline: the worker recomputes. docs/cluster.md, "Pull".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import grpc
+
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.metrics import ClusterMetrics
+from kvstore.config import ServerConfig, TransportConfig
+from kvstore.daemon.core import Core, NsState, Session
+from kvstore.daemon.index import BlockState
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.outbound import Outbound
+from kvstore.daemon.service import MAX_TRANSFER_DEADLINE_S, finite, rpc
+from kvstore.errors import Code, KVError, invalid
+from kvstore.tiers.base import TierKind
+from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
+
+log = logging.getLogger("kvstore.daemon.pull")
+
+
+def leading(st: NsState, keys: list[bytes], tiers: tuple[TierKind, ...] = (TierKind.DRAM, TierKind.NVME)) -> int:
+    """How many leading ``keys`` are committed here in one of ``tiers`` (core lock held)."""
+    n = 0
+    for k in keys:
+        b = st.blocks.get(k)
+        if b is None or b.state is not BlockState.COMMITTED or b.tier not in tiers:
+            break
+        n += 1
+    return n
+
+
+class PeerLinks:
+    """gRPC channels to peers' TLS control listeners, one per address. A daemon's own server
+    certificate is its client certificate, checked against the fleet's CA
+    (``server.tls_client_ca_file``), and its bearer token goes along when one is set: daemons of
+    one fleet share a CA and a token."""
+
+    def __init__(self, s: ServerConfig) -> None:
+        self.why_off = "" if s.tcp_listen and s.tls_client_ca_file else \
+            "pulls need server.tcp_listen with mutual TLS (server.tls_client_ca_file: the fleet's CA)"
+        self._creds = None
+        if not self.why_off:
+            def read(path: str) -> bytes:
+                with open(path, "rb") as f:
+                    return f.read()
+
+            self._creds = grpc.ssl_channel_credentials(read(s.tls_client_ca_file), read(s.tls_key_file),
+                                                       read(s.tls_cert_file))
+            if s.auth_token:
+                self._creds = grpc.composite_channel_credentials(
+                    self._creds, grpc.access_token_call_credentials(s.auth_token))
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, peer_grpc.PeerStub]] = {}
+
+    def stub(self, addr: str) -> peer_grpc.PeerStub:
+        with self._lock:
+            got = self._stubs.get(addr)
+            if got is None:
+                ch = grpc.secure_channel(addr, self._creds)
+                got = self._stubs[addr] = (ch, peer_grpc.PeerStub(ch))
+            return got[1]
+
+    def close(self) -> None:
+        with self._lock:
+            for ch, _ in self._stubs.values():
+                ch.close()
+            self._stubs.clear()
+
+
+class Pulls:
+    """Both ends of a pull: :meth:`pull` on the requester, :meth:`push` on the holder."""
+
+    def __init__(self, core: Core, membership: Membership, outbound: Outbound, links: PeerLinks,
+                 t: TransportConfig, *, metrics: ClusterMetrics) -> None:
+        self.core = core
+        self.membership = membership
+        self.outbound = outbound
+        self.links = links
+        self.cfg = t  # SIGHUP may change timeout_s, the default deadline
+        self.metrics = metrics
+
+    def pull(self, s: Session, keys: list[bytes], holder: str, deadline_s: float) -> ppb.PullResponse:
+        t0 = time.monotonic()
+        deadline = t0 + (deadline_s or self.cfg.timeout_s)
+        with self.core.lock:
+            have = leading(s.ns, keys)
+        if have == len(keys):
+            return ppb.PullResponse(blocks=have)
+        r = self._pull_from_peers(s, keys, have, holder, deadline)
+        self.metrics.pulls.labels(result="ok" if r.pulled else "miss").inc()
+        self.metrics.pull_latency.observe(time.monotonic() - t0)
+        return r
+
+    def _pull_from_peers(self, s: Session, keys: list[bytes], have: int, holder: str,
+                         deadline: float) -> ppb.PullResponse:
+        def miss(why: str) -> ppb.PullResponse:
+            return ppb.PullResponse(blocks=have, detail=why)
+
+        if self.links.why_off:
+            return miss(self.links.why_off)
+        me = self.membership.epoch
+        if not me:
+            return miss(f"this daemon is not registered in the cluster ({self.membership.state.value})")
+        ns_hex = s.ns.id.hex()
+        if holder:
+            m = self.membership.member(holder)
+            if m is None or holder == self.membership.node_id:
+                return miss(f"holder {holder!r}: not a registered peer")
+            candidates = [m]
+        else:
+            candidates = [m for m in self.membership.peers() if ns_hex in m.namespaces]
+            if not candidates:
+                return miss("no registered peer holds this namespace")
+        why = []
+        for m in candidates:
+            left = deadline - time.monotonic()
+            addr = m.capabilities.get("control_addr", "")
+            if left <= 0:
+                why.append(f"{m.node_id}: deadline passed before it was asked")
+                break
+            if not addr or not m.transfer_addr:
+                why.append(f"{m.node_id}: offers no control listener or no transfer listener")
+                continue
+            req = ppb.PushRequest(requester=self.membership.node_id, requester_epoch=me, holder_epoch=m.epoch,
+                                  namespace_id=s.ns.id, keys=b"".join(keys[have:]), deadline_s=left * 0.9)
+            try:
+                # The transfer's own deadline is a tenth earlier, so a late holder's
+                # transfer ends (and frees its slots here) before this call gives up.
+                r = self.links.stub(addr).Push(req, timeout=left)
+            except grpc.RpcError as e:
+                why.append(f"{m.node_id}@{m.epoch}: {e.code().name}: {e.details()}")
+                continue
+            with self.core.lock:
+                now = leading(s.ns, keys)
+            return ppb.PullResponse(blocks=now, pulled=r.blocks, holder=m.node_id, holder_epoch=m.epoch, bytes=r.bytes)
+        log.info("pull of %d blocks missed: %s", len(keys) - have, "; ".join(why))
+        return miss("; ".join(why))
+
+    def push(self, req: ppb.PushRequest, keys: list[bytes], deadline_s: float) -> ppb.PushResponse:
+        """``deadline_s``: what is left of the caller's wait; the transfer ends within it."""
+        me = self.membership.epoch
+        if not me or req.holder_epoch != me:
+            self.metrics.pushes.labels(result="fenced").inc()
+            raise KVError(Code.FAILED_PRECONDITION, f"holder_epoch {req.holder_epoch}: this daemon's epoch is "
+                          f"{me or 'withdrawn (not registered)'}; what was learnt of the old one is stale")
+        m = self.membership.member(req.requester)
+        if m is None or m.epoch != req.requester_epoch or not m.transfer_addr:
+            self.metrics.pushes.labels(result="fenced").inc()
+            raise KVError(Code.FAILED_PRECONDITION, f"requester {req.requester!r} at epoch {req.requester_epoch}: "
+                          "not registered so (or without a transfer listener)")
+        with self.core.lock:
+            st = self.core.namespaces.get(req.namespace_id)
+            n = leading(st, keys, (TierKind.DRAM,)) if st is not None else 0
+            s = self.core.own_session(st) if n else None
+        if not n:
+            self.metrics.pushes.labels(result="missing").inc()
+            raise KVError(Code.NOT_FOUND, "none of the leading blocks is in this daemon's DRAM (evicted, or never here)")
+        try:
+            blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, deadline_s, False, 0)
+        except KVError:  # evicted between the look and the transfer (NOT_FOUND), or the wire failed
+            self.metrics.pushes.labels(result="failed").inc()
+            raise
+        self.metrics.pushes.labels(result="ok").inc()
+        return ppb.PushResponse(blocks=blocks, bytes=nbytes)
+
+
+class PeerService(peer_grpc.PeerServicer):
+    """kvstore.v1.Peer. ``pulls`` is None without a cluster or a transfer listener."""
+
+    def __init__(self, core: Core, pulls: Pulls | None, *, metrics: Metrics) -> None:
+        self.core = core
+        self.pulls = pulls
+        self.metrics = metrics
+
+    def _reject(self, method: str, code: str) -> None:
+        self.metrics.rejections.labels(method=method, code=code).inc()
+
+    def _on(self) -> Pulls:
+        if self.pulls is None:
+            raise KVError(Code.UNAVAILABLE, "pull: this daemon is in no cluster (set cluster.etcd_endpoints) "
+                          "or has no transfer listener (set transport.listen)")
+        return self.pulls
+
+    @rpc
+    def Pull(self, req, context):
+        finite(req.deadline_s, "deadline_s", "seconds", MAX_TRANSFER_DEADLINE_S)
+        with self.core.lock:
+            if len(req.session_id) != 16:
+                raise invalid(f"session_id: must be 16 bytes, got {len(req.session_id)}")
+            s = self.core.session(req.session_id)
+            keys = self.core.keys(req.keys)
+        if not keys:
+            raise invalid("keys: name the blocks to pull")
+        return self._on().pull(s, keys, req.holder, req.deadline_s)
+
+    @rpc
+    def Push(self, req, context):
+        finite(req.deadline_s, "deadline_s", "seconds", MAX_TRANSFER_DEADLINE_S)
+        if len(req.namespace_id) != 32:
+            raise invalid(f"namespace_id: must be 32 bytes, got {len(req.namespace_id)}")
+        with self.core.lock:
+            keys = self.core.keys(req.keys)
+        if not keys:
+            raise invalid("keys: name the blocks to push")
+        # The caller's deadline, as gRPC carries it, bounds the transfer too: a holder that
+        # was stalled (paused, swapping) must not ship blocks after the requester gave up.
+        left = context.time_remaining()
+        deadline_s = min(req.deadline_s or self._on().cfg.timeout_s, left * 0.9 if left is not None else math.inf)
+        if deadline_s <= 0.01:
+            raise KVError(Code.DEADLINE_EXCEEDED, "push: the requester's deadline has passed")
+        return self._on().push(req, keys, deadline_s)

@@ -1,0 +1,223 @@
+"""Three real daemons in one fleet on a real etcd, pulling over mutual TLS (certificates made
+here). Where the test may create network namespaces (root, iproute2) each daemon runs in one of
+its own and etcd in a fourth that holds the bridge joining them, so every byte crosses a real
+(virtual) link; elsewhere they share the loopback.
+
+Shown: a prefix stored on A is pulled by C and served bit-exact; blocks evicted on A between
+C's look and its pull are a clean miss; etcd stopped and started again with every daemon
+serving throughout and registered again; A paused: the pull ends at its deadline; A killed:
+C's pulls fail within their deadline and C stops listing A once its lease is gone; A back with a new epoch: served again, never an old
+block, and a Push naming A's old epoch is refused."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.clients import KVStoreClient
+from kvstore.layout import KVLayout
+from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
+from tests.daemon_util import free_port
+from tests.etcd_util import EtcdServer, cli_members, node, scraped_in
+from tests.netns_util import star
+from tests.wait_util import wait_for
+
+LAYOUT = KVLayout(4, 2, 64, "fp16")  # 16-token blocks of 32 KiB
+MODEL = "pull-test"
+NAMES = ("pull-a", "pull-b", "pull-c")
+
+
+@dataclass
+class Net:
+    etcd_prefix: list[str]
+    etcd_host: str
+    nodes: dict[str, tuple[list[str], str]]  # node id -> (command prefix, address)
+
+
+def in_ns(ns: str) -> list[str]:
+    return ["ip", "netns", "exec", ns]
+
+
+@pytest.fixture(scope="module")
+def net():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield Net([], "127.0.0.1", {n: ([], "127.0.0.1") for n in NAMES})
+        return
+    with star("kvc", 232, 3) as ((hub, hub_addr), spokes):
+        yield Net(in_ns(hub), hub_addr, {n: (in_ns(ns), addr) for n, (ns, addr) in zip(NAMES, spokes)})
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory, net):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"), host=net.etcd_host, prefix=net.etcd_prefix).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet_pki(tmp_path_factory, net):
+    """One CA, and one certificate naming every daemon's address that each serves and presents."""
+    d = tmp_path_factory.mktemp("pki")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(name, issuer=None, issuer_key=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer.subject if issuer else subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
+        if issuer is not None:
+            ips = {"127.0.0.1"} | {addr for _, addr in net.nodes.values()}
+            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(a)) for a in ips]),
+                                critical=False)
+        return b.sign(issuer_key or key, hashes.SHA256()), key
+
+    ca, ca_key = cert("fleet-ca")
+    for name, (c, k) in {"ca": (ca, ca_key), "node": cert("kvstore-node", ca, ca_key)}.items():
+        (d / f"{name}.crt").write_bytes(c.public_bytes(serialization.Encoding.PEM))
+        (d / f"{name}.key").write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    return d
+
+
+def member(net: Net, etcd, pki, name):
+    prefix, addr = net.nodes[name]
+    return node(etcd, name, "--server-tcp-listen", f"{addr}:{free_port()}", "--server-tls-cert-file", str(pki / "node.crt"),
+                "--server-tls-key-file", str(pki / "node.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
+                "--server-auth-token", "fleet-token", "--transport-timeout-s", "5",
+                prefix=prefix or None, transfer_addr=f"{addr}:{free_port()}")
+
+
+def kv_for(tokens, seed):
+    return np.random.default_rng(seed).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
+
+
+def client(d) -> KVStoreClient:
+    c = KVStoreClient(d.socket_path, timeout_s=10)
+    c.register(LAYOUT, MODEL)
+    return c
+
+
+def served(c: KVStoreClient, tokens, seed) -> bool:
+    out = np.zeros_like(kv_for(tokens, seed))
+    return c.get(tokens, out) == len(tokens) and np.array_equal(out, kv_for(tokens, seed))
+
+
+def pull(d, c: KVStoreClient, tokens, holder="", deadline_s=3.0) -> ppb.PullResponse:
+    with grpc.insecure_channel(f"unix:{d.socket_path}") as ch:
+        return peer_grpc.PeerStub(ch).Pull(ppb.PullRequest(session_id=c.session_id, keys=b"".join(c.keys(tokens)),
+                                                           holder=holder, deadline_s=deadline_s), timeout=deadline_s + 10)
+
+
+def health(d, service: str) -> str:
+    with grpc.insecure_channel(f"unix:{d.socket_path}") as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+PUSH_WITH_OLD_EPOCH = """
+import sys, grpc
+from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
+pki, addr, ns, keys = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), bytes.fromhex(sys.argv[4])
+read = lambda n: open(f"{pki}/{n}", "rb").read()
+creds = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(read("ca.crt"), read("node.key"), read("node.crt")),
+                                           grpc.access_token_call_credentials("fleet-token"))
+with grpc.secure_channel(addr, creds) as ch:
+    try:
+        peer_grpc.PeerStub(ch).Push(ppb.PushRequest(requester="pull-c", requester_epoch=1, holder_epoch=1,
+                                                    namespace_id=ns, keys=keys, deadline_s=2), timeout=10)
+        print("SERVED")
+    except grpc.RpcError as e:
+        print(e.code().name, e.details())
+"""
+
+
+def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, etcd, fleet_pki):
+    members = lambda: cli_members(net.etcd_prefix, etcd.endpoint) or {}  # noqa: E731
+    a, b, c = daemons.start(*(member(net, etcd, fleet_pki, n) for n in NAMES))
+    ca_, cb, cc = client(a), client(b), client(c)
+    first, second, third = (list(range(s, s + 64)) for s in (0, 1000, 2000))
+    for i, t in enumerate((first, second, third)):
+        assert ca_.put(t, kv_for(t, i)) == 4
+    # C pulls from whoever advertises the namespace: A once its record says so (B has not put
+    # anything; C is never its own holder).
+    wait_for(lambda: members().get("pull-a", {}).get("namespaces") == 1, what="A advertises the namespace")
+    assert cc.lookup(first) == 0
+    r = wait_for(lambda: (r := pull(c, cc, first)).pulled and r, what="C pulls from A")
+    assert (r.blocks, r.pulled, r.holder, r.holder_epoch, r.detail) == (4, 4, "pull-a", 1, "")
+    assert served(cc, first, 0)  # bit-exact, out of C's own DRAM
+    assert pull(c, cc, first).pulled == 0  # already here: nothing moves
+
+    # Evicted on A between C's look and its pull: a clean miss, nothing served.
+    ca_.delete(ca_.keys(second))
+    r = pull(c, cc, second, holder="pull-a")
+    assert (r.blocks, r.pulled) == (0, 0) and "NOT_FOUND" in r.detail
+    assert cc.lookup(second) == 0
+
+    # etcd stopped: every daemon goes on serving its workers, says it is not registered, and
+    # registers again once etcd is back (same epoch: etcd kept the leases).
+    etcd.stop()
+    try:
+        for i, (d, x) in enumerate(((a, ca_), (b, cb), (c, cc))):
+            tokens = list(range(5000 + 64 * i, 5064 + 64 * i))
+            assert x.put(tokens, kv_for(tokens, 10 + i)) == 4 and served(x, tokens, 10 + i)
+        wait_for(lambda: all(health(d, "kvstore.v1.Cluster") == "NOT_SERVING" for d in (a, b, c)),
+                 what="each daemon says it is not registered")
+        assert all(health(d, "") == "SERVING" for d in (a, b, c))
+    finally:
+        etcd.start()
+    wait_for(lambda: all(health(d, "kvstore.v1.Cluster") == "SERVING" for d in (a, b, c)), timeout_s=20,
+             what="every daemon registered again")
+    assert {n: m["epoch"] for n, m in members().items() if n in NAMES} == {n: 1 for n in NAMES}
+
+    # A stalls (paused, still registered): C's pull ends at its deadline, as a miss.
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = pull(c, cc, third, holder="pull-a", deadline_s=1.0)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert (r.blocks, r.pulled) == (0, 0) and "DEADLINE_EXCEEDED" in r.detail
+
+    # A dies: C's pull fails within its deadline, as a miss; C stops listing A once its lease is gone.
+    a.kill()
+    r = pull(c, cc, third, holder="pull-a", deadline_s=2.0)
+    assert (r.blocks, r.pulled) == (0, 0) and r.detail
+    wait_for(lambda: "not a registered peer" in pull(c, cc, third, holder="pull-a").detail, what="C drops A")
+
+    # A back: a new epoch and an empty DRAM, so nothing of the old A is served; new blocks are.
+    a2 = daemons.start(member(net, etcd, fleet_pki, "pull-a"))[0]
+    ca2 = client(a2)
+    wait_for(lambda: "NOT_FOUND" in pull(c, cc, third, holder="pull-a").detail, what="C lists A again")
+    assert cc.lookup(third) == 0
+    assert ca2.put(third, kv_for(third, 2)) == 4
+    r = pull(c, cc, third, holder="pull-a")
+    assert (r.pulled, r.holder_epoch) == (4, 2)
+    assert served(cc, third, 2)
+
+    # A Push naming A's old epoch, as a stale directory entry would, from C's network: refused.
+    addr = members()["pull-a"]["capabilities"]["control_addr"]
+    out = subprocess.run([*net.nodes["pull-c"][0], sys.executable, "-c", PUSH_WITH_OLD_EPOCH, str(fleet_pki), addr,
+                          ca2.namespace.root.hex(), b"".join(ca2.keys(third)).hex()],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("FAILED_PRECONDITION") and "epoch" in out.stdout, out.stdout + out.stderr
+    prefix_c, prefix_a = net.nodes["pull-c"][0], net.nodes["pull-a"][0]
+    assert scraped_in(prefix_c, c.metrics_port, 'kvstore_cluster_pulls_total{result="ok"}') == 2
+    assert scraped_in(prefix_a, a2.metrics_port, 'kvstore_cluster_pushes_total{result="fenced"}') == 1
+    for x in (cb, cc, ca2):
+        x.close()
