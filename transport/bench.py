@@ -58,7 +58,7 @@ class RingSink:
         self.status: dict[int, str] = {}
         self._src: dict = {}
 
-    def begin(self, header: TransferHeader):
+    def begin(self, header: TransferHeader, peer=None):
         if self.ring.nbytes < header.chunk_bytes:
             return None
         meta = json.loads(header.meta or b"{}")

@@ -29,6 +29,7 @@ from kvstore.errors import KVError
 from kvstore.keys import Namespace
 from kvstore.tiers.base import TierKind
 from kvstore.transport import Listener, TransferError, TransferHeader, TransferStatus
+from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -57,11 +58,18 @@ class DaemonSink:
         self.svc = svc
         self.core: Core = svc.core
 
-    def begin(self, h: TransferHeader) -> "_Target":
+    def begin(self, h: TransferHeader, peer: Peer) -> "_Target":
         try:
             ns = Namespace.from_dict(json.loads(h.meta))
         except ValueError as e:  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not a namespace
             raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: not a namespace: {e}") from None
+        if not self.svc.accepts(peer, ns):  # before anything is reserved or a namespace created
+            self.svc.metrics.transfer_failures.labels(reason="forbidden").inc()
+            who = repr(peer.name) if peer.name else "an unauthenticated peer"
+            log.warning("refused a transfer of %d blocks of model %r from %s (%s): not in transport.accept",
+                        len(h.keys), ns.model_id, who, peer.address)
+            raise TransferError(TransferStatus.FORBIDDEN, f"the receiving daemon does not accept namespace "
+                                f"{ns.root.hex()[:16]}.. (model {ns.model_id!r}) from {who} (its transport.accept)")
         lay = ns.layout
         if h.chunk_bytes != lay.layer_chunk_bytes or h.n_layers != lay.num_layers:
             raise TransferError(TransferStatus.PROTOCOL_ERROR,
@@ -94,6 +102,14 @@ class DaemonSink:
             self.svc.incoming[(st.id, h.keys[0])] = inc
             self.svc.arrived.notify_all()
         return _Target(self, inc)
+
+
+    def peer_refused(self, address: str, reason: str, detail: str) -> None:
+        """A peer failed the listener's handshake (logged by the transport): count it."""
+        self.svc.metrics.transfer_auth_failures.labels(reason=reason if reason in _AUTH_REASONS else "protocol").inc()
+
+
+_AUTH_REASONS = ("tls", "hmac", "mode", "timeout", "protocol")
 
 
 class _Target:
@@ -165,9 +181,22 @@ class Inbound:
         self.metrics = metrics
         self.backend = t.backend
         self.config = wire_config(t)
+        self.accept = {peer: frozenset(names) for peer, names in t.accept.items()}
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))
+
+    def accepts(self, peer: Peer, ns: Namespace) -> bool:
+        """Whether ``peer`` may send blocks of ``ns`` here: with no ``transport.accept`` rules
+        every peer that passed the handshake may; with rules, what the peer's own entry and the
+        ``"*"`` entry name (model ids, namespace ids in hex, or "*"). An unauthenticated peer
+        (no TLS, no secret) has no name: only the ``"*"`` entry applies to it."""
+        if not self.accept:
+            return True
+        names = self.accept.get("*", frozenset())
+        if peer.name:
+            names = names | self.accept.get(peer.name, frozenset())
+        return bool(names & {"*", ns.model_id, ns.root.hex()})
 
     def start(self) -> str:
         """Listen; returns host:port."""
