@@ -44,9 +44,10 @@ NONCE_BYTES = 32
 SECRET_MIN_BYTES = 16
 SECRET_MAX_BYTES = 4096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}$")
-# magic, version, rx (UCX receive prefix), step, mode, status, nonce, name len, name, proof,
-# detail len, detail
-_MSG = struct.Struct("<IIIBBH32sB64s32sH192s")
+# magic, version, rx (UCX receive prefix), step, mode, status, reason (of a refusal), nonce,
+# name len, name, proof, detail len, detail
+_MSG = struct.Struct("<IIIBBHB32sB64s32sH192s")
+REASONS = ("protocol", "tls", "hmac", "mode", "timeout")  # AuthError.reason, as a refusal carries it
 HELLO_BYTES = _MSG.size
 
 
@@ -58,9 +59,10 @@ class Mode(enum.IntEnum):
 class AuthError(TransferError):
     """The peer did not authenticate (or refused us); nothing of a transfer was accepted."""
 
-    def __init__(self, detail: str, reason: str = "hmac") -> None:
+    def __init__(self, detail: str, reason: str = "hmac", by_peer: bool = False) -> None:
         super().__init__(TransferStatus.UNAUTHENTICATED, detail)
         self.reason = reason  # label of kvstore_transfer_auth_failures_total: tls, hmac, mode, timeout, protocol
+        self.by_peer = by_peer  # the other side refused (it said why), rather than this side
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +86,12 @@ class Hello:
     proof: bytes = bytes(32)
     status: int = 0  # a TransferStatus: 0 = go on, else a refusal
     detail: str = ""
+    reason: str = "protocol"
 
     def pack(self) -> bytes:
         name, detail = self.name.encode(), self.detail.encode()[:192]
-        return _MSG.pack(MAGIC, VERSION, self.rx, self.step, int(self.mode), self.status, self.nonce,
+        return _MSG.pack(MAGIC, VERSION, self.rx, self.step, int(self.mode), self.status,
+                         REASONS.index(self.reason) if self.reason in REASONS else 0, self.nonce,
                          len(name), name, self.proof, len(detail), detail)
 
     @classmethod
@@ -95,12 +99,13 @@ class Hello:
         """Parse handshake message ``step``; a refusal raises AuthError with the peer's reason."""
         if len(raw) != HELLO_BYTES:
             raise AuthError(f"handshake message of {len(raw)} bytes, expected {HELLO_BYTES}", "protocol")
-        magic, version, rx, got_step, mode, status, nonce, nlen, name, proof, dlen, detail = _MSG.unpack(raw)
+        magic, version, rx, got_step, mode, status, reason, nonce, nlen, name, proof, dlen, detail = _MSG.unpack(raw)
         if magic != MAGIC or version != VERSION:
             raise ProtocolError(f"handshake: magic {magic:#x} version {version}, expected {MAGIC:#x} v{VERSION} "
                                 f"(a kvstore transfer listener of the same version)")
         if status:
-            raise AuthError("peer refused the handshake: " + detail[:min(dlen, 192)].decode(errors="replace"), "refused")
+            raise AuthError("peer refused the handshake: " + detail[:min(dlen, 192)].decode(errors="replace"),
+                            REASONS[reason] if reason < len(REASONS) else "protocol", by_peer=True)
         if got_step != step:
             raise AuthError(f"handshake: got step {got_step}, expected {step}", "protocol")
         try:
@@ -111,9 +116,9 @@ class Hello:
         return cls(step, mode, rx, nonce, name, proof, 0, "")
 
 
-def refusal(step: int, detail: str) -> bytes:
-    """Handshake message ``step`` that refuses, with ``detail`` (never anything secret)."""
-    return Hello(step, status=int(TransferStatus.UNAUTHENTICATED), detail=detail).pack()
+def refusal(step: int, err: AuthError) -> bytes:
+    """Handshake message ``step`` that refuses, saying why (never anything secret)."""
+    return Hello(step, status=int(TransferStatus.UNAUTHENTICATED), detail=err.detail, reason=err.reason).pack()
 
 
 def check_name(name: str, key: str = "node name") -> str:

@@ -213,6 +213,11 @@ class TcpConnector:
             send_hello(sock, hs.third(read_hello(sock, deadline)), deadline)
             hs.done(read_hello(sock, deadline))
         except AuthError as exc:
+            if not exc.by_peer:  # we refuse the listener: tell it why
+                try:
+                    send_hello(sock, refusal(3, exc), time.monotonic() + 0.5)
+                except TransferError:
+                    pass
             sock.close()
             raise AuthError(f"{peer}: {exc.detail}", exc.reason) from None
         except TransferError as exc:
@@ -434,6 +439,13 @@ class TcpServer:
             if self._tls is not None:
                 sock.settimeout(self.config.connect_timeout_s)
                 try:
+                    plain = sock.recv(1, socket.MSG_PEEK) not in (b"\x16", b"")  # 0x16: a TLS handshake record
+                except OSError:
+                    plain = False
+                if plain:  # a plaintext peer can read a plaintext refusal that says why
+                    raise AuthError("this listener requires mutual TLS (transport.tls_*); the peer spoke "
+                                    "plaintext", "tls-plain")
+                try:
                     tls_sock = self._tls.wrap_socket(sock, server_side=True)
                 except (ssl.SSLError, OSError) as exc:
                     raise AuthError(f"TLS: {getattr(exc, 'reason', None) or exc}", "tls") from None
@@ -449,11 +461,13 @@ class TcpServer:
             if not isinstance(err, AuthError):
                 err = AuthError(f"handshake not completed: {err.detail}",
                                 "timeout" if err.status is TransferStatus.DEADLINE_EXCEEDED else "protocol")
+            answer = err.reason not in ("tls", "timeout")  # not into a failed TLS session, nor to the silent
+            if err.reason == "tls-plain":
+                err.reason = "tls"
             refused(self.sink, address, err)
             with self._lock:
                 self._conns.discard(sock)
-            self._close(sock, None if err.reason in ("tls", "timeout") else
-                        (Frame(FrameType.HELLO, length=HELLO_BYTES), refusal(0, err.detail)))
+            self._close(sock, (Frame(FrameType.HELLO, length=HELLO_BYTES), refusal(0, err)) if answer else None)
             return None
         if self._tls is not None:
             return sock, Peer(cert_identity(sock), address, "tls")

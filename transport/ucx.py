@@ -214,7 +214,7 @@ class _Inbound(_Conn):
         self.hs = None  # counted: the handshake deadline that closes it is not counted again
         if not answer:
             return self.lost(err)
-        out = hello_buf(refusal(0, err.detail))
+        out = hello_buf(refusal(0, err))
         # Closed by the ticker half a second on, not when the send completes: closing at once
         # can reset the endpoint before the peer has read why.
         self.hello_deadline = time.monotonic() + 0.5

@@ -18,7 +18,7 @@ import numpy as np
 from .config import TransferConfig, format_peer
 from .protocol import (BATCH_BYTES, FRAME_BYTES, MAX_BATCH, Frame, FrameType, ProtocolError, TransferError,
                        TransferStatus, pack_batch, parse_status)
-from .auth import AuthError, ClientHandshake
+from .auth import AuthError, ClientHandshake, refusal
 from .ucx import _REPLY_MAX, _Conn, _req_error, data_tag, hello_buf
 from .ucx_env import Engine
 
@@ -231,6 +231,10 @@ class UcxConnector:
                     return recv(4)
                 hs.done(buf.tobytes())
             except AuthError as exc:
+                if not exc.by_peer:  # we refuse the listener: tell it why first
+                    out = hello_buf(refusal(3, exc))
+                    req = ep.stream_send(self.engine.Array(out))
+                    self.engine.progress_until(lambda: req.completed, 0.5)
                 return fail(AuthError(f"{peer}: {exc.detail}", exc.reason))
             except TransferError as exc:
                 return fail(exc)

@@ -20,15 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore import doorbell
-from kvstore.config import TransportConfig
+from kvstore.config import TransportConfig, is_loopback
 from kvstore.daemon.core import Core, Lease, LeaseKind, Session
 from kvstore.daemon.index import BlockState
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.outbound import failure_reason, wire_config
+from kvstore.daemon.outbound import failure_reason
 from kvstore.errors import KVError
 from kvstore.keys import Namespace
 from kvstore.tiers.base import TierKind
-from kvstore.transport import Listener, TransferError, TransferHeader, TransferStatus
+from kvstore.transport import Listener, TransferConfig, TransferError, TransferHeader, TransferStatus
 from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
@@ -176,11 +176,12 @@ class _Target:
 class Inbound:
     """The transfer listener, the transfers arriving through it, and AwaitTransfer."""
 
-    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics) -> None:
+    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics) -> None:
         self.core = core
         self.metrics = metrics
         self.backend = t.backend
-        self.config = wire_config(t)
+        self.config = wire  # wire_config(t), read once at start
+        self.allow_unauthenticated = t.allow_unauthenticated
         self.accept = {peer: frozenset(names) for peer, names in t.accept.items()}
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
@@ -201,12 +202,26 @@ class Inbound:
     def start(self) -> str:
         """Listen; returns host:port."""
         host, port = self.listener.start()
+        c = self.config
+        bound = self.listener.bound()
+        auth = ("mutual TLS" + (" and the cluster secret" if c.secret else "") if c.tls is not None else
+                f"the cluster secret, as {c.node_name!r}" if c.secret else "NONE: any peer that reaches it")
+        open_beyond = [a for a in bound if not is_loopback(a)]
+        if open_beyond and not (c.tls is not None or c.secret or self.allow_unauthenticated):
+            # Config validation refuses this; what the kernel says is listening is the last word.
+            self.listener.stop()
+            raise TransferError(TransferStatus.UNAUTHENTICATED, f"listens on {', '.join(bound)}, beyond loopback, "
+                                f"without authentication: set transport.secret_file")
         if self.backend == "ucx":
-            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d",
-                     self.config.ucx_progress.value, self.config.resolved_verify_threads(),
-                     self.config.verify_min_bytes, host, port)
+            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d, "
+                     "bound to %s (ucxx takes no bind address); authentication: %s",
+                     c.ucx_progress.value, c.resolved_verify_threads(), c.verify_min_bytes, host, port,
+                     ", ".join(bound) or "?", auth)
         else:
-            log.info("transfer listener (%s) on %s:%d", self.backend, host, port)
+            log.info("transfer listener (%s) on %s:%d; authentication: %s", self.backend, host, port, auth)
+        if not self.accept:
+            log.info("transfer listener accepts every namespace from every peer that authenticates "
+                     "(transport.accept restricts that per peer)")
         return f"{host}:{port}"
 
     def stop(self, grace_s: float) -> None:

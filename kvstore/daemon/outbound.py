@@ -52,14 +52,14 @@ class Outbound:
     """Ships blocks to a peer daemon's listener. ``sender_cls``: what sends (a test passes a
     subclass of :class:`Sender` that injects faults)."""
 
-    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy,
+    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics, policy: LoadPolicy,
                  sender_cls: type[Sender] = Sender) -> None:
         self.core = core
         self.metrics = metrics
         self.policy = policy
         self.backend = t.backend
         self.cfg = t  # SIGHUP may change timeout_s, the default deadline
-        self.config = wire_config(t)
+        self.config = wire  # wire_config(t), read once at start
         self.sender = sender_cls(self.config)
 
     def stop(self) -> None:
