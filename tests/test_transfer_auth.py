@@ -2,11 +2,13 @@
 secret's handshake on UCX, per-peer namespace acceptance, the bound address, and start-up
 refusals. One pair of daemons per backend for the whole module (receiver B, sender A)."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from daemon_util import DaemonSpec, cluster_secret, free_port
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, ucx_available
 from kvstore import config as C
 from kvstore.transport.auth import TlsFiles, read_secret
@@ -51,7 +54,9 @@ ACCEPT = ("--transport-accept", f"node-a={ALLOWED}")
 
 @pytest.fixture(scope="module")
 def tcp_pair(module_daemons, pki):
-    b, a = module_daemons.start(DaemonSpec((*tls_flags(pki, "node-b"), *ACCEPT), name="tls-b", transfer="tcp"),
+    nvme = ("--nvme-dir", str(module_daemons.workdir / "nvme-b"), "--nvme-capacity-bytes", "64MiB",
+            "--nvme-durable-commit", "true")  # B writes what it receives through to NVMe
+    b, a = module_daemons.start(DaemonSpec((*tls_flags(pki, "node-b"), *ACCEPT, *nvme), name="tls-b", transfer="tcp"),
                                 DaemonSpec(tls_flags(pki, "node-a"), name="tls-a", transfer="tcp"))
     return a, b
 
@@ -109,7 +114,7 @@ def test_a_namespace_not_accepted_from_that_peer_is_refused_and_nothing_lands(pa
     try:
         tokens = [9, backend == "ucx", *range(300, 300 + 4 * 16)]
         ca.put(tokens, kv_for(tokens, 2))
-        used, refused = client(b, ALLOWED).stats().tiers[0].used_bytes, metric(b, "kvstore_transfer_failures_total",
+        used, refused = client_stats(b).tiers[0].used_bytes, metric(b, "kvstore_transfer_failures_total",
                                                                                reason="forbidden")
         with pytest.raises(KVStoreError) as e:
             ca.transfer(ca.keys(tokens), b.transfer_addr, deadline_s=20)
@@ -121,6 +126,31 @@ def test_a_namespace_not_accepted_from_that_peer_is_refused_and_nothing_lands(pa
         cb.close()
     finally:
         ca.close()
+
+
+def test_received_blocks_are_written_through_and_their_namespace_recorded(tcp_pair):
+    a, b = tcp_pair
+    ca = KVStoreClient(a.socket_path, timeout_s=20)
+    ca.register(LAYOUT, ALLOWED, tenant_salt="t-durable")  # a namespace B has never seen
+    try:
+        tokens = list(range(500, 500 + 3 * 16))
+        ca.put(tokens, kv_for(tokens, 3))
+        nvme_blocks = lambda: next(t.blocks for t in client_stats(b).tiers if t.tier == pb.TIER_NVME)  # noqa: E731
+        before = nvme_blocks()
+        ca.transfer(ca.keys(tokens), b.transfer_addr, deadline_s=20)
+        assert nvme_blocks() == before + 3  # durable_commit: on NVMe when the Transfer returned
+        known = json.loads((Path(b.args[b.args.index("--nvme-dir") + 1]) / "namespaces.json").read_text())
+        assert any(n["tenant_salt"] == "t-durable" and n["model_id"] == ALLOWED for n in known.values())
+    finally:
+        ca.close()
+
+
+def client_stats(d):
+    c = client(d, ALLOWED)
+    try:
+        return c.stats()
+    finally:
+        c.close()
 
 
 def _refused(b, cfg: TransferConfig, what: str) -> None:

@@ -18,6 +18,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore import doorbell
 from kvstore.config import TransportConfig, is_loopback
@@ -32,6 +33,9 @@ from kvstore.transport import Listener, TransferConfig, TransferError, TransferH
 from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.daemon.tiering import Tiering
 
 log = logging.getLogger("kvstore.daemon.inbound")
 
@@ -101,6 +105,12 @@ class DaemonSink:
             inc = Incoming(h, s, lease, offsets, scratch, bell, LayerProgress(len(h.keys), h.n_layers))
             self.svc.incoming[(st.id, h.keys[0])] = inc
             self.svc.arrived.notify_all()
+        tiering = self.svc.tiering
+        if tiering is not None:  # as a Register does: its NVMe blocks must be recoverable after a restart
+            try:
+                tiering.remember(st)
+            except OSError as e:
+                log.error("cannot record namespace for NVMe recovery: %s", e)
         return _Target(self, inc)
 
 
@@ -138,6 +148,7 @@ class _Target:
 
     def end(self, status: TransferStatus, detail: str) -> None:
         inc, core, svc = self.inc, self.sink.core, self.sink.svc
+        blocks = []
         with core.lock:
             s, lease = inc.session, inc.lease
             if status is TransferStatus.OK and lease.id:
@@ -162,6 +173,11 @@ class _Target:
             svc.arrived.notify_all()
         if not inc.ok:
             log.warning("incoming transfer %d failed: %s %s", inc.header.transfer_id, status.name, detail)
+        elif blocks and svc.tiering is not None:
+            # As a client's Commit: with nvme.durable_commit the blocks are written through
+            # before the sender hears OK (a failure reaches it as SINK_ERROR; the blocks stay
+            # in DRAM). This runs on the connection's thread (UCX: the engine's, which waits).
+            svc.tiering.committed(blocks)
 
     def _count(self, status: TransferStatus) -> None:
         inc, svc = self.inc, self.sink.svc
@@ -176,9 +192,11 @@ class _Target:
 class Inbound:
     """The transfer listener, the transfers arriving through it, and AwaitTransfer."""
 
-    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics) -> None:
+    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics,
+                 tiering: "Tiering | None" = None) -> None:
         self.core = core
         self.metrics = metrics
+        self.tiering = tiering  # NVMe: received namespaces recorded, blocks written through if durable
         self.backend = t.backend
         self.config = wire  # wire_config(t), read once at start
         self.allow_unauthenticated = t.allow_unauthenticated

@@ -297,7 +297,7 @@ class Daemon:
         try:
             return (Outbound(self.core, t, self.transfer_wire, metrics=self.metrics, policy=self.policy,
                              sender_cls=self.transfer_sender),
-                    Inbound(self.core, t, self.transfer_wire, metrics=self.metrics))
+                    Inbound(self.core, t, self.transfer_wire, metrics=self.metrics, tiering=self.tiering))
         except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
             raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
                                f"listener on {self.cfg.transport.listen}: {e}") from None
