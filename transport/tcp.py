@@ -43,6 +43,11 @@ _BYTES_BATCH = 16 << 20      # bytes per sendmsg batch
 # kernel's copy has left it in cache (xxh3 ran 53 GB/s on cached data against 24 GB/s over a
 # whole cold chunk here), and the chunk is never read back from memory just to be verified.
 _HASH_PIECE = 512 << 10
+# Connections in their handshake at once, from one address and in all (each holds a thread for
+# at most connect_timeout_s): beyond, a new one is closed at once, so a flood of silent
+# connections costs no more threads, and one host's flood does not keep other peers out.
+MAX_HANDSHAKES_PER_HOST = 8
+MAX_HANDSHAKES = 256
 
 
 def _lost(detail: str) -> TransferError:
@@ -410,6 +415,7 @@ class TcpServer:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
+        self._handshaking: dict[str, int] = {}  # source address -> connections in their handshake
         self._max_ctrl = max_manifest_bytes(config.max_blocks, config.max_meta_bytes)
         self._accept_thread = threading.Thread(target=self._accept, name="kvt-tcp-accept", daemon=True)
         self._accept_thread.start()
@@ -424,8 +430,17 @@ class TcpServer:
                 if self._stopping:
                     sock.close()
                     return
+                host = addr[0]
+                if self._handshaking.get(host, 0) >= MAX_HANDSHAKES_PER_HOST or \
+                        sum(self._handshaking.values()) >= MAX_HANDSHAKES:
+                    sock.close()
+                    refused(self.sink, format_peer(*addr[:2]), AuthError(
+                        "too many connections in their handshake (from this host, or in all): closed at once",
+                        "timeout"))
+                    continue
+                self._handshaking[host] = self._handshaking.get(host, 0) + 1
                 self._conns.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock, format_peer(*addr[:2])),
+                t = threading.Thread(target=self._serve, args=(sock, format_peer(*addr[:2]), host),
                                      name=f"kvt-tcp-recv {addr[0]}", daemon=True)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
@@ -473,8 +488,16 @@ class TcpServer:
             return sock, Peer(cert_identity(sock), address, "tls")
         return sock, Peer(hs.peer_name if self.config.secret else "", address, "hmac" if self.config.secret else "none")
 
-    def _serve(self, raw: socket.socket, address: str) -> None:
-        got = self._handshake(raw, address)
+    def _serve(self, raw: socket.socket, address: str, host: str) -> None:
+        try:
+            got = self._handshake(raw, address)
+        finally:
+            with self._lock:
+                left = self._handshaking.get(host, 1) - 1
+                if left > 0:
+                    self._handshaking[host] = left
+                else:
+                    self._handshaking.pop(host, None)
         if got is None:
             return
         sock, peer = got
