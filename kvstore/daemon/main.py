@@ -162,6 +162,9 @@ def _transfer_credentials(t) -> TransferConfig:
         if wire.tls is not None:
             wire.tls.context(server=True)
             wire.tls.context(server=False)
+            if os.stat(wire.tls.key_file).st_mode & stat.S_IROTH:  # a Secret volume may be 0440 for fsGroup
+                log.warning("transport.tls_key_file: %s is readable by every local user; chmod o-r it",
+                            wire.tls.key_file)
     except (ValueError, OSError) as e:  # ssl.SSLError is an OSError
         raise StartupError(str(e) if str(e).startswith("transport.") else f"transport.tls_*: {e}") from None
     return wire
