@@ -439,7 +439,7 @@ def add_cli_flags(parser) -> None:
     for section, cls in sections():
         group = parser.add_argument_group(f"[{section}]")
         for f in fields(cls):
-            default = f.default
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = oct(default) if f.name.endswith("_mode") else default
             if is_secret(f) and default:
                 shown = REDACTED
