@@ -5,6 +5,7 @@ refusals. One pair of daemons per backend for the whole module (receiver B, send
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -173,8 +174,17 @@ def test_tcp_peers_without_a_certificate_or_with_another_ca_s_are_refused(tcp_pa
     # The receiver's certificate is checked too: a sender that trusts another CA will not talk to it.
     mistrust = TlsFiles(str(pki / "node-a.crt"), str(pki / "node-a.key"), str(pki / "rogue.crt"))
     _refused(b, TransferConfig(backend="tcp", tls=mistrust), "TLS handshake")
-    # B counts each as it drops it (the last one after the sender already gave up).
-    wait_for(lambda: metric(b, "kvstore_transfer_auth_failures_total", reason="tls") >= before + 3)
+    # A TLS client with no certificate at all: B ends the TLS session before reading a byte.
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    ctx.check_hostname = False
+    host, port = b.transfer_addr.rsplit(":", 1)
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        with ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10)) as anon:
+            anon.sendall(b"x" * 400)
+            assert anon.recv(1) == b""  # TLS 1.3: the alert comes on the first read
+            raise ConnectionError("closed")
+    # B counts each as it drops it (the last ones after the peer already gave up).
+    wait_for(lambda: metric(b, "kvstore_transfer_auth_failures_total", reason="tls") >= before + 4)
     assert "requires mutual TLS" in b.log() and "CERTIFICATE" in b.log().upper()  # why, and it serves on
     test_an_authenticated_peer_s_blocks_arrive_bit_exact(("tcp", tcp_pair))
 
