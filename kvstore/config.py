@@ -147,6 +147,13 @@ class TransportConfig:
     ucx_progress: str = field(default="adaptive", metadata={"help": "UCX engines: adaptive (poll while a transfer is open, else sleep), blocking (sleep whenever idle) or polling (always spin one core each)"})
     verify_threads: int = field(default=-1, metadata={"help": "UCX receiver: threads that verify arrived chunks' xxh3 beside the engine thread; -1 = auto (a quarter of the CPUs, at most 4; none under 4 CPUs), 0 = on the engine thread"})
     verify_min_bytes: int = field(default=1024**2, metadata={"help": "UCX receiver: only payloads of at least this size (bytes) go to the verify threads; smaller ones cost more to hand over than to hash"})
+    secret_file: str = field(default="", metadata={"help": "file holding the cluster secret (16-4096 bytes, mode 0600, owned by the daemon's user): both ends of a transfer prove they hold it (HMAC-SHA256 challenge-response) before any block is accepted; tcp and ucx"})
+    node_name: str = field(default="", metadata={"help": "this daemon's name in the secret-based handshake (what a peer's transport.accept names); empty = the host name"})
+    tls_cert_file: str = field(default="", metadata={"help": "tcp: PEM certificate of this daemon for mutual TLS (its subject CN, or first DNS name, is its name in peers' transport.accept)"})
+    tls_key_file: str = field(default="", metadata={"help": "tcp: PEM private key of tls_cert_file (a file only the daemon's user can read)"})
+    tls_ca_file: str = field(default="", metadata={"help": "tcp: PEM CA bundle that peers' certificates must chain to (both directions)"})
+    allow_unauthenticated: bool = field(default=False, metadata={"help": "let a transfer listener without TLS or a secret listen beyond loopback (UCX always listens on every interface): any host that reaches it may write blocks. Only on a fabric nobody else can reach"})
+    accept: dict = field(default_factory=dict, metadata={"help": "which namespaces (model ids, or 64-hex namespace ids, or \"*\") each peer may send, by peer name (\"*\" = every peer); a TOML table, or peer=ns1,ns2;*=ns3 on the command line; empty = every namespace from every peer that authenticated"})
 
 
 @dataclass
@@ -242,6 +249,7 @@ class Config:
                "must be adaptive, blocking or polling")
         _check(-1 <= self.transport.verify_threads <= 64, "transport.verify_threads", "must be -1 (auto) or 0..64")
         _check(self.transport.verify_min_bytes >= 0, "transport.verify_min_bytes", "must be >= 0")
+        _check_transfer_auth(self.transport)
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
         c = self.cluster
         for e in c.endpoints():
@@ -259,6 +267,71 @@ class Config:
         return self
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is loopback-only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that might resolve anywhere
+
+
+def _check_transfer_auth(t: "TransportConfig") -> None:
+    """The transfer listener's credentials: their shape here; the files are read at start."""
+    from kvstore.transport.auth import check_name
+
+    tls = (t.tls_cert_file, t.tls_key_file, t.tls_ca_file)
+    _check(all(tls) or not any(tls), "transport.tls_cert_file",
+           "mutual TLS needs all three of transport.tls_cert_file, tls_key_file and tls_ca_file")
+    _check(not (any(tls) and t.backend == "ucx"), "transport.tls_cert_file",
+           "TLS is for the tcp backend; the ucx backend authenticates with transport.secret_file")
+    if t.node_name:
+        try:
+            check_name(t.node_name, "transport.node_name")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    for peer, names in t.accept.items():
+        _check(peer == "*" or _valid_name(peer), "transport.accept",
+               f"{peer!r}: a peer name (a node name or certificate name) or \"*\"")
+        _check(isinstance(names, list) and all(isinstance(n, str) and 0 < len(n) <= 256 for n in names),
+               "transport.accept", f"{peer!r}: must be a list of model ids, namespace ids or \"*\"")
+    if not t.listen or any(tls) or t.secret_file or t.allow_unauthenticated:
+        return
+    host = t.listen.rpartition(":")[0]
+    if t.backend == "ucx":
+        raise ConfigError("transport.listen: the ucx listener listens on every interface (ucxx takes no bind "
+                          "address), and it has no authentication: set transport.secret_file, or "
+                          "transport.allow_unauthenticated = true if nobody else can reach this host's network")
+    _check(is_loopback(host), "transport.listen",
+           f"{t.listen} is reachable beyond this host, and the transfer listener has no authentication: set "
+           "transport.secret_file, or transport.tls_cert_file, tls_key_file and tls_ca_file, or "
+           "transport.allow_unauthenticated = true on a fabric nobody else can reach")
+
+
+def _valid_name(name: str) -> bool:
+    from kvstore.transport.auth import check_name
+
+    try:
+        check_name(name)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_accept(text: str) -> dict:
+    """``peer=ns1,ns2;*=ns3`` (the command line's and the environment's form of transport.accept)."""
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        peer, sep, names = part.partition("=")
+        if not sep:
+            raise ValueError(f"{part!r}: expected peer=namespace,namespace")
+        out.setdefault(peer.strip(), []).extend(n.strip() for n in names.split(",") if n.strip())
+    return out
+
+
 def _check(ok: bool, key: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {why}")
@@ -270,8 +343,15 @@ def _host_port(key: str, text: str) -> None:
 
 
 def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
-    want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str,
+                                                    "dict": dict}[f.type]
     try:
+        if want is dict:
+            if isinstance(value, str):
+                return parse_accept(value)
+            if not isinstance(value, dict):
+                raise ValueError(f"not a table: {value!r}")
+            return {str(k): list(v) if isinstance(v, list) else v for k, v in value.items()}
         if want is bool:
             if isinstance(value, bool):
                 return value
@@ -390,7 +470,7 @@ def add_cli_flags(parser) -> None:
     for section, cls in sections():
         group = parser.add_argument_group(f"[{section}]")
         for f in fields(cls):
-            default = f.default
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = oct(default) if f.name.endswith("_mode") else default
             if is_secret(f) and default:
                 shown = REDACTED
@@ -422,6 +502,10 @@ def to_toml(cfg: Config) -> str:
             v = getattr(getattr(cfg, section), f.name)
             if is_secret(f) and v:
                 lines.append(f'{f.name} = "{REDACTED}"')
+            elif isinstance(v, dict):
+                import json
+
+                lines.append(f"{f.name} = {{" + ", ".join(f"{json.dumps(k)} = {json.dumps(n)}" for k, n in v.items()) + "}")
             elif isinstance(v, bool):
                 lines.append(f"{f.name} = {'true' if v else 'false'}")
             elif f.name.endswith("_mode"):

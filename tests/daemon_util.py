@@ -106,6 +106,16 @@ def launch(args: list[str], socket_path: str, log_path: Path, **kw) -> DaemonPro
     return spawn(args, socket_path, log_path, **kw).serving()
 
 
+def cluster_secret(workdir: Path) -> str:
+    """A transfer secret file (0600) shared by the daemons of ``workdir``."""
+    path = workdir / "transfer.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+    return str(path)
+
+
 @dataclass
 class DaemonSpec:
     """One daemon for :func:`start_daemons`: a private socket (``workdir/<name>.sock``), a small
@@ -128,6 +138,11 @@ class DaemonSpec:
         port = self.metrics_port or free_port()
         addr = (self.transfer_addr or f"127.0.0.1:{free_port()}") if self.transfer else ""
         listen = ["--transport-listen", addr, "--transport-backend", self.transfer] if self.transfer else []
+        if self.transfer == "ucx" and not any(f.startswith(("--transport-secret-file", "--transport-allow-unauth"))
+                                              for f in self.flags):
+            # UCX listens on every interface, so a daemon needs a secret for it: the daemons of
+            # one workdir share one, so they authenticate to each other.
+            listen += ["--transport-secret-file", cluster_secret(workdir)]
         args = ["--server-socket-path", sock, "--dram-capacity-bytes", self.dram, "--dram-extent-bytes", "4MiB",
                 "--metrics-port", str(port), "--metrics-host", "127.0.0.1", *listen, *self.flags]
         return spawn(args, sock, workdir / f"{self.name}.log", env=self.env, prefix=self.prefix,

@@ -219,7 +219,7 @@ HELM_VARIANTS = {
         "dram": {"capacity": "32GiB"}, "resources": {"requests": {"cpu": "4", "memory": "40Gi"},
                                                      "limits": {"cpu": "4", "memory": "40Gi"}},
         "hbm": {"capacity": "16GiB", "device": "0", "exposeAllGpus": True},
-        "transport": {"backend": "ucx", "port": 17470, "ucxProgress": "polling"},
+        "transport": {"backend": "ucx", "port": 17470, "ucxProgress": "polling", "accept": "node-1=m1,m2;*=m3"},
         "control": {"tls": {"enabled": True, "port": 17471, "secretName": "kvstore-tls", "mutual": True,
                             "tokenSecret": {"name": "kvstore-token", "key": "token"}}},
         "metrics": {"port": 19464},
@@ -231,7 +231,7 @@ HELM_VARIANTS = {
                                                                                      "clientCert": True}},
     }, "cache"),
     "minimal": ({"nvme": {"enabled": False}, "serviceMonitor": {"enabled": False},
-                 "prometheusRule": {"enabled": False}}, "kvstore"),
+                 "prometheusRule": {"enabled": False}, "transport": {"allowUnauthenticated": True}}, "kvstore"),
     "nvme-local-pv": ({"nvme": {"volume": {"persistentVolumeClaim": {"claimName": "kvstore-nvme"}}}}, "kvstore"),
 }
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import faulty_daemon
-from daemon_util import Daemons, DaemonSpec, free_port
+from daemon_util import Daemons, DaemonSpec, cluster_secret, free_port
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.transport import ucx_available
@@ -348,8 +348,9 @@ def two_netns():
 
 def test_daemons_in_separate_network_namespaces(daemons, two_netns):
     (ns_a, addr_a), (ns_b, addr_b) = two_netns
-    a, b = daemons.start(DaemonSpec(("--transport-listen", f"{addr_a}:7470"), name="a", prefix=["ip", "netns", "exec", ns_a]),
-                         DaemonSpec(("--transport-listen", f"{addr_b}:7470"), name="b", prefix=["ip", "netns", "exec", ns_b]))
+    secret = ("--transport-secret-file", cluster_secret(daemons.workdir))  # off loopback: authenticated
+    a, b = daemons.start(DaemonSpec(("--transport-listen", f"{addr_a}:7470", *secret), name="a", prefix=["ip", "netns", "exec", ns_a]),
+                         DaemonSpec(("--transport-listen", f"{addr_b}:7470", *secret), name="b", prefix=["ip", "netns", "exec", ns_b]))
     ca, cb = clients(a, b)  # control over each daemon's unix socket; data crosses the veth
     tokens = list(range(6 * 16))
     kv = kv_for(tokens, 4)

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from . import bench_raw
+from .auth import TlsFiles
 from .config import Backend, TransferConfig
 from .listener import Listener
 from .protocol import TransferHeader, TransferStatus, checksum
@@ -58,7 +59,7 @@ class RingSink:
         self.status: dict[int, str] = {}
         self._src: dict = {}
 
-    def begin(self, header: TransferHeader):
+    def begin(self, header: TransferHeader, peer=None):
         if self.ring.nbytes < header.chunk_bytes:
             return None
         meta = json.loads(header.meta or b"{}")
@@ -117,7 +118,7 @@ def ablate_checksum() -> None:
 
 
 def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress: str = "adaptive",
-             verify_threads: int = -1) -> None:
+             verify_threads: int = -1, tls: "TlsFiles | None" = None) -> None:
     """Receiver process: a Listener with a RingSink, driven by commands over ``conn``."""
     if ablate:
         ablate_checksum()
@@ -129,7 +130,7 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress
                 conn.send(("arrived", t))
     sink = RingSink(ring_bytes, notify)
     listener = Listener(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress,
-                                       verify_threads=verify_threads), sink)
+                                       verify_threads=verify_threads, tls=tls), sink)
     listener.start()
     conn.send(listener.address)
     while True:
@@ -151,14 +152,14 @@ def _rx_main(conn, backend: str, ring_bytes: int, ablate: bool = False, progress
 class Bench:
     def __init__(self, ctx, backend: Backend, ring_bytes: int, verify: bool, seed: int = 1,
                  ablate: bool = False, known_digests: bool = False, progress: str = "adaptive",
-                 verify_threads: int = -1) -> None:
+                 verify_threads: int = -1, tls: "TlsFiles | None" = None) -> None:
         self.backend, self.verify, self.seed = backend, verify, seed
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_rx_main, daemon=True,
-                                args=(child, backend.value, ring_bytes, ablate, progress, verify_threads))
+                                args=(child, backend.value, ring_bytes, ablate, progress, verify_threads, tls))
         self.proc.start()
         self.peer = self.conn.recv()
-        self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress))
+        self.sender = Sender(TransferConfig(backend=backend, max_deadline_s=3600, ucx_progress=progress, tls=tls))
         self.known_digests = known_digests
         self.meta = json.dumps({"verify": verify, "seed": seed}).encode()
 
@@ -279,6 +280,19 @@ def _fmt(n: int) -> str:
     return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
 
 
+def throwaway_tls() -> TlsFiles:
+    """A self-signed P-256 certificate (its own CA) in a private temporary directory."""
+    import subprocess
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="kvstore-bench-tls-")
+    crt, key = os.path.join(d, "bench.crt"), os.path.join(d, "bench.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-subj", "/CN=kvstore-bench", "-days", "1", "-keyout", key, "-out", crt],
+                   check=True, capture_output=True, timeout=60)
+    return TlsFiles(crt, key, crt)
+
+
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvstore bench transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=["tcp", "ucx", "both"], default="both")
@@ -299,6 +313,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--verify-threads", type=int, default=-1,
                    help="UCX receiver: threads hashing arrived chunks (the daemon's transport.verify_threads; "
                         "-1 = auto, 0 = on the engine thread)")
+    p.add_argument("--tls", action="store_true",
+                   help="tcp: mutual TLS on both ends (a throwaway self-signed certificate, made with openssl); "
+                        "the raw reference stays a plain socket, so the ratio is what TLS costs")
     p.add_argument("--no-raw", action="store_true", help="skip the raw references")
     p.add_argument("--verify", action="store_true", help="check every received chunk byte for byte")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -340,10 +357,18 @@ def main(argv=None) -> int:
     if a.known_digests:
         log("note: --known-digests: the sender does not hash (digests taken before the clock); "
             "the receiver verifies every chunk")
+    tls = None
+    if a.tls:
+        if Backend.UCX in backends:
+            print("error: --tls is for --backend tcp", file=sys.stderr)
+            return 2
+        tls = throwaway_tls()
+        out["tls"] = True
+        log("note: --tls: mutual TLS (the raw reference is a plain socket)")
     for backend in backends:
         ring = max(64 * MiB, 4 * max(sizes))
         bench = Bench(ctx, backend, ring, a.verify, ablate=a.ablate_checksum, known_digests=a.known_digests,
-                      progress=a.ucx_progress, verify_threads=a.verify_threads)
+                      progress=a.ucx_progress, verify_threads=a.verify_threads, tls=tls)
         try:
             log(f"\n== {backend.value}: chunk size sweep ({a.total_mib} MiB per run, {a.repeat} runs of ours and "
                 f"raw interleaved; medians, ratio = median of the per-pair ratios)")

@@ -9,6 +9,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+from .auth import TlsFiles, check_name
+
 MiB = 1 << 20
 
 
@@ -42,9 +44,13 @@ class TransferConfig:
     """Transport settings. Times are seconds, sizes bytes.
 
     ``host``/``port`` are where the :class:`Listener` binds (port 0 = any free port). The UCX
-    listener binds every interface on ``port`` (ucxx offers no bind address); ``host`` is then
-    only the address it reports. Nothing on the wire is encrypted or authenticated beyond
-    ``auth_token``: run the transfer listener on the cluster's private fabric.
+    listener binds every interface on ``port`` (ucxx 0.52 offers no bind address); ``host`` is
+    then only the address it reports.
+
+    Authentication (``auth.py``): with ``secret`` both ends prove they hold it (HMAC
+    challenge-response, as ``node_name``) before any transfer frame is accepted; with ``tls``
+    (TCP only) the connection is mutual TLS and a peer is its certificate's name. Neither: any
+    peer that reaches the port is accepted; a daemon allows that only when told to.
     """
 
     backend: Backend = Backend.TCP
@@ -57,7 +63,9 @@ class TransferConfig:
     max_blocks: int = 65536               # keys in one transfer
     max_meta_bytes: int = 64 * 1024
     max_inflight_bytes: int = 64 * MiB    # UCX sender: payload bytes posted, not completed (>= 1 chunk)
-    auth_token: bytes = b""               # both sides must hold the same token ("" = none)
+    secret: bytes = b""                   # cluster secret of the HMAC handshake (b"" = none)
+    node_name: str = "kvstore"            # who this end says it is in the handshake
+    tls: "TlsFiles | None" = None         # TCP: mutual TLS with these files
     ucx_progress: UcxProgress = UcxProgress.ADAPTIVE
     verify_threads: int = -1              # UCX receiver: threads hashing arrived payloads (-1 = auto)
     verify_min_bytes: int = 1 * MiB       # ... for payloads of at least this size (smaller: inline)
@@ -78,8 +86,9 @@ class TransferConfig:
             raise ValueError(f"verify_threads: must be -1 (auto) or 0..64, got {self.verify_threads}")
         if self.verify_min_bytes < 0:
             raise ValueError(f"verify_min_bytes: must be >= 0, got {self.verify_min_bytes}")
-        if len(self.auth_token) > 256:
-            raise ValueError("auth_token: at most 256 bytes")
+        check_name(self.node_name, "node_name")
+        if self.tls is not None and self.backend is Backend.UCX:
+            raise ValueError("tls: mutual TLS is for the tcp backend; UCX authenticates with the secret")
 
     def resolved_verify_threads(self, cpus: int | None = None) -> int:
         """How many threads verify arrived UCX payloads beside the engine thread. 0: the engine

@@ -4,8 +4,7 @@ per-chunk checksum and the status codes a failed transfer reports.
 One connection carries one transfer at a time::
 
     sender                                   receiver
-    HELLO(version, auth token) ------------>                     (TCP only; UCX uses its handshake)
-                               <------------ HELLO
+    HELLO x 4: the handshake (auth.py)  <-->                     (TCP frames; UCX: its stream API)
     BEGIN(transfer id, manifest) ---------->  sink.begin()
                                <------------ ACCEPT | REFUSE(status, why)
     CHUNK(seq, block, layer, key, length, xxh3) + payload ---->  verify, target.arrived()
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = 0x3154564B  # b"KVT1" little-endian
-VERSION = 2  # 2: BATCH frames
+VERSION = 3  # 2: BATCH frames; 3: the authenticated handshake
 MAX_BATCH = 64  # CHUNK headers one BATCH frame may carry
 BATCH_BYTES = 64 << 10  # ... and at most this many bytes of headers and run digests
 MAX_RUN_LAYERS = 1024  # layers one run may carry
@@ -110,6 +109,8 @@ class TransferStatus(enum.IntEnum):
     SINK_ERROR = 7          # the receiving sink raised
     SHUTDOWN = 8            # the listener or sender is stopping
     CONNECT_FAILED = 9      # no connection to the peer could be made
+    UNAUTHENTICATED = 10    # the handshake failed: no or wrong credentials on one side
+    FORBIDDEN = 11          # the receiver does not accept this namespace from this sender
 
     @property
     def grpc_code(self) -> str:
@@ -123,6 +124,9 @@ _GRPC = {
     TransferStatus.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED", TransferStatus.PROTOCOL_ERROR: "INTERNAL",
     TransferStatus.ABORTED: "ABORTED", TransferStatus.SINK_ERROR: "INTERNAL",
     TransferStatus.SHUTDOWN: "UNAVAILABLE", TransferStatus.CONNECT_FAILED: "UNAVAILABLE",
+    # The Transfer RPC's caller is this daemon's client: the peer refusing this daemon is a
+    # permission it lacks, whichever of the two refusals it was.
+    TransferStatus.UNAUTHENTICATED: "PERMISSION_DENIED", TransferStatus.FORBIDDEN: "PERMISSION_DENIED",
 }
 
 

@@ -12,10 +12,10 @@ Not thread-safe: one session belongs to one connection and is driven by one thre
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 
+from .auth import AuthError, Peer
 from .config import TransferConfig
 from .protocol import (MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError, TransferHeader,
                        TransferStatus, payload_digests, run_checksum, status_frame, unpack_digests)
@@ -24,6 +24,18 @@ from .sink import Sink, Target
 log = logging.getLogger("kvstore.transport")
 
 Reply = tuple[Frame, bytes]
+
+
+def refused(sink: Sink, address: str, err: AuthError) -> None:
+    """A peer failed the handshake: log it (the reason, never a credential) and tell the sink,
+    which counts it. Nothing of a transfer was accepted from it."""
+    log.warning("transfer listener refused %s: %s (%s)", address, err.detail, err.reason)
+    report = getattr(sink, "peer_refused", None)
+    if report is not None:
+        try:
+            report(address, err.reason, err.detail)
+        except Exception:
+            log.exception("sink.peer_refused failed")
 
 
 class _Active:
@@ -48,19 +60,17 @@ class InboundSession:
         self.peer = peer
         self.clock = clock
         self.active: _Active | None = None
+        self.identity: Peer | None = None  # set once the handshake succeeded
 
     @property
     def deadline(self) -> float | None:
         """When the running transfer must be over; None between transfers."""
         return self.active.deadline if self.active else None
 
-    def check_hello(self, frame: Frame, data: bytes) -> Reply:
-        """Validate the peer's HELLO (version is checked by Frame.unpack) and its token."""
-        if frame.type is not FrameType.HELLO:
-            raise ProtocolError(f"expected HELLO, got {frame.type.name}")
-        if not hmac.compare_digest(bytes(data), self.config.auth_token):
-            raise ProtocolError("HELLO: wrong auth token")
-        return Frame(FrameType.HELLO), b""
+    def authenticated(self, peer: Peer) -> None:
+        """The handshake (run by the backend) proved who the peer is; transfers may begin."""
+        self.identity = peer
+        self.peer = f"{peer.name or 'unauthenticated peer'} ({peer.address})"
 
     # -- control frames -------------------------------------------------------------------------
 
@@ -94,8 +104,10 @@ class InboundSession:
         header = TransferHeader.decode(frame.transfer_id, data, c.max_blocks, c.max_chunk_bytes,
                                        c.max_meta_bytes)
         tid = frame.transfer_id
+        if self.identity is None:
+            raise ProtocolError("BEGIN before the handshake", tid)
         try:
-            target = self.sink.begin(header)
+            target = self.sink.begin(header, self.identity)
         except TransferError as exc:
             return status_frame(FrameType.REFUSE, tid, exc.status, exc.detail)
         except Exception as exc:

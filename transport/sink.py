@@ -3,9 +3,11 @@ reference implementation used by the tests and the benchmark.
 
 Contract (the receiving side of one transfer):
 
-1. ``sink.begin(header)`` reserves room for every chunk of the transfer, all or nothing, and
-   returns a :class:`Target`; ``None`` refuses (back-pressure: REFUSED goes back to the sender).
-   Raising :class:`TransferError` refuses with that status and text.
+1. ``sink.begin(header, peer)`` reserves room for every chunk of the transfer, all or nothing,
+   and returns a :class:`Target`; ``None`` refuses (back-pressure: REFUSED goes back to the
+   sender). Raising :class:`TransferError` refuses with that status and text (FORBIDDEN: not
+   from this peer). ``peer`` (:class:`~kvstore.transport.auth.Peer`) is who the handshake proved
+   the sender to be.
 2. ``target.buffer(block, layer)`` gives the writable destination of one chunk, exactly
    ``header.chunk_bytes`` bytes (a memoryview or uint8 numpy view of an arena slot). The
    transport writes the payload straight into it: no intermediate copy.
@@ -27,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .auth import Peer
 from .protocol import TransferHeader, TransferStatus
 
 
@@ -46,7 +49,9 @@ class Target(Protocol):
 
 
 class Sink(Protocol):
-    def begin(self, header: TransferHeader) -> Target | None: ...
+    def begin(self, header: TransferHeader, peer: Peer) -> Target | None: ...
+    # Optional: ``peer_refused(address, reason, detail)``, told of each peer whose handshake
+    # failed (it never reached ``begin``); ``reason`` is AuthError.reason.
 
 
 class LayerProgress:
@@ -101,7 +106,7 @@ class MemorySink:
         with self._lock:
             return self.arena.size // self.slot_bytes - len(self._free)
 
-    def begin(self, header: TransferHeader) -> "_MemoryTarget | None":
+    def begin(self, header: TransferHeader, peer: Peer | None = None) -> "_MemoryTarget | None":
         if header.chunk_bytes > self.slot_bytes:
             return None
         with self._lock:

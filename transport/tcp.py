@@ -5,13 +5,21 @@ from the kernel straight into the sink's buffer with ``recv_into(..., MSG_WAITAL
 user space. Sockets stay in blocking mode (Python's own timeout mode would make them
 non-blocking and turn every large recv into a poll+recv loop); deadlines are kernel timeouts
 (SO_RCVTIMEO / SO_SNDTIMEO) re-armed from the transfer deadline before each frame.
+
+With mutual TLS (``config.tls``) the socket is an :class:`ssl.SSLSocket`: no ``sendmsg``, no
+MSG_WAITALL or MSG_PEEK, and OpenSSL retries a read that a kernel timeout interrupted, so a TLS
+socket runs in Python's timeout mode instead (re-armed the same way) and payloads are decrypted
+straight into the sink's buffer by ``recv_into``. The TLS handshake runs on the connection's own
+thread, bounded by ``connect_timeout_s``, never on the accept thread.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -20,10 +28,11 @@ from concurrent.futures import Future
 import xxhash
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from .auth import HELLO_BYTES, AuthError, ClientHandshake, Peer, ServerHandshake, cert_identity, refusal
 from .config import TransferConfig, format_peer
 from .protocol import (FRAME_BYTES, Frame, FrameType, ProtocolError, TransferError, TransferStatus,
                        max_manifest_bytes, parse_status)
-from .session import InboundSession
+from .session import InboundSession, refused
 from .sink import Sink
 
 log = logging.getLogger("kvstore.transport")
@@ -34,6 +43,11 @@ _BYTES_BATCH = 16 << 20      # bytes per sendmsg batch
 # kernel's copy has left it in cache (xxh3 ran 53 GB/s on cached data against 24 GB/s over a
 # whole cold chunk here), and the chunk is never read back from memory just to be verified.
 _HASH_PIECE = 512 << 10
+# Connections in their handshake at once, from one address and in all (each holds a thread for
+# at most connect_timeout_s): beyond, a new one is closed at once, so a flood of silent
+# connections costs no more threads, and one host's flood does not keep other peers out.
+MAX_HANDSHAKES_PER_HOST = 8
+MAX_HANDSHAKES = 256
 
 
 def _lost(detail: str) -> TransferError:
@@ -52,13 +66,17 @@ def tune(sock: socket.socket, keepalive_s: int) -> None:
 
 
 def arm(sock: socket.socket, deadline: float | None) -> None:
-    """Kernel send/receive timeouts reaching to ``deadline`` (monotonic s); None = wait forever."""
-    if deadline is None:
+    """Kernel send/receive timeouts reaching to ``deadline`` (monotonic s); None = wait forever.
+    A TLS socket gets the same as its Python timeout."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        raise TransferError(TransferStatus.DEADLINE_EXCEEDED, "transfer deadline passed")
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(left)
+        return
+    if left is None:
         tv = struct.pack("ll", 0, 0)
     else:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError(TransferStatus.DEADLINE_EXCEEDED, "transfer deadline passed")
         tv = struct.pack("ll", int(left), max(1, int((left % 1) * 1e6)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
@@ -67,9 +85,10 @@ def arm(sock: socket.socket, deadline: float | None) -> None:
 def recv_into(sock: socket.socket, mv: memoryview, deadline: float | None) -> None:
     """Fill ``mv`` completely from ``sock``; PEER_LOST on EOF, DEADLINE_EXCEEDED on timeout."""
     got, n = 0, mv.nbytes
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < n:
         try:
-            k = sock.recv_into(mv[got:], n - got, socket.MSG_WAITALL)
+            k = sock.recv_into(mv[got:], n - got, flags)
         except (BlockingIOError, TimeoutError):
             arm(sock, deadline)  # raises once the deadline has passed; else the timer re-arms
             continue
@@ -94,6 +113,8 @@ def recv_hashed(sock: socket.socket, mv: memoryview, deadline: float | None) -> 
 def send_all(sock: socket.socket, bufs: list, deadline: float | None) -> None:
     """``sendmsg`` every byte of ``bufs`` (a header and a payload: no joining copy)."""
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        return _send_tls(sock, views)
     while views:
         try:
             k = sock.sendmsg(views)
@@ -108,6 +129,33 @@ def send_all(sock: socket.socket, bufs: list, deadline: float | None) -> None:
             else:
                 views[0] = views[0][k:]
                 k = 0
+
+
+def _send_tls(sock: ssl.SSLSocket, views: list[memoryview]) -> None:
+    """``send_all`` on TLS: small pieces (frame headers, run digests) joined into one record
+    with the payload that follows them, each large payload encrypted straight from its buffer.
+    A send that timed out may have left part of a record: the transfer is over then."""
+    small: list[memoryview] = []
+    try:
+        for v in views:
+            if v.nbytes < 64 << 10:
+                small.append(v)
+                continue
+            if small:
+                sock.sendall(b"".join(small))
+                small = []
+            sock.sendall(v)
+        if small:
+            sock.sendall(b"".join(small))
+    except TimeoutError:
+        raise TransferError(TransferStatus.DEADLINE_EXCEEDED, "transfer deadline passed while sending") from None
+    except OSError as exc:
+        raise _lost(f"connection lost while sending: {exc.strerror or exc}") from None
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a TLS socket has anything to read (decrypted bytes held, or bytes on the wire)."""
+    return bool(sock.pending()) or bool(select.select([sock], [], [], 0)[0])
 
 
 def read_frame(sock: socket.socket, deadline: float | None, max_data: int) -> tuple[Frame, bytes]:
@@ -128,11 +176,15 @@ def read_frame(sock: socket.socket, deadline: float | None, max_data: int) -> tu
     return frame, bytes(data)
 
 
-def hello(sock: socket.socket, token: bytes, deadline: float) -> None:
-    send_all(sock, [Frame(FrameType.HELLO, length=len(token)).pack(), token], deadline)
-    frame, _ = read_frame(sock, deadline, 256)
+def send_hello(sock: socket.socket, msg: bytes, deadline: float) -> None:
+    send_all(sock, [Frame(FrameType.HELLO, length=len(msg)).pack(), msg], deadline)
+
+
+def read_hello(sock: socket.socket, deadline: float) -> bytes:
+    frame, data = read_frame(sock, deadline, HELLO_BYTES)
     if frame.type is not FrameType.HELLO:
-        raise ProtocolError(f"expected HELLO, got {frame.type.name}")
+        raise AuthError(f"handshake: expected HELLO, got {frame.type.name}", "protocol")
+    return data
 
 
 # -- sending side --------------------------------------------------------------------------------
@@ -140,6 +192,7 @@ def hello(sock: socket.socket, token: bytes, deadline: float) -> None:
 class TcpConnector:
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
+        self._tls = config.tls.context(server=False) if config.tls is not None else None
 
     def connect(self, host: str, port: int, timeout_s: float) -> "TcpChannel":
         peer = format_peer(host, port)
@@ -148,13 +201,37 @@ class TcpConnector:
             sock = socket.create_connection((host, port), timeout=max(timeout_s, 1e-3))
         except OSError as exc:
             raise TransferError(TransferStatus.CONNECT_FAILED, f"cannot connect to {peer}: {exc}") from None
-        sock.settimeout(None)
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock)
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise AuthError(f"TLS handshake with {peer} failed: {getattr(exc, 'reason', None) or exc}",
+                                "tls") from None
+        else:
+            sock.settimeout(None)
         tune(sock, self.config.tcp_keepalive_s)
+        hs = ClientHandshake(self.config.secret, self.config.node_name)
         try:
             arm(sock, deadline)
-            hello(sock, self.config.auth_token, deadline)
+            send_hello(sock, hs.first(), deadline)
+            send_hello(sock, hs.third(read_hello(sock, deadline)), deadline)
+            hs.done(read_hello(sock, deadline))
+        except AuthError as exc:
+            if not exc.by_peer:  # we refuse the listener: tell it why
+                try:
+                    send_hello(sock, refusal(3, exc), time.monotonic() + 0.5)
+                except TransferError:
+                    pass
+            sock.close()
+            raise AuthError(f"{peer}: {exc.detail}", exc.reason) from None
         except TransferError as exc:
             sock.close()
+            if self._tls is not None and exc.status is TransferStatus.PEER_LOST:
+                # TLS 1.3: the listener checks our certificate after our side of the handshake
+                # is over, and says no by closing (an alert) when we first read.
+                raise AuthError(f"{peer} closed the connection during the handshake ({exc.detail}): does it "
+                                f"trust this daemon's certificate (transport.tls_ca_file there)?", "tls") from None
             raise TransferError(TransferStatus.CONNECT_FAILED, f"handshake with {peer} failed: {exc}") from None
         return TcpChannel(sock, peer)
 
@@ -185,6 +262,8 @@ class TcpChannel:
     def alive(self) -> bool:
         if self._error is not None or self._closed:
             return False
+        if isinstance(self.sock, ssl.SSLSocket):
+            return not _readable(self.sock)
         try:  # an idle connection has nothing to read: EOF or stray bytes both mean unusable
             self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             return False
@@ -268,6 +347,11 @@ class TcpChannel:
 
     def _check_incoming(self) -> None:
         """A receiver that failed the transfer says so (ERROR frame) and closes: stop early."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            if _readable(self.sock):
+                frame, data = read_frame(self.sock, self._deadline, _STATUS_DATA_MAX)
+                raise parse_status(frame, data) or ProtocolError(f"unexpected {frame.type.name} during transfer")
+            return
         try:
             peek = self.sock.recv(FRAME_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -284,8 +368,7 @@ class TcpChannel:
         if err.status is not TransferStatus.PEER_LOST:
             return err
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
-            frame, data = read_frame(self.sock, None, _STATUS_DATA_MAX)
+            frame, data = read_frame(self.sock, time.monotonic() + 0.2, _STATUS_DATA_MAX)
             return parse_status(frame, data) or err
         except Exception:
             return err
@@ -311,10 +394,12 @@ class TcpChannel:
 # -- receiving side ------------------------------------------------------------------------------
 
 class TcpServer:
-    """Accepts connections; serves each on its own thread with an :class:`InboundSession`."""
+    """Accepts connections; serves each on its own thread with an :class:`InboundSession`, once
+    the peer passed the handshake (TLS and/or the secret) within ``connect_timeout_s``."""
 
     def __init__(self, config: TransferConfig, sink: Sink) -> None:
         self.config, self.sink = config, sink
+        self._tls = config.tls.context(server=True) if config.tls is not None else None
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port
@@ -330,6 +415,7 @@ class TcpServer:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
+        self._handshaking: dict[str, int] = {}  # source address -> connections in their handshake
         self._max_ctrl = max_manifest_bytes(config.max_blocks, config.max_meta_bytes)
         self._accept_thread = threading.Thread(target=self._accept, name="kvt-tcp-accept", daemon=True)
         self._accept_thread.start()
@@ -344,20 +430,80 @@ class TcpServer:
                 if self._stopping:
                     sock.close()
                     return
+                host = addr[0]
+                if self._handshaking.get(host, 0) >= MAX_HANDSHAKES_PER_HOST or \
+                        sum(self._handshaking.values()) >= MAX_HANDSHAKES:
+                    sock.close()
+                    refused(self.sink, format_peer(*addr[:2]), AuthError(
+                        "too many connections in their handshake (from this host, or in all): closed at once",
+                        "timeout"))
+                    continue
+                self._handshaking[host] = self._handshaking.get(host, 0) + 1
                 self._conns.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock, format_peer(*addr[:2])),
+                t = threading.Thread(target=self._serve, args=(sock, format_peer(*addr[:2]), host),
                                      name=f"kvt-tcp-recv {addr[0]}", daemon=True)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        session = InboundSession(self.config, self.sink, peer)
+    def _handshake(self, sock: socket.socket, address: str) -> tuple[socket.socket, Peer] | None:
+        """TLS (if configured), then the HELLO exchange; the socket to serve and who is on it, or
+        None once a refused peer has been told why, reported and closed."""
+        deadline = time.monotonic() + self.config.connect_timeout_s
         try:
             tune(sock, self.config.tcp_keepalive_s)
-            deadline = time.monotonic() + self.config.connect_timeout_s
+            if self._tls is not None:
+                sock.settimeout(self.config.connect_timeout_s)
+                try:
+                    plain = sock.recv(1, socket.MSG_PEEK) not in (b"\x16", b"")  # 0x16: a TLS handshake record
+                except OSError:
+                    plain = False
+                if plain:  # a plaintext peer can read a plaintext refusal that says why
+                    raise AuthError("this listener requires mutual TLS (transport.tls_*); the peer spoke "
+                                    "plaintext", "tls-plain")
+                try:
+                    tls_sock = self._tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    raise AuthError(f"TLS: {getattr(exc, 'reason', None) or exc}", "tls") from None
+                with self._lock:  # stop() must shut down the socket now in use
+                    self._conns.discard(sock)
+                    self._conns.add(tls_sock)
+                sock = tls_sock
+            hs = ServerHandshake(self.config.secret, self.config.node_name)
             arm(sock, deadline)
-            frame, data = read_frame(sock, deadline, 256)
-            send_all(sock, [session.check_hello(frame, data)[0].pack()], deadline)
+            send_hello(sock, hs.second(read_hello(sock, deadline)), deadline)
+            send_hello(sock, hs.fourth(read_hello(sock, deadline)), deadline)
+        except TransferError as err:
+            if not isinstance(err, AuthError):
+                err = AuthError(f"handshake not completed: {err.detail}",
+                                "timeout" if err.status is TransferStatus.DEADLINE_EXCEEDED else "protocol")
+            answer = err.reason not in ("tls", "timeout")  # not into a failed TLS session, nor to the silent
+            if err.reason == "tls-plain":
+                err.reason = "tls"
+            refused(self.sink, address, err)
+            with self._lock:
+                self._conns.discard(sock)
+            self._close(sock, (Frame(FrameType.HELLO, length=HELLO_BYTES), refusal(0, err)) if answer else None)
+            return None
+        if self._tls is not None:
+            return sock, Peer(cert_identity(sock), address, "tls")
+        return sock, Peer(hs.peer_name if self.config.secret else "", address, "hmac" if self.config.secret else "none")
+
+    def _serve(self, raw: socket.socket, address: str, host: str) -> None:
+        try:
+            got = self._handshake(raw, address)
+        finally:
+            with self._lock:
+                left = self._handshaking.get(host, 1) - 1
+                if left > 0:
+                    self._handshaking[host] = left
+                else:
+                    self._handshaking.pop(host, None)
+        if got is None:
+            return
+        sock, peer = got
+        session = InboundSession(self.config, self.sink, address)
+        session.authenticated(peer)
+        try:
             while True:
                 dl = session.deadline
                 if dl is not None and time.monotonic() >= dl:  # a sender trickling bytes
@@ -381,7 +527,7 @@ class TcpServer:
                 err = session.expire() or err
             self._close(sock, session.fail(err))
         except Exception as exc:
-            log.exception("transfer connection from %s failed", peer)
+            log.exception("transfer connection from %s failed", session.peer)
             self._close(sock, session.fail(TransferError(TransferStatus.PROTOCOL_ERROR, repr(exc))))
         finally:
             with self._lock:
@@ -394,7 +540,10 @@ class TcpServer:
             if reply is not None:
                 send_all(sock, [reply[0].pack(), reply[1]], time.monotonic() + 0.5)
             sock.shutdown(socket.SHUT_WR)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
+            if isinstance(sock, ssl.SSLSocket):  # unwrapped by shutdown: what is left is raw bytes
+                sock.settimeout(0.1)
+            else:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
             junk = bytearray(1 << 16)
             end = time.monotonic() + 0.3
             while time.monotonic() < end and sock.recv_into(junk):

@@ -19,23 +19,21 @@ transports) its registration cache maps each slot once, not per message.
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
-import struct
 import time
 
 import numpy as np
 
+from .auth import HELLO_BYTES, AuthError, Peer, ServerHandshake, refusal
 from .config import TransferConfig
-from .protocol import (BATCH_BYTES, FRAME_BYTES, MAGIC, VERSION, Frame, FrameType, ProtocolError, TransferError,
+from .protocol import (BATCH_BYTES, FRAME_BYTES, Frame, FrameType, ProtocolError, TransferError,
                        TransferStatus, max_manifest_bytes, payload_digests, split_batch, status_frame)
-from .session import InboundSession
+from .session import InboundSession, refused
 from .sink import Sink
 from .ucx_env import Engine
 
 log = logging.getLogger("kvstore.transport")
 
-_HELLO = struct.Struct("<IIII256s")  # magic, version, rx id (0 = refused), token length, token
 _DATA_BIT = 1 << 31
 _REPLY_MAX = FRAME_BYTES + 8192
 
@@ -62,15 +60,9 @@ def _req_error(req, ep) -> TransferError | None:
     return TransferError(TransferStatus.PEER_LOST, f"UCX: {why}")
 
 
-def _hello(rx: int, token: bytes) -> np.ndarray:
-    return np.frombuffer(_HELLO.pack(MAGIC, VERSION, rx, len(token), token), dtype=np.uint8).copy()
-
-
-def _parse_hello(buf: np.ndarray) -> tuple[int, int, bytes]:
-    magic, version, rx, tlen, token = _HELLO.unpack(buf.tobytes())
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"UCX handshake: magic {magic:#x} version {version}, expected {MAGIC:#x} v{VERSION}")
-    return rx, version, token[:min(tlen, 256)]
+def hello_buf(msg: bytes = b"") -> np.ndarray:
+    """A handshake message (auth.py) as the stream API sends it, or room to receive one."""
+    return np.frombuffer(msg, dtype=np.uint8).copy() if msg else np.zeros(HELLO_BYTES, dtype=np.uint8)
 
 
 class _Conn:
@@ -185,28 +177,48 @@ class _Inbound(_Conn):
         self.server = server
         self.session = InboundSession(server.config, server.sink, peer)
         self.pending: collections.deque = collections.deque()  # chunks and control frames, in order
-        self.hello_buf = np.zeros(_HELLO.size, dtype=np.uint8)
+        # The handshake: nothing but its four messages is received until it succeeds, and the
+        # engine's ticker drops a peer that has not finished it within connect_timeout_s.
+        self.hs = ServerHandshake(server.config.secret, server.config.node_name, self.rx)
         self.hello_deadline = time.monotonic() + server.config.connect_timeout_s
-        self.track(ep.stream_recv(self.engine.Array(self.hello_buf)), self._on_hello)
+        self._hello_step(1)
 
-    def _on_hello(self, req) -> None:
+    def _hello_step(self, step: int) -> None:
+        """Receive the dialer's handshake message ``step`` (1 or 3)."""
+        buf = hello_buf()
+        self.track(self.ep.stream_recv(self.engine.Array(buf)), lambda r: self._on_hello(r, step, buf))
+
+    def _on_hello(self, req, step: int, buf: np.ndarray) -> None:
+        if self.closed:
+            return
         err = _req_error(req, self.ep)
         if err is not None:
-            return self.lost(err)
+            return self._refuse(AuthError(f"peer left during the handshake: {err.detail}", "protocol"), False)
         try:
-            self.peer_rx, _, token = _parse_hello(self.hello_buf)
-            ok = hmac.compare_digest(token, self.server.config.auth_token)
-        except ProtocolError as exc:
-            return self.lost(exc)
-        self.hello_buf = _hello(self.rx if ok else 0, b"")
-        refused = ProtocolError("UCX handshake: wrong auth token")
-        # A refusal is closed only once its answer has left, so the peer learns why.
-        self.track(self.ep.stream_send(self.engine.Array(self.hello_buf)),
-                   self.on_sent if ok else (lambda r: self.lost(refused)))
-        if not ok:
-            return
+            reply = (self.hs.second if step == 1 else self.hs.fourth)(buf.tobytes())
+        except TransferError as exc:
+            return self._refuse(exc if isinstance(exc, AuthError) else AuthError(exc.detail, "protocol"))
+        out = hello_buf(reply)
+        self.track(self.ep.stream_send(self.engine.Array(out)), lambda r, _keep=out: self.on_sent(r))
+        if step == 1:
+            return self._hello_step(3)
         self.hello_deadline = None
+        self.peer_rx = self.hs.peer_rx
+        via = "hmac" if self.server.config.secret else "none"
+        self.session.authenticated(Peer(self.hs.peer_name if self.server.config.secret else "", self.peer, via))
         self.post_ctrl_recv()
+
+    def _refuse(self, err: AuthError, answer: bool = True) -> None:
+        """Drop a peer that failed the handshake: tell it why (once that has left, close), count it."""
+        refused(self.server.sink, self.peer, err)
+        self.hs = None  # counted: the handshake deadline that closes it is not counted again
+        if not answer:
+            return self.lost(err)
+        out = hello_buf(refusal(0, err))
+        # Closed by the ticker half a second on, not when the send completes: closing at once
+        # can reset the endpoint before the peer has read why.
+        self.hello_deadline = time.monotonic() + 0.5
+        self.track(self.ep.stream_send(self.engine.Array(out)), lambda r, _keep=out: None)
 
     def on_frame(self, frame: Frame, data: bytes) -> None:
         try:
@@ -275,7 +287,11 @@ class _Inbound(_Conn):
 
     def tick(self, now: float) -> None:
         if self.hello_deadline is not None and now > self.hello_deadline:
-            self.lost(ProtocolError("UCX handshake not completed in time"))
+            err = AuthError("UCX handshake not completed in time", "timeout")
+            if self.session.identity is None and self.hs is not None:
+                refused(self.server.sink, self.peer, err)
+                self.hs = None  # counted once
+            self.lost(err)
         elif self.session.deadline is not None and now >= self.session.deadline:
             self.lost(self.session.expire())
 

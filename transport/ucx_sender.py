@@ -18,7 +18,8 @@ import numpy as np
 from .config import TransferConfig, format_peer
 from .protocol import (BATCH_BYTES, FRAME_BYTES, MAX_BATCH, Frame, FrameType, ProtocolError, TransferError,
                        TransferStatus, pack_batch, parse_status)
-from .ucx import _HELLO, _REPLY_MAX, _Conn, _hello, _parse_hello, _req_error, data_tag
+from .auth import AuthError, ClientHandshake, refusal
+from .ucx import _REPLY_MAX, _Conn, _req_error, data_tag, hello_buf
 from .ucx_env import Engine
 
 log = logging.getLogger("kvstore.transport")
@@ -205,27 +206,44 @@ class UcxConnector:
             return
         ch = fut.channel = UcxChannel(self, ep, peer)
         self.channels.add(ch)
-        hello, reply = _hello(ch.rx, self.config.auth_token), np.zeros(_HELLO.size, dtype=np.uint8)
+        hs = ClientHandshake(self.config.secret, self.config.node_name, ch.rx)
 
-        def on_reply(req) -> None:
+        def fail(exc: TransferError) -> None:
+            ch._close()
+            if not fut.done():
+                fut.set_exception(exc)
+
+        def send(msg: bytes) -> None:
+            out = hello_buf(msg)
+            ch.track(ep.stream_send(self.engine.Array(out)), lambda r, _keep=out: None)
+
+        def recv(step: int) -> None:
+            buf = hello_buf()
+            ch.track(ep.stream_recv(self.engine.Array(buf)), lambda r: on_reply(r, step, buf))
+
+        def on_reply(req, step: int, buf: np.ndarray) -> None:
             err = _req_error(req, ep)
             try:
                 if err is not None:
                     raise TransferError(TransferStatus.CONNECT_FAILED, f"cannot connect to {peer}: {err.detail}")
-                peer_rx, _, _ = _parse_hello(reply)
-                if peer_rx == 0:
-                    raise TransferError(TransferStatus.CONNECT_FAILED, f"{peer} refused the handshake (auth token)")
+                if step == 2:
+                    send(hs.third(buf.tobytes()))
+                    return recv(4)
+                hs.done(buf.tobytes())
+            except AuthError as exc:
+                if not exc.by_peer:  # we refuse the listener: tell it why first
+                    out = hello_buf(refusal(3, exc))
+                    req = ep.stream_send(self.engine.Array(out))
+                    self.engine.progress_until(lambda: req.completed, 0.5)
+                return fail(AuthError(f"{peer}: {exc.detail}", exc.reason))
             except TransferError as exc:
-                ch._close()
-                if not fut.done():
-                    fut.set_exception(exc)
-                return
-            ch.peer_rx = peer_rx
+                return fail(exc)
+            ch.peer_rx = hs.peer_rx
             ch.post_ctrl_recv()
             if not fut.done():
                 fut.set_result(ch)
-        ch.track(ep.stream_send(self.engine.Array(hello)), lambda r, _keep=hello: None)
-        ch.track(ep.stream_recv(self.engine.Array(reply)), on_reply)
+        send(hs.first())
+        recv(2)
 
     def close(self) -> None:
         def shut() -> None:

@@ -52,8 +52,12 @@ def daemons(a) -> dict:
     try:
         extent = max(64 << 20, -(-a.layers * max(sizes) // (64 << 20)) * (64 << 20))
         dram = 2 * total + 2 * extent
+        secret = os.path.join(work, "transfer.secret")  # the daemons authenticate as deployed ones do
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
         common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend,
-                  "--transport-ucx-progress", a.ucx_progress,
+                  "--transport-ucx-progress", a.ucx_progress, "--transport-secret-file", secret,
                   "--transport-verify-threads", str(a.verify_threads))
         da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
         procs.append(da)

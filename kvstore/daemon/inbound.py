@@ -18,19 +18,24 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore import doorbell
-from kvstore.config import TransportConfig
+from kvstore.config import TransportConfig, is_loopback
 from kvstore.daemon.core import Core, Lease, LeaseKind, Session
 from kvstore.daemon.index import BlockState
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.outbound import failure_reason, wire_config
+from kvstore.daemon.outbound import failure_reason
 from kvstore.errors import KVError
 from kvstore.keys import Namespace
 from kvstore.tiers.base import TierKind
-from kvstore.transport import Listener, TransferError, TransferHeader, TransferStatus
+from kvstore.transport import Listener, TransferConfig, TransferError, TransferHeader, TransferStatus
+from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
 from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.daemon.tiering import Tiering
 
 log = logging.getLogger("kvstore.daemon.inbound")
 
@@ -57,11 +62,18 @@ class DaemonSink:
         self.svc = svc
         self.core: Core = svc.core
 
-    def begin(self, h: TransferHeader) -> "_Target":
+    def begin(self, h: TransferHeader, peer: Peer) -> "_Target":
         try:
             ns = Namespace.from_dict(json.loads(h.meta))
         except ValueError as e:  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not a namespace
             raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: not a namespace: {e}") from None
+        if not self.svc.accepts(peer, ns):  # before anything is reserved or a namespace created
+            self.svc.metrics.transfer_failures.labels(reason="forbidden").inc()
+            who = repr(peer.name) if peer.name else "an unauthenticated peer"
+            log.warning("refused a transfer of %d blocks of model %r from %s (%s): not in transport.accept",
+                        len(h.keys), ns.model_id, who, peer.address)
+            raise TransferError(TransferStatus.FORBIDDEN, f"the receiving daemon does not accept namespace "
+                                f"{ns.root.hex()[:16]}.. (model {ns.model_id!r}) from {who} (its transport.accept)")
         lay = ns.layout
         if h.chunk_bytes != lay.layer_chunk_bytes or h.n_layers != lay.num_layers:
             raise TransferError(TransferStatus.PROTOCOL_ERROR,
@@ -93,7 +105,21 @@ class DaemonSink:
             inc = Incoming(h, s, lease, offsets, scratch, bell, LayerProgress(len(h.keys), h.n_layers))
             self.svc.incoming[(st.id, h.keys[0])] = inc
             self.svc.arrived.notify_all()
+        tiering = self.svc.tiering
+        if tiering is not None:  # as a Register does: its NVMe blocks must be recoverable after a restart
+            try:
+                tiering.remember(st)
+            except OSError as e:
+                log.error("cannot record namespace for NVMe recovery: %s", e)
         return _Target(self, inc)
+
+
+    def peer_refused(self, address: str, reason: str, detail: str) -> None:
+        """A peer failed the listener's handshake (logged by the transport): count it."""
+        self.svc.metrics.transfer_auth_failures.labels(reason=reason if reason in _AUTH_REASONS else "protocol").inc()
+
+
+_AUTH_REASONS = ("tls", "hmac", "mode", "timeout", "protocol")
 
 
 class _Target:
@@ -122,6 +148,7 @@ class _Target:
 
     def end(self, status: TransferStatus, detail: str) -> None:
         inc, core, svc = self.inc, self.sink.core, self.sink.svc
+        blocks = []
         with core.lock:
             s, lease = inc.session, inc.lease
             if status is TransferStatus.OK and lease.id:
@@ -146,6 +173,11 @@ class _Target:
             svc.arrived.notify_all()
         if not inc.ok:
             log.warning("incoming transfer %d failed: %s %s", inc.header.transfer_id, status.name, detail)
+        elif blocks and svc.tiering is not None:
+            # As a client's Commit: with nvme.durable_commit the blocks are written through
+            # before the sender hears OK (a failure reaches it as SINK_ERROR; the blocks stay
+            # in DRAM). This runs on the connection's thread (UCX: the engine's, which waits).
+            svc.tiering.committed(blocks)
 
     def _count(self, status: TransferStatus) -> None:
         inc, svc = self.inc, self.sink.svc
@@ -160,24 +192,54 @@ class _Target:
 class Inbound:
     """The transfer listener, the transfers arriving through it, and AwaitTransfer."""
 
-    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics) -> None:
+    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics,
+                 tiering: "Tiering | None" = None) -> None:
         self.core = core
         self.metrics = metrics
+        self.tiering = tiering  # NVMe: received namespaces recorded, blocks written through if durable
         self.backend = t.backend
-        self.config = wire_config(t)
+        self.config = wire  # wire_config(t), read once at start
+        self.allow_unauthenticated = t.allow_unauthenticated
+        self.accept = {peer: frozenset(names) for peer, names in t.accept.items()}
         self.incoming: dict[tuple[bytes, bytes], Incoming] = {}
         self.arrived = threading.Condition(self.core.lock)
         self.listener = Listener(self.config, DaemonSink(self))
 
+    def accepts(self, peer: Peer, ns: Namespace) -> bool:
+        """Whether ``peer`` may send blocks of ``ns`` here: with no ``transport.accept`` rules
+        every peer that passed the handshake may; with rules, what the peer's own entry and the
+        ``"*"`` entry name (model ids, namespace ids in hex, or "*"). An unauthenticated peer
+        (no TLS, no secret) has no name: only the ``"*"`` entry applies to it."""
+        if not self.accept:
+            return True
+        names = self.accept.get("*", frozenset())
+        if peer.name:
+            names = names | self.accept.get(peer.name, frozenset())
+        return bool(names & {"*", ns.model_id, ns.root.hex()})
+
     def start(self) -> str:
         """Listen; returns host:port."""
         host, port = self.listener.start()
+        c = self.config
+        bound = self.listener.bound()
+        auth = ("mutual TLS" + (" and the cluster secret" if c.secret else "") if c.tls is not None else
+                f"the cluster secret, as {c.node_name!r}" if c.secret else "NONE: any peer that reaches it")
+        open_beyond = [a for a in bound if not is_loopback(a)]
+        if open_beyond and not (c.tls is not None or c.secret or self.allow_unauthenticated):
+            # Config validation refuses this; what the kernel says is listening is the last word.
+            self.listener.stop()
+            raise TransferError(TransferStatus.UNAUTHENTICATED, f"listens on {', '.join(bound)}, beyond loopback, "
+                                f"without authentication: set transport.secret_file")
         if self.backend == "ucx":
-            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d",
-                     self.config.ucx_progress.value, self.config.resolved_verify_threads(),
-                     self.config.verify_min_bytes, host, port)
+            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d, "
+                     "bound to %s (ucxx takes no bind address); authentication: %s",
+                     c.ucx_progress.value, c.resolved_verify_threads(), c.verify_min_bytes, host, port,
+                     ", ".join(bound) or "?", auth)
         else:
-            log.info("transfer listener (%s) on %s:%d", self.backend, host, port)
+            log.info("transfer listener (%s) on %s:%d; authentication: %s", self.backend, host, port, auth)
+        if not self.accept:
+            log.info("transfer listener accepts every namespace from every peer that authenticates "
+                     "(transport.accept restricts that per peer)")
         return f"{host}:{port}"
 
     def stop(self, grace_s: float) -> None:

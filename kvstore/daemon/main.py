@@ -44,7 +44,7 @@ from kvstore.daemon.stats import Reporter
 from kvstore.tiers.arena import SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
-from kvstore.transport import Sender
+from kvstore.transport import Sender, TransferConfig
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2_grpc as peer_grpc
 
@@ -156,6 +156,24 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
+def _transfer_credentials(t) -> TransferConfig:
+    """The transport's settings with its credentials read and tried: a secret file others could
+    read, or TLS files that do not load, stop the start (exit 2) before the arena is built."""
+    from kvstore.daemon.outbound import wire_config
+
+    try:
+        wire = wire_config(t)
+        if wire.tls is not None:
+            wire.tls.context(server=True)
+            wire.tls.context(server=False)
+            if os.stat(wire.tls.key_file).st_mode & stat.S_IROTH:  # a Secret volume may be 0440 for fsGroup
+                log.warning("transport.tls_key_file: %s is readable by every local user; chmod o-r it",
+                            wire.tls.key_file)
+    except (ValueError, OSError) as e:  # ssl.SSLError is an OSError
+        raise StartupError(str(e) if str(e).startswith("transport.") else f"transport.tls_*: {e}") from None
+    return wire
+
+
 class Daemon:
     transfer_sender = Sender  # the Sender class of the transfer service (a test subclass may corrupt frames)
 
@@ -226,6 +244,7 @@ class Daemon:
         if cfg.transport.listen:
             _check_port_free("transport.listen", *_split_host_port(cfg.transport.listen),
                              f"start the {cfg.transport.backend} listener")
+            self.transfer_wire = _transfer_credentials(cfg.transport)
         if cfg.server.tcp_listen:
             _check_port_free("server.tcp_listen", *_split_host_port(cfg.server.tcp_listen), "listen")
             s = cfg.server
@@ -285,8 +304,9 @@ class Daemon:
 
         t = self.cfg.transport
         try:
-            return (Outbound(self.core, t, metrics=self.metrics, policy=self.policy, sender_cls=self.transfer_sender),
-                    Inbound(self.core, t, metrics=self.metrics))
+            return (Outbound(self.core, t, self.transfer_wire, metrics=self.metrics, policy=self.policy,
+                             sender_cls=self.transfer_sender),
+                    Inbound(self.core, t, self.transfer_wire, metrics=self.metrics, tiering=self.tiering))
         except Exception as e:  # noqa: BLE001 - a bad listen address or missing UCX stops start-up
             raise StartupError(f"transport.listen: cannot start the {self.cfg.transport.backend} "
                                f"listener on {self.cfg.transport.listen}: {e}") from None

@@ -60,6 +60,8 @@ class Metrics:
         self.transfer_bytes = Counter("kvstore_transfer_bytes", "Bytes shipped between daemons", ["direction", "backend"], registry=r)
         self.transfer_chunks = Counter("kvstore_transfer_chunks", "Layer chunks shipped", ["direction", "backend"], registry=r)
         self.transfer_failures = Counter("kvstore_transfer_failures", "Transfers failed", ["reason"], registry=r)
+        self.transfer_auth_failures = Counter("kvstore_transfer_auth_failures", "Peers the transfer listener dropped "
+                                              "in the handshake (tls, hmac, mode, timeout, protocol)", ["reason"], registry=r)
         self.transfer_latency = Histogram("kvstore_transfer_latency_seconds", "Whole transfer latency", ["backend"],
                                           buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -84,8 +86,10 @@ class Metrics:
             self.checksum_failures.labels(source=src)
         for d in ("load", "recompute", "partial"):
             self.policy_decisions.labels(decision=d)
-        for reason in ("peer", "timeout", "checksum", "other"):
+        for reason in ("peer", "timeout", "checksum", "auth", "forbidden", "other"):
             self.transfer_failures.labels(reason=reason)
+        for reason in ("tls", "hmac", "mode", "timeout", "protocol"):
+            self.transfer_auth_failures.labels(reason=reason)
         for d in ("send", "recv"):
             for b in ("ucx", "tcp"):
                 self.transfer_bytes.labels(direction=d, backend=b)

@@ -22,20 +22,26 @@ from kvstore.keys import Namespace
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, parse_peer
+from kvstore.transport.auth import TlsFiles, default_node_name, read_secret
 
 
 def wire_config(t: TransportConfig) -> TransferConfig:
-    """The transport's settings from the ``[transport]`` section."""
+    """The transport's settings from the ``[transport]`` section, with the secret read from
+    ``secret_file`` (ValueError, naming the key, if that file is not private to this user)."""
     host, port = parse_peer(t.listen)
+    tls = TlsFiles(t.tls_cert_file, t.tls_key_file, t.tls_ca_file) if t.tls_cert_file else None
     return TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
                           ucx_progress=t.ucx_progress, verify_threads=t.verify_threads,
-                          verify_min_bytes=t.verify_min_bytes)
+                          verify_min_bytes=t.verify_min_bytes,
+                          secret=read_secret(t.secret_file) if t.secret_file else b"",
+                          node_name=t.node_name or default_node_name(), tls=tls)
 
 
 def failure_reason(status: TransferStatus) -> str:
     """The ``reason`` label of kvstore_transfer_failures_total."""
     return {TransferStatus.CHECKSUM_MISMATCH: "checksum", TransferStatus.DEADLINE_EXCEEDED: "timeout",
-            TransferStatus.PEER_LOST: "peer"}.get(status, "other")
+            TransferStatus.PEER_LOST: "peer", TransferStatus.UNAUTHENTICATED: "auth",
+            TransferStatus.FORBIDDEN: "forbidden"}.get(status, "other")
 
 
 def _ns_meta(ns: Namespace) -> bytes:
@@ -46,14 +52,14 @@ class Outbound:
     """Ships blocks to a peer daemon's listener. ``sender_cls``: what sends (a test passes a
     subclass of :class:`Sender` that injects faults)."""
 
-    def __init__(self, core: Core, t: TransportConfig, *, metrics: Metrics, policy: LoadPolicy,
+    def __init__(self, core: Core, t: TransportConfig, wire: TransferConfig, *, metrics: Metrics, policy: LoadPolicy,
                  sender_cls: type[Sender] = Sender) -> None:
         self.core = core
         self.metrics = metrics
         self.policy = policy
         self.backend = t.backend
         self.cfg = t  # SIGHUP may change timeout_s, the default deadline
-        self.config = wire_config(t)
+        self.config = wire  # wire_config(t), read once at start
         self.sender = sender_cls(self.config)
 
     def stop(self) -> None:

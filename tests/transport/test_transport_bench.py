@@ -46,3 +46,11 @@ def test_bench_with_known_digests_still_verifies_every_chunk(backend, capsys):
     assert rc == 0  # --verify exits non-zero if any chunk landed different from what was sent
     doc = json.loads(capsys.readouterr().out)
     assert doc["known_digests"] is True and doc["points"][0]["gbps"] > 0
+
+
+def test_bench_over_mutual_tls_verifies_every_chunk(capsys):
+    rc = bench.main(["--backend", "tcp", "--tls", "--sizes", "64KiB", "--total-mib", "1", "--latency-samples", "5",
+                     "--repeat", "1", "--layers", "0", "--no-raw", "--verify", "--json"])
+    assert rc == 0  # --verify: every chunk arrived as sent, through TLS
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tls"] is True and doc["points"][0]["gbps"] > 0

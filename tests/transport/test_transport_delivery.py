@@ -145,18 +145,20 @@ def test_connect_to_a_closed_port_fails_fast(config):
     assert took < config.connect_timeout_s
 
 
-def test_wrong_auth_token_is_refused(backend, sink):
+def test_wrong_secret_is_refused(backend, sink):
     from kvstore.transport import Listener
-    lst = Listener(TransferConfig(backend=backend, auth_token=b"s3cret"), sink)
+    lst = Listener(TransferConfig(backend=backend, secret=b"s3cret-s3cret-s3cret", node_name="rx"), sink)
     lst.start()
     try:
-        with Sender(TransferConfig(backend=backend, auth_token=b"guess")) as s, pytest.raises(TransferError) as ei:
-            s.open(lst.address, [os.urandom(32)], 1, 1024)
-        assert ei.value.status is TransferStatus.CONNECT_FAILED
-        with Sender(TransferConfig(backend=backend, auth_token=b"s3cret")) as s:
+        for cfg in (TransferConfig(backend=backend, secret=b"guess-guess-guess-guess"), TransferConfig(backend=backend)):
+            with Sender(cfg) as s, pytest.raises(TransferError) as ei:
+                s.open(lst.address, [os.urandom(32)], 1, 1024)
+            assert ei.value.status is TransferStatus.UNAUTHENTICATED, ei.value
+        with Sender(TransferConfig(backend=backend, secret=b"s3cret-s3cret-s3cret", node_name="tx")) as s:
             tx = s.open(lst.address, [os.urandom(32)], 1, 4)
             tx.send(0, 0, b"abcd")
             tx.finish()
+        assert sink.reserved_slots == 0
     finally:
         lst.stop()
 

@@ -66,7 +66,7 @@ def test_checksum_is_xxh3_64_of_the_bytes():
 
 def test_every_status_maps_to_a_grpc_code():
     assert {s.grpc_code for s in TransferStatus} <= {
-        "OK", "RESOURCE_EXHAUSTED", "DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "ABORTED"}
+        "OK", "RESOURCE_EXHAUSTED", "DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "ABORTED", "PERMISSION_DENIED"}
 
 
 def test_config_validation_and_peer_parsing():

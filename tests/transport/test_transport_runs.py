@@ -11,6 +11,7 @@ import pytest
 
 from conftest import make_payload
 from kvstore.transport import MemorySink, TransferConfig, TransferError, TransferHeader, TransferStatus
+from kvstore.transport.auth import Peer
 from kvstore.transport.protocol import Frame, FrameType, checksum, layer_digests, pack_digests, run_checksum
 from kvstore.transport.session import InboundSession
 
@@ -116,6 +117,7 @@ def test_malformed_runs_are_protocol_errors(layer, length, flags, message):
     keys, data = make_payload(45, blocks=1, layers=4, chunk=CHUNK)
     sink = MemorySink(slot_bytes=CHUNK, n_slots=8)
     s = InboundSession(TransferConfig(), sink, "test")
+    s.authenticated(Peer("", "test"))
     header = TransferHeader(7, tuple(keys), 4, CHUNK, 5.0)
     assert s.on_control(Frame(FrameType.BEGIN, 7, length=len(header.encode())), header.encode())[0].type \
         is FrameType.ACCEPT
@@ -133,6 +135,7 @@ def test_malformed_runs_are_protocol_errors(layer, length, flags, message):
 def test_a_run_header_whose_digests_do_not_match_its_checksum_is_a_protocol_error():
     keys, data = make_payload(46, blocks=1, layers=2, chunk=CHUNK)
     s = InboundSession(TransferConfig(), MemorySink(slot_bytes=CHUNK, n_slots=4), "test")
+    s.authenticated(Peer("", "test"))
     header = TransferHeader(8, tuple(keys), 2, CHUNK, 5.0)
     s.on_control(Frame(FrameType.BEGIN, 8, length=len(header.encode())), header.encode())
     sums = layer_digests(data[0], CHUNK)
