@@ -138,10 +138,12 @@ class DaemonSpec:
         port = self.metrics_port or free_port()
         addr = (self.transfer_addr or f"127.0.0.1:{free_port()}") if self.transfer else ""
         listen = ["--transport-listen", addr, "--transport-backend", self.transfer] if self.transfer else []
-        if self.transfer == "ucx" and not any(f.startswith(("--transport-secret-file", "--transport-allow-unauth"))
-                                              for f in self.flags):
-            # UCX listens on every interface, so a daemon needs a secret for it: the daemons of
-            # one workdir share one, so they authenticate to each other.
+        reachable = self.transfer == "ucx" or not addr.startswith("127.")
+        if reachable and not any(f.startswith(("--transport-secret-file", "--transport-allow-unauth", "--transport-tls"))
+                                 for f in self.flags):
+            # UCX listens on every interface, and a listener on a namespace's bridge address is
+            # reachable beyond the host, so such a daemon needs a secret: the daemons of one
+            # workdir share one, so they authenticate to each other.
             listen += ["--transport-secret-file", cluster_secret(workdir)]
         args = ["--server-socket-path", sock, "--dram-capacity-bytes", self.dram, "--dram-extent-bytes", "4MiB",
                 "--metrics-port", str(port), "--metrics-host", "127.0.0.1", *listen, *self.flags]
