@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import select
+import time
 
 import pytest
 
@@ -92,13 +93,13 @@ def adapter(module_daemon):
     a.close()
 
 
-def raw_client(socket_path: str, a: KVStoreL2Adapter, k: ObjectKey) -> tuple[KVStoreClient, list[bytes]]:
-    """A client of the adapter's namespace for ``k`` (its objects of SHAPE), to look at the
-    daemon's side; and ``k`` as a kvstore key there."""
-    model_id, salt, nbytes = a.namespace(k, [SHAPE], [torch.float16])
+def raw_client(socket_path: str, a: KVStoreL2Adapter, *ks: ObjectKey) -> tuple[KVStoreClient, list[bytes]]:
+    """A client of the adapter's namespace for ``ks`` (objects of SHAPE, one model, rank and
+    salt), to look at the daemon's side; and ``ks`` as kvstore keys there."""
+    model_id, salt, nbytes = a.namespace(ks[0], [SHAPE], [torch.float16])
     s = EngineStore(DaemonTarget(socket_path, tenant_salt=salt), opaque_layout(nbytes), model_id)
     OPENED.append(s)
-    return s.client, s.keys([k.chunk_hash])
+    return s.client, s.keys([k.chunk_hash for k in ks])
 
 
 OPENED: list[EngineStore] = []
@@ -194,3 +195,48 @@ def test_bad_config_is_refused_clearly(module_daemon, tmp_path):
         build(socket_path=module_daemon.socket_path, tenant_salt_file=str(loose))
     with pytest.raises(EngineTierConfigError, match="timeout_s"):
         build(socket_path=module_daemon.socket_path, timeout_s=0)
+
+
+def test_lmcache_storage_manager_stores_to_and_prefetches_from_kvstore(module_daemon):
+    """LMCache's own StorageManager (what its multiprocess server runs: L1 in DRAM, the store
+    controller writing L1 objects down to L2, the prefetch controller bringing them back) with
+    kvstore as its only L2, configured by the server's own arguments."""
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.distributed.storage_manager import StorageManager
+    from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
+
+    spec = {"type": "plugin", "module_path": "kvstore.clients.lmcache_l2", "class_name": "KVStoreL2Adapter",
+            "adapter_params": {"socket_path": module_daemon.socket_path}}
+    parser = add_storage_manager_args(argparse.ArgumentParser())
+    sm = StorageManager(parse_args_to_config(parser.parse_args(
+        ["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--l2-adapter", json.dumps(spec)])))
+    try:
+        (desc, l2), = sm.l2_adapters()
+        assert type(l2) is KVStoreL2Adapter
+        keys = [ObjectKey(chunk_hash=bytes([40 + i]) * 32, model_name="tiny/llama", kv_rank=0) for i in range(4)]
+        layout = DESCS[0]
+        objs = sm.reserve_write(keys, layout)
+        src = {}
+        for i, k in enumerate(keys):
+            t = objs[k].tensor
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(40 + i)).to(t.dtype))
+            src[k] = t.clone()
+        sm.finish_write(keys)  # the store controller writes them to L2 in the background
+        client, all_keys = raw_client(module_daemon.socket_path, l2, *keys)
+        deadline = time.monotonic() + WAIT_S
+        while client.lookup_keys(all_keys).hit_blocks < 4:
+            assert time.monotonic() < deadline, "LMCache's store controller did not reach kvstore in time"
+            time.sleep(0.01)
+        sm.delete_l1_keys(keys)  # gone from L1: only kvstore has them
+        h = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0,
+                                                                                   layout_desc=layout)]))
+        assert sm.wait_prefetch_status(h, WAIT_S)
+        r = sm.query_prefetch_status(h)
+        assert [r.l2_hit_cells[0].test(i) for i in range(4)] == [True] * 4
+        with sm.read_prefetched_results(keys) as got:
+            assert got is not None
+            assert all(torch.equal(o.tensor.view(torch.int16), src[k].view(torch.int16)) for o, k in zip(got, keys))
+        sm.finish_read_prefetched(keys)
+        assert client.delete(all_keys) == 4  # the prefetch unlocked what it had locked in kvstore
+    finally:
+        sm.close()
