@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Callable
 
 import numpy as np
@@ -80,20 +80,29 @@ def opaque_layout(nbytes: int) -> KVLayout:
 
 
 class _Worker:
-    """One thread, its own daemon sessions (one per namespace), and a queue of jobs."""
+    """One thread, its own daemon sessions (one per namespace, the least recently used closed past
+    ``MAX_SESSIONS`` unless ``in_use`` says it holds locks), and a queue of jobs."""
 
-    def __init__(self, name: str, target: DaemonTarget, idle: Callable[[], None] | None = None) -> None:
-        self.target, self.stores, self._idle = target, {}, idle
+    MAX_SESSIONS = 64  # many cache_salts mean many namespaces; each session maps the arena once
+
+    def __init__(self, name: str, target: DaemonTarget, idle: Callable[[], None] | None = None,
+                 in_use: Callable[[EngineStore], bool] = lambda s: False) -> None:
+        self.target, self._idle, self._in_use = target, idle, in_use
+        self.stores: OrderedDict[tuple, EngineStore] = OrderedDict()
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def store_for(self, ns: tuple) -> EngineStore:
         s = self.stores.get(ns)
-        if s is None:
-            model_id, salt, nbytes = ns
-            target = DaemonTarget(self.target.socket_path, self.target.timeout_s, self.target.load_wait_s, salt)
-            s = self.stores[ns] = EngineStore(target, opaque_layout(nbytes), model_id)
+        if s is not None:
+            self.stores.move_to_end(ns)
+            return s
+        for old in [k for k, v in self.stores.items() if not self._in_use(v)][:max(0, len(self.stores) + 1 - self.MAX_SESSIONS)]:
+            self.stores.pop(old).close()
+        model_id, salt, nbytes = ns
+        target = DaemonTarget(self.target.socket_path, self.target.timeout_s, self.target.load_wait_s, salt)
+        s = self.stores[ns] = EngineStore(target, opaque_layout(nbytes), model_id)
         return s
 
     def _run(self) -> None:
@@ -104,10 +113,13 @@ class _Worker:
                 job = ()
             if job is None:
                 break
-            if job:
-                job()
-            if self._idle is not None:
-                self._idle()
+            try:
+                if job:
+                    job()
+                if self._idle is not None:
+                    self._idle()
+            except Exception:  # a job posts its own result; this thread must outlive any bug in one
+                log.exception("kvstore L2 worker")
         for s in self.stores.values():
             s.close()
 
@@ -133,7 +145,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._held: dict = {}
         self._renewed = 0.0
         self._writer = _Worker("kvstore-l2-store", self.target)
-        self._fetcher = _Worker("kvstore-l2-fetch", self.target, idle=self._renew_locks)
+        self._fetcher = _Worker("kvstore-l2-fetch", self.target, idle=self._renew_locks,
+                                in_use=lambda s: any(held[1] is s for held in self._held.values()))
 
     # --- event fds --------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -154,6 +167,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
         with self._lock:
             results[task_id] = value
         self._efds[efd].notify()
+
+    def _take(self, results: dict, task_id: L2TaskId):
+        """A finished task's result, once (None while it runs)."""
+        with self._lock:
+            return results.pop(task_id, None)
 
     # --- namespaces -------------------------------------------------------------------------
     def namespace(self, key, shapes, dtypes) -> tuple:
@@ -239,8 +257,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._finish(self._lookups, task_id, hits, "lookup")
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId):
-        with self._lock:
-            return self._lookups.pop(task_id, None)
+        return self._take(self._lookups, task_id)
 
     def submit_unlock(self, keys) -> None:
         self._fetcher.jobs.put(lambda: self._unlock(list(keys)))
@@ -303,8 +320,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._finish(self._loads, task_id, loaded, "load")
 
     def query_load_result(self, task_id: L2TaskId):
-        with self._lock:
-            return self._loads.pop(task_id, None)
+        return self._take(self._loads, task_id)
 
     # --- the rest ---------------------------------------------------------------------------
     def report_status(self) -> dict:

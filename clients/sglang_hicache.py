@@ -160,7 +160,7 @@ class KVStoreHiCache(HiCacheStorage):
             hit, load = store.prefix_hits(store.keys([k.encode() for k in keys]))
             return min(hit, load) if self.use_advice else hit
         except Exception as e:
-            return failed(e)
+            return int(failed(e))
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
