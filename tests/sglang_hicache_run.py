@@ -63,15 +63,17 @@ import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 from kvstore.clients.engine_store import DaemonUnreachable, EngineTierConfigError  # noqa: E402
 
 PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
+LORA, ROPE = 16, 8  # MLA latent and rope dims
 WAIT_S = 20.0  # bound on each wait for a controller thread
 
 
@@ -83,14 +85,21 @@ def extra(socket_path: str, **more) -> dict:
 class Engine:
     """SGLang's KV pools and HiCacheController for one small model."""
 
-    def __init__(self, layout: str, extra_config: dict, model: str = "tiny-llama") -> None:
-        self.kv = MHATokenToKVPool(256, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False,
-                                   start_layer=0, end_layer=LAYERS)
+    def __init__(self, layout: str, extra_config: dict, model: str = "tiny-llama", mla: bool = False) -> None:
         with host_memory_budget_scope(64 << 20):  # SGLang's own booking; the machine's free RAM is not ours
-            self.host = MHATokenToKVPoolHost(self.kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
-                                             pin_memory=False, device_capacity_tokens=self.kv.size,
-                                             start_layer=0, end_layer=LAYERS,
-                                             write_back_staging=self.kv.hicache_write_back_staging)
+            if mla:
+                self.kv = MLATokenToKVPool(256, PAGE, torch.bfloat16, LORA, ROPE, LAYERS, "cpu", False,
+                                           start_layer=0, end_layer=LAYERS)
+                self.host = MLATokenToKVPoolHost(self.kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
+                                                 pin_memory=False, device_capacity_tokens=self.kv.size,
+                                                 start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
+            else:
+                self.kv = MHATokenToKVPool(256, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False,
+                                           start_layer=0, end_layer=LAYERS)
+                self.host = MHATokenToKVPoolHost(self.kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
+                                                 pin_memory=False, device_capacity_tokens=self.kv.size,
+                                                 start_layer=0, end_layer=LAYERS,
+                                                 write_back_staging=self.kv.hicache_write_back_staging)
         alloc = PagedTokenToKVPoolAllocator(256, PAGE, torch.float16, "cpu", self.kv, False)
         self.cc = HiCacheController(alloc, self.host, PAGE, None, threading.Event(), storage_backend="dynamic",
                                     model_name=model, storage_backend_extra_config=dict(extra_config))
@@ -102,11 +111,22 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         for p in range(0, n_tokens, PAGE):
             page = self.host.get_data_page(int(idx[p]), flat=False)
-            page.copy_(torch.randn(page.shape, generator=g, dtype=torch.float32).to(torch.float16))
+            page.copy_(torch.randn(page.shape, generator=g, dtype=torch.float32).to(page.dtype))
         return idx
 
     def pages(self, idx: torch.Tensor) -> list[torch.Tensor]:
-        return [self.host.get_data_page(int(idx[p]), flat=True).clone() for p in range(0, len(idx), PAGE)]
+        """Copies of the host pages at ``idx``, as int16 (compared bit for bit)."""
+        return [self.host.get_data_page(int(idx[p]), flat=True).clone().view(torch.int16)
+                for p in range(0, len(idx), PAGE)]
+
+    def round_trip(self, seed: int, pages: int) -> dict:
+        """Write pages through the controller, prefetch them into fresh host pages."""
+        toks = tokens_of(seed, pages * PAGE)
+        src = self.fill(len(toks), seed=seed)
+        written = self.write(src, toks)
+        found, loaded, dst = self.prefetch(toks)
+        return {"written": written, "found": found, "loaded": loaded,
+                "exact": dst is not None and all(torch.equal(x, y) for x, y in zip(self.pages(src), self.pages(dst)))}
 
     def write(self, idx: torch.Tensor, tokens: list[int]) -> int:
         """The controller's write-through to storage; tokens it stored."""
@@ -155,8 +175,7 @@ def main(socket_path: str, workdir: str) -> dict:
     out["rewritten"] = a.write(src, toks)  # already there: PRESENT counts as stored
     found, loaded, dst = a.prefetch(toks)
     out["found"], out["loaded"] = found, loaded
-    out["same_pool_exact"] = all(torch.equal(x.view(torch.int16), y.view(torch.int16))
-                                 for x, y in zip(a.pages(src), a.pages(dst)))
+    out["same_pool_exact"] = all(torch.equal(x, y) for x, y in zip(a.pages(src), a.pages(dst)))
     b = Engine("layer_first", extra(socket_path))
     found_b, loaded_b, dst_b = b.prefetch(toks)
     out["other_layout_loaded"] = loaded_b
@@ -204,7 +223,18 @@ def main(socket_path: str, workdir: str) -> dict:
     # Another model, same tokens: another namespace.
     d = Engine("page_first", extra(socket_path), model="other-model")
     out["other_model_found"] = d.prefetch(toks)[0]
-    for e in (a, b, c, d):
+    # MLA (one latent row per token, one shard for every TP rank), page_first host pool.
+    m = Engine("page_first", extra(socket_path), model="tiny-deepseek", mla=True)
+    out["mla_layout"] = m.backend.format.layout.to_dict()
+    out["mla"] = m.round_trip(seed=5, pages=3)
+    # Without interface_v1 SGLang calls the generic batch_get / batch_set with flat pages.
+    g = Engine("page_first", {k: v for k, v in extra(socket_path).items() if k != "interface_v1"}, model="tiny-generic")
+    out["generic_path"] = g.cc.page_get_func.__name__
+    out["generic"] = g.round_trip(seed=6, pages=3)
+    # load_policy advice: batch_exists answers what the daemon advises loading (at most the hits).
+    v = Engine("page_first", extra(socket_path, load_policy="advice"))
+    out["advice_found"] = v.prefetch(toks)[0]
+    for e in (a, b, c, d, m, g, v):
         e.close()
 
     # Bad configuration: each fails the attach with a message naming what to fix.

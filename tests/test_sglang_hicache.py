@@ -45,6 +45,20 @@ def test_pages_are_canonical_across_host_layouts(run):
     assert run["other_layout_loaded"] == 6 * PAGE and run["other_layout_exact"]
 
 
+def test_mla_pages_round_trip(run):
+    assert run["mla_layout"]["kind"] == "mla" and run["mla_layout"]["kv_lora_rank"] == 16
+    assert run["mla"] == {"written": 3 * PAGE, "found": 3 * PAGE, "loaded": 3 * PAGE, "exact": True}
+
+
+def test_generic_interface_without_interface_v1(run):
+    assert run["generic_path"] == "_generic_page_get"  # batch_get / batch_set with flat pages
+    assert run["generic"] == {"written": 3 * PAGE, "found": 3 * PAGE, "loaded": 3 * PAGE, "exact": True}
+
+
+def test_load_policy_advice_never_exceeds_the_hits(run):
+    assert 0 <= run["advice_found"] <= 6 * PAGE and run["advice_found"] % PAGE == 0
+
+
 def test_prefix_count_stops_at_the_first_missing_page(run):
     assert (run["longer_found"], run["longer_loaded"]) == (6 * PAGE, 6 * PAGE)
 
