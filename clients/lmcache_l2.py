@@ -85,8 +85,9 @@ class _Worker:
 
     MAX_SESSIONS = 64  # many cache_salts mean many namespaces; each session maps the arena once
 
-    def __init__(self, name: str, target: DaemonTarget, idle: Callable[[], None] | None = None,
+    def __init__(self, name: str, target: DaemonTarget, idle: Callable[[], float] | None = None,
                  in_use: Callable[[EngineStore], bool] = lambda s: False) -> None:
+        """``idle``: work between jobs (lease renewal); returns the seconds until it is due again."""
         self.target, self._idle, self._in_use = target, idle, in_use
         self.stores: OrderedDict[tuple, EngineStore] = OrderedDict()
         self.jobs: queue.Queue = queue.Queue()
@@ -106,9 +107,10 @@ class _Worker:
         return s
 
     def _run(self) -> None:
+        due = 1.0
         while True:
             try:
-                job = self.jobs.get(timeout=1.0)  # idle work (lease renewal) runs at least this often
+                job = self.jobs.get(timeout=due)
             except queue.Empty:
                 job = ()
             if job is None:
@@ -117,7 +119,7 @@ class _Worker:
                 if job:
                     job()
                 if self._idle is not None:
-                    self._idle()
+                    due = self._idle()
             except Exception:  # a job posts its own result; this thread must outlive any bug in one
                 log.exception("kvstore L2 worker")
         for s in self.stores.values():
@@ -279,21 +281,23 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 except Exception as e:  # the daemon drops it at its TTL
                     failed(e)
 
-    def _renew_locks(self) -> None:
+    def _renew_locks(self) -> float:
         """Extend the read leases of locks LMCache still holds, every third of the lease TTL
-        (on the fetch thread, between jobs)."""
+        (on the fetch thread, between jobs); returns the seconds until the next renewal."""
         if not self._held:
-            return
+            return 1.0
         stores = {id(store): store for _, store, _ in self._held.values()}
-        ttl = min(s.client.info.lease_ttl_s for s in stores.values())
-        if time.monotonic() - self._renewed < ttl / 3:
-            return
+        period = min(s.client.info.lease_ttl_s for s in stores.values()) / 3
+        left = self._renewed + period - time.monotonic()
+        if left > 0:
+            return left
         self._renewed = time.monotonic()
         for sid, store in stores.items():
             try:
                 store.client.keepalive([lid for lid, (_, s, _) in self._held.items() if id(s) == sid])
             except Exception as e:
                 failed(e)
+        return period
 
     # --- load -------------------------------------------------------------------------------
     def submit_load_task(self, keys, objects) -> L2TaskId:

@@ -178,6 +178,29 @@ def test_cache_salt_and_tenant_salt_keep_objects_apart(adapter, module_daemon, t
     unlock(adapter, [key(30)])
 
 
+def test_a_lock_outlives_the_lease_ttl_until_unlocked(daemons):
+    """With 0.6 s leases, a lock held for three TTLs keeps its objects (the adapter renews the
+    lease); a plain pin of the same namespace, not renewed, lapses in that time."""
+    d = daemons("--server-lease-ttl-s", "0.6", "--server-reaper-interval-s", "0.05")
+    a = build(socket_path=d.socket_path)
+    try:
+        keys = [key(50), key(51)]
+        assert store(a, keys, [obj(50), obj(51)]).is_successful()
+        assert lookup(a, [keys[0]]) == [True]  # locks key 50
+        client, (k50, k51) = raw_client(d.socket_path, a, *keys)
+        plain = client.acquire([k51])  # pins key 51, never renewed
+        assert plain.count == 1 and client.delete([k51]) == 0
+        end = time.monotonic() + 1.8
+        while time.monotonic() < end:
+            assert client.delete([k50]) == 0, "the locked object became deletable: its lease lapsed"
+            time.sleep(0.1)
+        assert client.delete([k51]) == 1  # the unrenewed pin lapsed meanwhile
+        unlock(a, [keys[0]])
+        assert client.delete([k50]) == 1
+    finally:
+        a.close()
+
+
 def test_bad_config_is_refused_clearly(module_daemon, tmp_path):
     with pytest.raises(DaemonUnreachable, match="is `kvstore serve` running"):
         build(socket_path=str(tmp_path / "nobody.sock"), timeout_s=0.5)
