@@ -106,3 +106,12 @@ def check_key(key: bytes) -> BlockKey:
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
         raise ValueError(f"key: must be {KEY_BYTES} bytes, got {len(key) if hasattr(key, '__len__') else key!r}")
     return BlockKey(bytes(key))
+
+
+def engine_keys(root: bytes, engine_keys: Sequence[bytes]) -> list[BlockKey]:
+    """Keys for blocks an engine names by its own hashes (SGLang HiCache pages, LMCache
+    chunks): ``H(root, "engine", key)``. Those hashes cover token ids but not the model, layout,
+    TP shard or tenant, so rooting each one in the namespace is what keeps tenants and models
+    apart. They never equal :func:`chain_keys`' keys: an engine's tier shares blocks with
+    itself, not with kvstore's own connectors."""
+    return [BlockKey(hashlib.sha256(root + b"\0engine\0" + bytes(k)).digest()) for k in engine_keys]

