@@ -260,6 +260,12 @@ def test_lmcache_storage_manager_stores_to_and_prefetches_from_kvstore(module_da
             assert got is not None
             assert all(torch.equal(o.tensor.view(torch.int16), src[k].view(torch.int16)) for o, k in zip(got, keys))
         sm.finish_read_prefetched(keys)
-        assert client.delete(all_keys) == 4  # the prefetch unlocked what it had locked in kvstore
+        # The prefetch unlocks what it locked in kvstore; the adapter's worker thread does the
+        # unlock after finish_read_prefetched returns, so it is awaited, not assumed.
+        deadline, deleted = time.monotonic() + WAIT_S, 0
+        while deleted < 4:
+            assert time.monotonic() < deadline, f"only {deleted} of 4 unlocked after the read"
+            deleted += client.delete(all_keys)
+            time.sleep(0.01)
     finally:
         sm.close()
