@@ -3,16 +3,17 @@ here). Where the test may create network namespaces (root, iproute2) each daemon
 its own and etcd in a fourth that holds the bridge joining them, so every byte crosses a real
 (virtual) link; elsewhere they share the loopback.
 
-Shown: a prefix stored on A is pulled by C and served bit-exact; blocks evicted on A between
-C's look and its pull are a clean miss; etcd stopped and started again with every daemon
+Shown: a prefix stored on A is pulled by C and served bit-exact; one only on B's NVMe is
+promoted there and pulled too; blocks evicted on A between C's look and its pull are a clean
+miss; a Push whose certificate names another node than the requester it claims is refused;
+etcd stopped and started again with every daemon
 serving throughout and registered again; A paused: the pull ends at its deadline; A killed:
 C's pulls fail within their deadline and C stops listing A once its lease is gone; A back with a new epoch: served again, never an old
-block, and a Push naming A's old epoch is refused."""
+block, and a Push naming A's old epoch is refused; C stops cleanly, its channels to peers
+closed."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import signal
@@ -23,12 +24,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.bench.cluster import fleet_certificates
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
@@ -71,37 +69,22 @@ def etcd(tmp_path_factory, net):
 
 @pytest.fixture(scope="module")
 def fleet_pki(tmp_path_factory, net):
-    """One CA, and one certificate naming every daemon's address that each serves and presents."""
-    d = tmp_path_factory.mktemp("pki")
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def cert(name, issuer=None, issuer_key=None):
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer.subject if issuer else subject)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
-        if issuer is not None:
-            ips = {"127.0.0.1"} | {addr for _, addr in net.nodes.values()}
-            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(a)) for a in ips]),
-                                critical=False)
-        return b.sign(issuer_key or key, hashes.SHA256()), key
-
-    ca, ca_key = cert("fleet-ca")
-    for name, (c, k) in {"ca": (ca, ca_key), "node": cert("kvstore-node", ca, ca_key)}.items():
-        (d / f"{name}.crt").write_bytes(c.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}.key").write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))
-    return d
+    """One CA, and per daemon a certificate naming its node id (CN, DNS SAN) and every address."""
+    return fleet_certificates(tmp_path_factory.mktemp("pki"), NAMES, {"127.0.0.1"} | {a for _, a in net.nodes.values()})
 
 
-def member(net: Net, etcd, pki, name):
+def member(net: Net, etcd, pki, name, *flags):
     prefix, addr = net.nodes[name]
-    return node(etcd, name, "--server-tcp-listen", f"{addr}:{free_port()}", "--server-tls-cert-file", str(pki / "node.crt"),
-                "--server-tls-key-file", str(pki / "node.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
-                "--server-auth-token", "fleet-token", "--transport-timeout-s", "5",
+    return node(etcd, name, "--server-tcp-listen", f"{addr}:{free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
+                "--server-tls-key-file", str(pki / f"{name}.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
+                "--server-auth-token", "fleet-token", "--transport-timeout-s", "5", *flags,
                 prefix=prefix or None, transfer_addr=f"{addr}:{free_port()}")
+
+
+def with_nvme(tmp_path):
+    """B: a DRAM tier of 256 blocks over an NVMe tier, so a prefix can sit on its NVMe only."""
+    return ("--nvme-dir", str(tmp_path / "nvme-b"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "64MiB",
+            "--dram-capacity-bytes", "8MiB")
 
 
 def kv_for(tokens, seed):
@@ -131,13 +114,14 @@ def health(d, service: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
-PUSH_WITH_OLD_EPOCH = """
+PUSH_AS = """
 import sys, grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
-pki, addr, ns, keys = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), bytes.fromhex(sys.argv[4])
+pki, cert, addr, ns, keys = sys.argv[1], sys.argv[2], sys.argv[3], bytes.fromhex(sys.argv[4]), bytes.fromhex(sys.argv[5])
 read = lambda n: open(f"{pki}/{n}", "rb").read()
-creds = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(read("ca.crt"), read("node.key"), read("node.crt")),
-                                           grpc.access_token_call_credentials("fleet-token"))
+creds = grpc.composite_channel_credentials(
+    grpc.ssl_channel_credentials(read("ca.crt"), read(cert + ".key"), read(cert + ".crt")),
+    grpc.access_token_call_credentials("fleet-token"))
 with grpc.secure_channel(addr, creds) as ch:
     try:
         peer_grpc.PeerStub(ch).Push(ppb.PushRequest(requester="pull-c", requester_epoch=1, holder_epoch=1,
@@ -148,9 +132,18 @@ with grpc.secure_channel(addr, creds) as ch:
 """
 
 
-def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, etcd, fleet_pki):
+def push_as(net, pki, cert: str, addr: str, ns: bytes, keys: bytes) -> str:
+    """A Push claiming to come from pull-c at epoch 1 to A's epoch 1, sent from C's network
+    with ``cert``'s certificate: the holder's answer, as ``CODE details`` (or SERVED)."""
+    out = subprocess.run([*net.nodes["pull-c"][0], sys.executable, "-c", PUSH_AS, str(pki), cert, addr, ns.hex(), keys.hex()],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout + out.stderr
+
+
+def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, etcd, fleet_pki, tmp_path):
     members = lambda: cli_members(net.etcd_prefix, etcd.endpoint) or {}  # noqa: E731
-    a, b, c = daemons.start(*(member(net, etcd, fleet_pki, n) for n in NAMES))
+    a, b, c = daemons.start(*(member(net, etcd, fleet_pki, n, *(with_nvme(tmp_path) if n == "pull-b" else ()))
+                              for n in NAMES))
     ca_, cb, cc = client(a), client(b), client(c)
     first, second, third = (list(range(s, s + 64)) for s in (0, 1000, 2000))
     for i, t in enumerate((first, second, third)):
@@ -163,6 +156,24 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     assert (r.blocks, r.pulled, r.holder, r.holder_epoch, r.detail) == (4, 4, "pull-a", 1, "")
     assert served(cc, first, 0)  # bit-exact, out of C's own DRAM
     assert pull(c, cc, first).pulled == 0  # already here: nothing moves
+
+    # On B's NVMe only (a prefix put, then pushed out of B's DRAM by 320 more blocks): B
+    # promotes it within the pull's deadline and ships it.
+    fourth = list(range(3000, 3064))
+    assert cb.put(fourth, kv_for(fourth, 3)) == 4
+    for s in range(5):
+        filler = list(range(100_000 + s * 1024, 100_000 + (s + 1) * 1024))
+        assert cb.put(filler, kv_for(filler, 0)) == 64
+    wait_for(lambda: bytes(cb.lookup_keys(cb.keys(fourth)).tiers) == bytes([3] * 4), what="the prefix on B's NVMe only")
+    r = pull(c, cc, fourth, holder="pull-b")
+    assert (r.blocks, r.pulled, r.holder, r.detail) == (4, 4, "pull-b", "")
+    assert served(cc, fourth, 3)
+
+    # A certificate of the fleet that names another node than the requester it claims: refused
+    # before anything else is looked at.
+    addr_a = members()["pull-a"]["capabilities"]["control_addr"]
+    said = push_as(net, fleet_pki, "pull-b", addr_a, ca_.namespace.root, b"".join(ca_.keys(first)))
+    assert said.startswith("PERMISSION_DENIED") and "pull-c" in said, said
 
     # Evicted on A between C's look and its pull: a clean miss, nothing served.
     ca_.delete(ca_.keys(second))
@@ -210,14 +221,16 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     assert (r.pulled, r.holder_epoch) == (4, 2)
     assert served(cc, third, 2)
 
-    # A Push naming A's old epoch, as a stale directory entry would, from C's network: refused.
-    addr = members()["pull-a"]["capabilities"]["control_addr"]
-    out = subprocess.run([*net.nodes["pull-c"][0], sys.executable, "-c", PUSH_WITH_OLD_EPOCH, str(fleet_pki), addr,
-                          ca2.namespace.root.hex(), b"".join(ca2.keys(third)).hex()],
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("FAILED_PRECONDITION") and "epoch" in out.stdout, out.stdout + out.stderr
+    # A Push naming A's old epoch, as a stale directory entry would, from C with C's own
+    # certificate: refused.
+    said = push_as(net, fleet_pki, "pull-c", members()["pull-a"]["capabilities"]["control_addr"],
+                   ca2.namespace.root, b"".join(ca2.keys(third)))
+    assert said.startswith("FAILED_PRECONDITION") and "epoch" in said, said
     prefix_c, prefix_a = net.nodes["pull-c"][0], net.nodes["pull-a"][0]
-    assert scraped_in(prefix_c, c.metrics_port, 'kvstore_cluster_pulls_total{result="ok"}') == 2
+    assert scraped_in(prefix_c, c.metrics_port, 'kvstore_cluster_pulls_total{result="ok"}') == 3
     assert scraped_in(prefix_a, a2.metrics_port, 'kvstore_cluster_pushes_total{result="fenced"}') == 1
     for x in (cb, cc, ca2):
         x.close()
+    # C, which has pulled from A and B over channels of its own, stops at once and cleanly.
+    c.stop_cleanly()
+    assert " ERROR " not in c.log() and "Traceback" not in c.log(), c.log()[-4000:]

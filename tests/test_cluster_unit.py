@@ -1,5 +1,6 @@
 """The cluster's pieces without processes: the etcd stubs are what protoc makes of the vendored
-proto files, member records round-trip, the [cluster] config is checked."""
+proto files, member records round-trip, the [cluster] config is checked, the channels to peers
+are closed at stop."""
 
 import subprocess
 import sys
@@ -8,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvstore import config as C
+from kvstore.bench.cluster import fleet_certificates
 from kvstore.cluster.etcd import prefix_end
 from kvstore.cluster.member import Member
+from kvstore.daemon.pull import PeerLinks
+from kvstore.errors import KVError
+from kvstore.v1 import peer_pb2 as ppb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +59,20 @@ def test_cluster_config_is_checked(over, key):
 def test_cluster_config_endpoints():
     cfg = C.load(env={}, overrides={"cluster.etcd_endpoints": "10.0.0.1:2379, etcd-1:2379"}).cluster
     assert cfg.endpoints() == ["10.0.0.1:2379", "etcd-1:2379"]
+
+
+def test_peer_links_close_their_channels_and_open_none_after(tmp_path):
+    pki = fleet_certificates(tmp_path / "pki", ["n1"])
+    s = C.load(env={}, overrides={"server.tcp_listen": "127.0.0.1:1", "server.tls_cert_file": str(pki / "n1.crt"),
+                                  "server.tls_key_file": str(pki / "n1.key"),
+                                  "server.tls_client_ca_file": str(pki / "ca.crt")}).server
+    links = PeerLinks(s)
+    assert links.why_off == ""
+    stub = links.stub("127.0.0.1:1")
+    assert links.stub("127.0.0.1:1") is stub  # one channel per peer
+    links.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        stub.Push(ppb.PushRequest(), timeout=1)
+    with pytest.raises(KVError, match="stopping"):
+        links.stub("127.0.0.1:1")
+    assert (pki / "n1.key").stat().st_mode & 0o777 == 0o600

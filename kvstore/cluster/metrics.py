@@ -24,11 +24,12 @@ class ClusterMetrics:
         self.pull_latency = Histogram("kvstore_cluster_pull_seconds", "A pull from its start to its answer",
                                       buckets=_RENEW_BUCKETS, registry=r)
         self.pushes = Counter("kvstore_cluster_pushes", "Pushes peers asked of this daemon: ok, fenced "
-                              "(an epoch is not current), missing (none of the blocks here), failed (transfer)",
+                              "(an epoch is not current), denied (the caller's certificate does not name the requester), "
+                              "missing (none of the blocks here), failed (transfer)",
                               ["result"], registry=r)
         for result in ("ok", "miss"):
             self.pulls.labels(result=result)
-        for result in ("ok", "fenced", "missing", "failed"):
+        for result in ("ok", "fenced", "denied", "missing", "failed"):
             self.pushes.labels(result=result)
         for op in ("keepalive", "grant", "watch", "put", "txn", "get", "range"):
             self.etcd_errors.labels(op=op)

@@ -233,6 +233,7 @@ class Daemon:
         self.metrics_server = None
         self.transfer_address = ""
         self.membership = None
+        self.pulls = None
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -420,13 +421,13 @@ class Daemon:
     def _peer_service(self):
         """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no
         transfer listener, both answer UNAVAILABLE saying what to set."""
-        from kvstore.daemon.pull import PeerLinks, PeerService, Pulls
+        from kvstore.daemon.pull import AdvertisedHolders, PeerLinks, PeerService, Pulls
 
-        pulls = None
         if self.membership is not None and self.outbound is not None:
-            pulls = Pulls(self.core, self.membership, self.outbound, PeerLinks(self.cfg.server), self.cfg.transport,
-                          metrics=self.cluster_metrics)
-        return PeerService(self.core, pulls, metrics=self.metrics)
+            self.pulls = Pulls(self.core, self.membership, self.outbound, PeerLinks(self.cfg.server), self.cfg.transport,
+                               holders=AdvertisedHolders(self.membership), tiering=self.tiering,
+                               metrics=self.cluster_metrics)
+        return PeerService(self.core, self.pulls, metrics=self.metrics)
 
     def _start_tcp(self, service: KVStoreService, peer) -> grpc.Server:
         """The cross-node control listener: TLS always, client certificates when a CA is set,
@@ -549,6 +550,8 @@ class Daemon:
         for ev in (done, tcp_done):
             if ev is not None:
                 ev.wait(min(RPC_DRAIN_S, max(0.0, deadline - time.monotonic())))
+        if self.pulls is not None:  # the channels to peers; a pull still running ends as a miss
+            self.pulls.close()
         if self.tiering is not None:
             self.tiering.close(deadline)
         for ev in (done, tcp_done):

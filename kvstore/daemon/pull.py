@@ -5,11 +5,13 @@ peer advertising the namespace in etcd, in turn) to Push the blocks it lacks: a 
 holder's TLS control listener, carrying both ends' epochs. The holder checks that its own epoch
 and the requester's are the ones etcd holds now (a node that lost its lease and came back is
 fenced either way), then runs an ordinary transfer (:class:`~kvstore.daemon.outbound.Outbound`)
-of the leading committed DRAM blocks to the requester's *registered* transfer listener, never
-to an address in the request. The transfer commits the blocks at the requester before the
-holder's Push answers, so when Pull answers they are local blocks the worker reads as any other.
-Everything a pull can meet (no holder, a fenced epoch, blocks evicted on the holder, a dead or
-late peer) ends as a miss within the deadline: the worker recomputes. docs/cluster.md, "Pull".
+of the leading committed blocks (those only on its NVMe promoted first, within the deadline) to
+the requester's *registered* transfer listener, never to an address in the request. A Push is
+served only to a caller whose client certificate names the node id it claims. The transfer
+commits the blocks at the requester before the holder's Push answers, so when Pull answers they
+are local blocks the worker reads as any other. Everything a pull can meet (no holder, a fenced
+epoch, blocks evicted on the holder, a dead or late peer) ends as a miss within the deadline:
+the worker recomputes. docs/cluster.md, "Pull".
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import logging
 import math
 import threading
 import time
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from kvstore.cluster.member import Member
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.config import ServerConfig, TransportConfig
@@ -33,7 +37,11 @@ from kvstore.errors import Code, KVError, invalid
 from kvstore.tiers.base import TierKind
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
+if TYPE_CHECKING:
+    from kvstore.daemon.tiering import Tiering
+
 log = logging.getLogger("kvstore.daemon.pull")
+PROMOTE_SHARE = 0.5  # of a push's deadline, what promoting NVMe-only blocks may use; the rest ships them
 
 
 def leading(st: NsState, keys: list[bytes], tiers: tuple[TierKind, ...] = (TierKind.DRAM, TierKind.NVME)) -> int:
@@ -45,6 +53,34 @@ def leading(st: NsState, keys: list[bytes], tiers: tuple[TierKind, ...] = (TierK
             break
         n += 1
     return n
+
+
+class Holders(Protocol):
+    """Where a pull looks for the peers that may hold a chain: the peers to ask, best first.
+    A peer asked that lacks the blocks answers NOT_FOUND and the next is asked, so a source
+    may over-approximate; it must never name this daemon."""
+
+    def candidates(self, ns_hex: str, keys: list[bytes]) -> list[Member]: ...
+
+
+class AdvertisedHolders:
+    """Every registered peer advertising the namespace, in node-id order: membership knows
+    namespaces, not chains. The cluster prefix directory (built from the peers' KV events)
+    is the source that names the peers holding the chain's longest prefix instead."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    def candidates(self, ns_hex: str, keys: list[bytes]) -> list[Member]:
+        return [m for m in self.membership.peers() if ns_hex in m.namespaces]
+
+
+def certificate_names(context: grpc.ServicerContext) -> frozenset[str]:
+    """The names in the caller's verified client certificate (its CN and every SAN), empty for
+    a call without one (the unix socket, or TLS without client certificates)."""
+    ctx = context.auth_context() or {}
+    names = [*ctx.get("x509_common_name", ()), *ctx.get("x509_subject_alternative_name", ())]
+    return frozenset(n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names)
 
 
 class PeerLinks:
@@ -69,9 +105,12 @@ class PeerLinks:
                     self._creds, grpc.access_token_call_credentials(s.auth_token))
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, peer_grpc.PeerStub]] = {}
+        self.closed = False
 
     def stub(self, addr: str) -> peer_grpc.PeerStub:
         with self._lock:
+            if self.closed:  # a pull still running while the daemon stops: no new channel
+                raise KVError(Code.UNAVAILABLE, "this daemon is stopping")
             got = self._stubs.get(addr)
             if got is None:
                 ch = grpc.secure_channel(addr, self._creds)
@@ -79,7 +118,10 @@ class PeerLinks:
             return got[1]
 
     def close(self) -> None:
+        """Close every channel (at the daemon's stop: each holds a connection and gRPC's
+        polling of it); a pull still running then fails as a miss."""
         with self._lock:
+            self.closed = True
             for ch, _ in self._stubs.values():
                 ch.close()
             self._stubs.clear()
@@ -89,13 +131,21 @@ class Pulls:
     """Both ends of a pull: :meth:`pull` on the requester, :meth:`push` on the holder."""
 
     def __init__(self, core: Core, membership: Membership, outbound: Outbound, links: PeerLinks,
-                 t: TransportConfig, *, metrics: ClusterMetrics) -> None:
+                 t: TransportConfig, *, holders: Holders, tiering: "Tiering | None",
+                 metrics: ClusterMetrics) -> None:
+        """``holders``: which peers a pull asks; ``tiering``: promotes what a push finds only
+        on NVMe (None without an NVMe tier)."""
         self.core = core
         self.membership = membership
         self.outbound = outbound
         self.links = links
         self.cfg = t  # SIGHUP may change timeout_s, the default deadline
+        self.holders = holders
+        self.tiering = tiering
         self.metrics = metrics
+
+    def close(self) -> None:
+        self.links.close()
 
     def pull(self, s: Session, keys: list[bytes], holder: str, deadline_s: float) -> ppb.PullResponse:
         t0 = time.monotonic()
@@ -126,10 +176,10 @@ class Pulls:
                 return miss(f"holder {holder!r}: not a registered peer")
             candidates = [m]
         else:
-            candidates = [m for m in self.membership.peers() if ns_hex in m.namespaces]
+            candidates = self.holders.candidates(ns_hex, keys[have:])
             if not candidates:
                 return miss("no registered peer holds this namespace")
-        why = []
+        why, got, first = [], ppb.PullResponse(blocks=have), None
         for m in candidates:
             left = deadline - time.monotonic()
             addr = m.capabilities.get("control_addr", "")
@@ -140,7 +190,7 @@ class Pulls:
                 why.append(f"{m.node_id}: offers no control listener or no transfer listener")
                 continue
             req = ppb.PushRequest(requester=self.membership.node_id, requester_epoch=me, holder_epoch=m.epoch,
-                                  namespace_id=s.ns.id, keys=b"".join(keys[have:]), deadline_s=left * 0.9)
+                                  namespace_id=s.ns.id, keys=b"".join(keys[got.blocks:]), deadline_s=left * 0.9)
             try:
                 # The transfer's own deadline is a tenth earlier, so a late holder's
                 # transfer ends (and frees its slots here) before this call gives up.
@@ -150,12 +200,29 @@ class Pulls:
                 continue
             with self.core.lock:
                 now = leading(s.ns, keys)
-            return ppb.PullResponse(blocks=now, pulled=r.blocks, holder=m.node_id, holder_epoch=m.epoch, bytes=r.bytes)
+            first = first or m
+            got = ppb.PullResponse(blocks=now, pulled=got.pulled + r.blocks, holder=first.node_id,
+                                   holder_epoch=first.epoch, bytes=got.bytes + r.bytes)
+            if now == len(keys):
+                return got
+            # A holder with the chain's head only: the next may hold its tail.
+            why.append(f"{m.node_id}@{m.epoch}: {r.blocks} blocks, then no more")
+        if got.pulled:
+            got.detail = "; ".join(why)
+            return got
         log.info("pull of %d blocks missed: %s", len(keys) - have, "; ".join(why))
         return miss("; ".join(why))
 
-    def push(self, req: ppb.PushRequest, keys: list[bytes], deadline_s: float) -> ppb.PushResponse:
-        """``deadline_s``: what is left of the caller's wait; the transfer ends within it."""
+    def push(self, req: ppb.PushRequest, keys: list[bytes], deadline_s: float,
+             caller: frozenset[str]) -> ppb.PushResponse:
+        """``deadline_s``: what is left of the caller's wait; the transfer ends within it.
+        ``caller``: the names in the caller's client certificate; one must be the requester's
+        node id, else any fleet member could have blocks shipped in another's name."""
+        if req.requester not in caller:
+            self.metrics.pushes.labels(result="denied").inc()
+            shown = ", ".join(sorted(caller)[:4]) or "no client certificate"
+            raise KVError(Code.PERMISSION_DENIED, f"requester {req.requester!r}: the caller's certificate does not name "
+                          f"it ({shown}); each daemon needs a certificate whose CN or a SAN is its node id")
         me = self.membership.epoch
         if not me or req.holder_epoch != me:
             self.metrics.pushes.labels(result="fenced").inc()
@@ -168,11 +235,21 @@ class Pulls:
                           "not registered so (or without a transfer listener)")
         with self.core.lock:
             st = self.core.namespaces.get(req.namespace_id)
-            n = leading(st, keys, (TierKind.DRAM,)) if st is not None else 0
-            s = self.core.own_session(st) if n else None
+            held = leading(st, keys) if st is not None else 0  # in DRAM or on NVMe
+            n = leading(st, keys, (TierKind.DRAM,)) if held else 0
+            s = self.core.own_session(st) if held else None
+        if n < held and self.tiering is not None:
+            # On NVMe only: promoted into DRAM first (the transfer ships from the arena), within
+            # a share of the deadline; what is not resident by then is not shipped.
+            t0 = time.monotonic()
+            self.tiering.make_resident(s, keys[:held], deadline_s * PROMOTE_SHARE)
+            deadline_s -= time.monotonic() - t0
+            with self.core.lock:
+                n = leading(st, keys, (TierKind.DRAM,))
         if not n:
             self.metrics.pushes.labels(result="missing").inc()
-            raise KVError(Code.NOT_FOUND, "none of the leading blocks is in this daemon's DRAM (evicted, or never here)")
+            raise KVError(Code.NOT_FOUND, "none of the leading blocks is here (evicted, or never here)" if not held else
+                          "the leading blocks are on NVMe and could not be brought into DRAM within the deadline")
         try:
             blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, deadline_s, False, 0)
         except KVError:  # evicted between the look and the transfer (NOT_FOUND), or the wire failed
@@ -226,4 +303,4 @@ class PeerService(peer_grpc.PeerServicer):
         deadline_s = min(req.deadline_s or self._on().cfg.timeout_s, left * 0.9 if left is not None else math.inf)
         if deadline_s <= 0.01:
             raise KVError(Code.DEADLINE_EXCEEDED, "push: the requester's deadline has passed")
-        return self._on().push(req, keys, deadline_s)
+        return self._on().push(req, keys, deadline_s, certificate_names(context))

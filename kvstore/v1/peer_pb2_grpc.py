@@ -60,9 +60,11 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request, context):
-        """Unary. Called by a peer daemon: ship the leading committed DRAM blocks of `keys` to the
-        caller's registered transfer listener. FAILED_PRECONDITION when either epoch is not the
-        current one (the caller, or this daemon, is fenced); NOT_FOUND when none of them is here.
+        """Unary. Called by a peer daemon: ship the leading committed blocks of `keys` (those only on
+        NVMe promoted first, within the deadline) to the caller's registered transfer listener.
+        PERMISSION_DENIED when the caller's client certificate (CN or a SAN) does not name
+        `requester`; FAILED_PRECONDITION when either epoch is not the current one (the caller, or
+        this daemon, is fenced); NOT_FOUND when none of them is here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

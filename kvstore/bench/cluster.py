@@ -1,0 +1,342 @@
+"""``kvstore bench cluster``: one multi-turn workload over three daemons in one fleet, routed
+round-robin, once with each daemon alone (a miss is recomputed) and once with pulls (a miss
+asks the daemon to pull the prefix from the peer that holds it): hit rate and mean
+time-to-KV per request.
+
+The fleet: a private etcd (Debian's ``etcd-server``), three ``kvstore serve`` processes on
+loopback, each with its transfer listener and a mutual-TLS control listener (a throwaway CA and
+one certificate per node, its CN the node id, made here). The workload: ``--conversations``
+conversations of ``--turns`` turns; turn ``t`` of a conversation sends its whole history
+(``--first-tokens`` + ``t`` x ``--turn-tokens`` tokens), so each turn extends the prefix of
+the one before. Requests go turn by turn, conversation by conversation, to daemon
+``i mod 3``: a conversation's next turn lands on another daemon than its last one.
+
+Per request, as an engine's connector would: Lookup on the daemon the request was routed to;
+with pulls, a Pull of the blocks it lacks (the daemon asks the peers its holder source names:
+today every peer advertising the namespace in etcd, in turn; the cluster prefix directory once
+it is there); then Get of every block now local into the worker's buffer (checked bit-exact);
+the rest of the prompt is recomputed; then the whole prompt's KV is Put, as the engine writes
+it after prefill (not timed: it overlaps decoding). Time-to-KV = the measured Lookup + Pull +
+Get (into one worker buffer, faulted in beforehand as an engine's KV cache is; the daemons'
+arenas are pre-faulted, as in production), plus the recompute, modelled as
+``tokens / --prefill-tokens-per-s`` (linear: a model whose prefill runs at that rate; there is
+no model here). Both runs use the same daemons, in two
+namespaces (two model ids), so neither sees the other's blocks; the ratio of their mean
+time-to-KV is the figure (this host is noisy: absolute times mean little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+NODES = ("bench-a", "bench-b", "bench-c")
+
+
+def fleet_certificates(d: Path, names, ips=("127.0.0.1",)) -> Path:
+    """A throwaway CA (``ca.crt``) and, per name, ``<name>.crt`` / ``<name>.key``: CN and a DNS
+    SAN the name (a daemon's node id: what a holder checks a Push's requester against), IP SANs
+    ``ips`` (the addresses peers dial). Needs the ``cryptography`` package. Keys are 0600."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(name, issuer=None, issuer_key=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer.subject if issuer else subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
+        if issuer is not None:
+            sans = [x509.DNSName(name)] + [x509.IPAddress(ipaddress.ip_address(a)) for a in sorted(set(ips))]
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(issuer_key or key, hashes.SHA256()), key
+
+    def write(name, c, k):
+        (d / f"{name}.crt").write_bytes(c.public_bytes(serialization.Encoding.PEM))
+        fd = os.open(d / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
+
+    ca, ca_key = cert("kvstore-fleet-ca")
+    write("ca", ca, ca_key)
+    for name in names:
+        write(name, *cert(name, ca, ca_key))
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Etcd:
+    """A one-member etcd on a private data directory and free loopback ports."""
+
+    def __init__(self, work: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise SystemExit("kvstore bench cluster: needs etcd on PATH (Debian: apt-get install etcd-server)")
+        self.endpoint = f"127.0.0.1:{_free_port()}"
+        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{_free_port()}"
+        (work / "etcd").mkdir(mode=0o700)
+        with open(work / "etcd.log", "wb") as log:
+            self.proc = subprocess.Popen([binary, "--name", "b", "--data-dir", str(work / "etcd"),
+                                          "--listen-client-urls", client, "--advertise-client-urls", client,
+                                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                                          "--initial-cluster", f"b={peer}", "--log-level", "warn"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        from kvstore.cluster.etcd import Etcd, EtcdError
+
+        c = Etcd([self.endpoint])
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    c.put(b"/bench-ready", b"1", timeout_s=1.0)  # a write needs a leader, not just a socket
+                    return
+                except EtcdError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        raise SystemExit("kvstore bench cluster: etcd did not start:\n"
+                                         + (work / "etcd.log").read_text(errors="replace")[-2000:]) from None
+                    time.sleep(0.05)
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int) -> tuple[str, ...]:
+    return ("--cluster-etcd-endpoints", etcd, "--cluster-node-id", name, "--cluster-lease-ttl-s", "6",
+            "--cluster-etcd-timeout-s", "1", "--server-reaper-interval-s", "0.2",
+            "--server-tcp-listen", f"127.0.0.1:{_free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
+            "--server-tls-key-file", str(pki / f"{name}.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
+            "--transport-listen", f"127.0.0.1:{_free_port()}", "--transport-timeout-s", str(a.pull_deadline_s),
+            "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", "4MiB")  # pre-faulted, as in production
+
+
+def _wait_advertised(etcd: str, names, n_namespaces: int, timeout_s: float = 30.0) -> None:
+    """Until every daemon's record in etcd lists ``n_namespaces`` namespaces (their workers
+    registered): a pull asks only peers that advertise the namespace."""
+    from kvstore.cluster.cli import collect
+    from kvstore.cluster.etcd import Etcd
+
+    c = Etcd([etcd])
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = {m["node_id"]: m["namespaces"] for m in collect(c, "/kvstore", 2.0)["members"]}
+            if all(seen.get(n, 0) >= n_namespaces for n in names):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"kvstore bench cluster: daemons not all registered with their namespaces: {seen}")
+            time.sleep(0.1)
+    finally:
+        c.close()
+
+
+def workload(a) -> list[tuple[int, int]]:
+    """The requests in order: (conversation, prompt tokens)."""
+    return [(c, a.first_tokens + t * a.turn_tokens) for t in range(a.turns) for c in range(a.conversations)]
+
+
+def _run(a, layout, model: str, sockets: list[str], pulls: bool, kv: list[np.ndarray], tokens: list[np.ndarray]) -> dict:
+    import grpc
+
+    from kvstore.clients import KVStoreClient
+    from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
+
+    clients = []
+    for s in sockets:
+        c = KVStoreClient(s, timeout_s=60)
+        c.register(layout, model)
+        clients.append(c)
+    channels = [grpc.insecure_channel(f"unix:{s}") for s in sockets]
+    peers = [peer_grpc.PeerStub(ch) for ch in channels]
+    bt = layout.block_tokens
+    per_token = layout.block_bytes // bt
+    # The worker's KV buffer, faulted in once, as an engine's is: fresh pages would cost more
+    # to touch (0.3 GB/s) than the load itself.
+    worker = np.ones(max(n for _, n in workload(a)) * per_token, np.uint8)
+    rows = []
+    try:
+        for i, (conv, n) in enumerate(workload(a)):
+            d = i % len(sockets)
+            c, toks = clients[d], tokens[conv][:n]
+            keys = c.keys(toks)
+            t0 = time.perf_counter()
+            local = c.lookup_keys(keys).hit_blocks
+            have, pulled, t_pull = local, 0, 0.0
+            if pulls and have < len(keys):
+                p0 = time.perf_counter()
+                r = peers[d].Pull(ppb.PullRequest(session_id=c.session_id, keys=b"".join(keys),
+                                                  deadline_s=a.pull_deadline_s), timeout=a.pull_deadline_s + 5)
+                t_pull = time.perf_counter() - p0
+                have, pulled = r.blocks, r.pulled
+            t_get = 0.0
+            if have:
+                out = worker[:have * bt * per_token].view(np.float16).reshape(layout.tensor_shape(have * bt))
+                g0 = time.perf_counter()
+                got = c.get(toks[:have * bt], out)
+                t_get = time.perf_counter() - g0
+            measured = time.perf_counter() - t0
+            if have and (got != have * bt or out.tobytes() != kv[conv][:, :, :have * bt].tobytes()):
+                raise SystemExit(f"kvstore bench cluster: request {i}: the blocks read differ from those written")
+            recompute = (n - have * bt) / a.prefill_tokens_per_s
+            c.put(toks, np.ascontiguousarray(kv[conv][:, :, :n]))  # the engine's KV of the whole prompt, after prefill
+            rows.append({"daemon": d, "tokens": n, "local_tokens": local * bt, "pulled_tokens": pulled * bt,
+                         "recomputed_tokens": n - have * bt, "pull_s": t_pull, "get_s": t_get,
+                         "measured_s": measured, "recompute_s": recompute, "time_to_kv_s": measured + recompute})
+    finally:
+        for ch in channels:
+            ch.close()
+        for c in clients:
+            c.close()
+    total = sum(r["tokens"] for r in rows)
+    local = sum(r["local_tokens"] for r in rows)
+    pulled = sum(r["pulled_tokens"] for r in rows)
+    pull_rows = [r for r in rows if r["pulled_tokens"]]
+    return {"pulls": pulls, "requests": len(rows), "prompt_tokens": total, "local_hit_tokens": local,
+            "pulled_tokens": pulled, "recomputed_tokens": total - local - pulled,
+            "hit_rate": round((local + pulled) / total, 4), "local_hit_rate": round(local / total, 4),
+            "mean_time_to_kv_s": statistics.fmean(r["time_to_kv_s"] for r in rows),
+            "mean_measured_s": statistics.fmean(r["measured_s"] for r in rows),
+            "mean_recompute_s": statistics.fmean(r["recompute_s"] for r in rows),
+            "pull_GBps": (pulled * layout.block_bytes / bt / sum(r["pull_s"] for r in pull_rows) / 1e9) if pull_rows else None,
+            "rows": rows}
+
+
+def bench(a) -> dict:
+    from kvstore.layout import KVLayout
+    from kvstore.local import start_daemon
+
+    layout = KVLayout(a.layers, a.kv_heads, a.head_dim, "fp16", "mha", block_tokens=16)
+    if a.first_tokens % 16 or a.turn_tokens % 16 or a.first_tokens <= 0 or a.turn_tokens <= 0:
+        raise SystemExit("kvstore bench cluster: --first-tokens and --turn-tokens must be positive multiples of 16")
+    longest = a.first_tokens + (a.turns - 1) * a.turn_tokens
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, 32000, longest) for _ in range(a.conversations)]
+    kv = [rng.integers(0, 2**16, layout.tensor_shape(longest), dtype=np.uint16).view(np.float16)
+          for _ in range(a.conversations)]
+    # Every conversation's longest prompt, in both namespaces, fits each daemon's DRAM (with an
+    # extent of slack per namespace): nothing is evicted, so the hit rates are the routing's alone.
+    need = 2 * a.conversations * longest * layout.block_bytes // layout.block_tokens
+    dram = max(64 << 20, (-(-need // (4 << 20)) + 4) * (4 << 20))
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
+    etcd, daemons = None, []
+    try:
+        pki = fleet_certificates(work / "pki", NODES)
+        etcd = _Etcd(work)
+        with ThreadPoolExecutor(len(NODES)) as ex:
+            futs = [ex.submit(start_daemon, work, n, *_daemon_flags(a, etcd.endpoint, pki, n, dram)) for n in NODES]
+            for f in futs:
+                try:
+                    daemons.append(f.result())
+                except RuntimeError as e:
+                    raise SystemExit(f"kvstore bench cluster: a daemon did not start: {e}") from None
+        sockets = [d.socket_path for d in daemons]
+        # Both namespaces registered on every daemon before anything is timed, so each is advertised.
+        from kvstore.clients import KVStoreClient
+
+        holders = []
+        for s in sockets:
+            for model in ("bench-cluster-alone", "bench-cluster-pulls"):
+                c = KVStoreClient(s)
+                c.register(layout, model)
+                holders.append(c)
+        _wait_advertised(etcd.endpoint, NODES, 2)
+        alone = _run(a, layout, "bench-cluster-alone", sockets, False, kv, tokens)
+        pulled = _run(a, layout, "bench-cluster-pulls", sockets, True, kv, tokens)
+        for c in holders:
+            c.close()
+    finally:
+        with ThreadPoolExecutor(len(NODES)) as ex:  # their shutdowns overlap
+            list(ex.map(lambda d: d.stop(30), daemons))
+        if etcd is not None:
+            etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if not a.rows:
+        for r in (alone, pulled):
+            r.pop("rows")
+    return {"bench": "cluster", "daemons": len(NODES), "routing": "round-robin",
+            "holder_source": "peers advertising the namespace in etcd (membership)",
+            "conversations": a.conversations, "turns": a.turns, "first_tokens": a.first_tokens,
+            "turn_tokens": a.turn_tokens, "block_bytes": layout.block_bytes,
+            "layout": {"layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": "fp16"},
+            "prefill_tokens_per_s": a.prefill_tokens_per_s, "recompute_model": "tokens / prefill_tokens_per_s",
+            # a pull beats recomputing when it moves a token's KV faster than prefill makes it
+            "break_even_pull_GBps": round(a.prefill_tokens_per_s * layout.block_bytes / 16 / 1e9, 3),
+            "transport": "tcp over loopback", "cpus": os.cpu_count(), "alone": alone, "with_pulls": pulled,
+            "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)}
+
+
+def table(r: dict) -> str:
+    """The JSON result as a table."""
+    out = [f"{r['conversations']} conversations x {r['turns']} turns ({r['first_tokens']} tokens, then +{r['turn_tokens']} "
+           f"a turn) over {r['daemons']} daemons, round-robin; {r['block_bytes'] >> 10} KiB blocks of 16 tokens; "
+           f"recompute modelled at {r['prefill_tokens_per_s']:,.0f} tokens/s",
+           f"{'':<12} {'hit rate':>9} {'local':>7} {'pulled':>7} {'recomputed':>11} {'time-to-KV':>11} "
+           f"{'measured':>9} {'modelled':>9} {'pull GB/s':>10}"]
+    for label, x in (("alone", r["alone"]), ("with pulls", r["with_pulls"])):
+        gbps = f"{x['pull_GBps']:.2f}" if x["pull_GBps"] else "-"
+        out.append(f"{label:<12} {x['hit_rate']:>9.1%} {x['local_hit_tokens']:>7} {x['pulled_tokens']:>7} "
+                   f"{x['recomputed_tokens']:>11} {x['mean_time_to_kv_s'] * 1e3:>8.1f} ms {x['mean_measured_s'] * 1e3:>6.1f} ms "
+                   f"{x['mean_recompute_s'] * 1e3:>6.1f} ms {gbps:>10}")
+    out.append(f"mean time-to-KV with pulls / alone: {r['time_to_kv_ratio']:.2f} (a pull pays off above "
+               f"{r['break_even_pull_GBps']:.2f} GB/s: the modelled prefill rate x KV bytes per token)")
+    return "\n".join(out)
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvstore bench cluster", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=8, help="conversations (not a multiple of 3, "
+                    "else round-robin sends each conversation back to the same daemon)")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--first-tokens", type=int, default=256, help="tokens of a conversation's first prompt")
+    ap.add_argument("--turn-tokens", type=int, default=128, help="tokens each later turn adds")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
+                    help="the modelled prefill rate a recomputed token costs")
+    ap.add_argument("--pull-deadline-s", type=float, default=5.0)
+    ap.add_argument("--rows", action="store_true", help="with --json: every request's figures too")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = bench(a)
+    print(json.dumps(r, indent=2) if a.json else table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""`kvstore bench cluster` runs end to end on a tiny workload (figures go in docs/cluster.md)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make sysdeps installs etcd-server)")
+def test_bench_cluster_tiny():
+    # 4 conversations over 3 daemons, round-robin: turn t of conversation c goes to daemon
+    # (4t + c) mod 3, never the one of its previous turns, so alone nothing hits and with
+    # pulls every earlier turn's tokens come from a peer.
+    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "cluster", "--json", "--conversations", "4",
+                        "--turns", "3", "--first-tokens", "32", "--turn-tokens", "32", "--layers", "2",
+                        "--kv-heads", "2", "--head-dim", "64"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr + p.stdout
+    r = json.loads(p.stdout)
+    alone, pulls = r["alone"], r["with_pulls"]
+    assert (alone["requests"], alone["prompt_tokens"]) == (pulls["requests"], pulls["prompt_tokens"]) == (12, 768)
+    assert (alone["local_hit_tokens"], alone["pulled_tokens"], alone["hit_rate"]) == (0, 0, 0.0)
+    assert (pulls["local_hit_tokens"], pulls["pulled_tokens"], pulls["hit_rate"]) == (0, 4 * (32 + 64), 0.5)
+    assert pulls["mean_recompute_s"] == pytest.approx(alone["mean_recompute_s"] / 2)
+    assert r["time_to_kv_ratio"] == round(pulls["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
+    assert "rows" not in alone
