@@ -15,13 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from kv_copy_check import check_both_ways, classic, scattered_offsets  # noqa: E402
 from test_vllm_pages import CASES, NUM_BLOCKS, engine_caches, mapped  # noqa: E402
 
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig  # noqa: E402
-from kvstore.tiers.hbm_paged import KVMover, PagedKV  # noqa: E402
 from kvstore.tiers.kv_copy import CopyPath, copy_spans, resolve_copy_path  # noqa: E402
 
 KERNEL_PATHS = ["zerocopy", "staged"]
@@ -32,67 +32,6 @@ SHARE_DAEMON = True
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def fill(tensors, seed):
-    g = torch.Generator().manual_seed(seed)
-    for t in tensors:
-        flat = t.view(-1) if t.is_contiguous() else t
-        flat.copy_(torch.randint(-100, 100, flat.shape, generator=g).to(t.dtype))
-
-
-def movers(pages, layout, host_a, host_b, path):
-    legacy = KVMover(PagedKV(pages[0], layout), layout, host_a, "legacy")
-    batched = KVMover(PagedKV(pages[1], layout), layout, host_b, path)
-    assert batched.copy_path is CopyPath(path) and batched.batched is not None, batched.copy_reason
-    return legacy, batched
-
-
-def run(movers_, op, *args):
-    evs = [getattr(m, op)(*args) for m in movers_]
-    for e in evs:
-        (e[-1] if isinstance(e, list) else e).synchronize()
-
-
-def check_both_ways(layout, make_pages, table, n_blocks, offsets, path, layerwise):
-    """Store the same blocks through both paths into two arenas (equal, byte for byte), then
-    load them from the arena into two equal destination caches (equal, untouched bytes too)."""
-    span = max(o for o in offsets if o is not None) + layout.block_bytes + 64
-    host_a, host_b = np.zeros(span, np.uint8), np.zeros(span, np.uint8)
-    (src_a, src_views), (src_b, src_views_b) = make_pages(), make_pages()
-    fill(src_views, 1), fill(src_views_b, 1)
-    legacy, batched = movers((src_a, src_b), layout, host_a, host_b, path)
-    rows = PagedKV(src_a, layout).token_rows(table, n_blocks * layout.block_tokens)
-    try:
-        if layerwise:
-            for l in range(layout.num_layers):
-                run((legacy, batched), "store_layer", l, rows, offsets)
-        else:
-            run((legacy, batched), "store_all", rows, offsets)
-        assert host_a.any() and np.array_equal(host_a, host_b)
-    finally:
-        legacy.close(), batched.close()
-    present = [o for o in offsets if o is not None]
-    (dst_a, views_a), (dst_b, views_b) = make_pages(), make_pages()
-    fill(views_a, 2), fill(views_b, 2)
-    legacy, batched = movers((dst_a, dst_b), layout, host_a, host_a, path)
-    rows = PagedKV(dst_a, layout).token_rows(table, len(present) * layout.block_tokens)
-    try:
-        if layerwise:
-            for l in range(layout.num_layers):
-                run((legacy, batched), "load_layer", l, rows, present)
-        else:
-            run((legacy, batched), "load_all", rows, present)
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(views_a, views_b))
-    finally:
-        legacy.close(), batched.close()
-
-
-def scattered_offsets(layout, n, skip=(), misalign=0):
-    """Slots out of order, the first two adjacent (one run), ``misalign`` bytes off any word;
-    None = skip the block (a store's partial run: cached already or written elsewhere)."""
-    offs = [s * layout.block_bytes + misalign for s in (3, 4, 0, 6, 1, 7)[:n]]
-    return [None if j in skip else o for j, o in enumerate(offs)]
 
 
 # Staged differs from zero-copy only on the slot side, which no page layout touches: its four
@@ -121,19 +60,6 @@ def test_emulated_every_vllm_layout_matches_legacy(interpret, case, path):
 GQA = KVLayout(3, 2, 64, "fp16", block_tokens=8)
 MLA = KVLayout(2, kind="mla", kv_lora_rank=64, qk_rope_head_dim=16, dtype="bf16", block_tokens=32)
 ODD = KVLayout(2, 1, 40, "fp16", block_tokens=16)  # 80-byte heads: 8-byte words at best
-
-
-def classic(layout, num_blocks, block_size):
-    """The classic paged shape ``[2, blocks, block_size, heads, dim]`` (MLA ``[blocks, block_size, latent]``)."""
-    def make():
-        dt = torch.bfloat16 if layout.dtype.label == "bf16" else torch.float16
-        if layout.kind.value == "mla":
-            shape = (num_blocks, block_size, layout.kv_lora_rank + layout.qk_rope_head_dim)
-        else:
-            shape = (2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        t = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
-        return t, t
-    return make
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -66,15 +68,27 @@ def interpreting() -> bool:
 
 def triton_missing(device: torch.device) -> str:
     """Why the kernels cannot run on tensors of ``device`` ("" when they can)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (CUDA builds of torch ship it)"
     if device.type == "cuda":
-        return ""
+        return _cuda_launch_fails(device.index if device.index is not None else torch.cuda.current_device())
     if device.type == "cpu":
         return "" if interpreting() else "the tensors are on the CPU and TRITON_INTERPRET=1 is not set"
     return f"Triton does not run on {device.type} tensors"
+
+
+@functools.cache
+def _cuda_launch_fails(index: int) -> str:
+    """Launch one tiny kernel on device ``index`` once per process: Triton builds its driver
+    module with the host C compiler on first use (cached in ~/.triton), and a machine without
+    one must get the legacy path at start-up, not a failed copy later."""
+    try:
+        scratch = torch.zeros(64, dtype=torch.uint8, device=f"cuda:{index}")
+        copy_spans(scratch, [(32, 0, 32)])
+        torch.cuda.synchronize(index)
+    except Exception as e:  # noqa: BLE001 - any failure means: no kernels here
+        return f"Triton could not launch a kernel on cuda:{index} ({type(e).__name__}: {e})"
+    return ""
 
 
 def resolve_copy_path(requested, device: torch.device) -> tuple[CopyPath, str]:
@@ -169,6 +183,7 @@ class RowCopy:
                             *self.table[..., 4:][~contiguous].ravel()])
         self.anchor = int(self.table[..., 0].min()) // 8 * 8  # base address: every offset counts from it
         self._desc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tok_cache: dict[tuple, torch.Tensor] = {}
         from kvstore.tiers import kv_kernels
 
         self.kernel = kv_kernels.build(self.device.type != "cuda")[0]
@@ -187,24 +202,38 @@ class RowCopy:
         return self._desc[word]
 
     def launch(self, rows: torch.Tensor, block_addrs: Sequence[int], layers: range, layer_stride: int,
-               to_slots: bool) -> None:
-        """Copy layers ``layers`` of the tokens at ``rows`` ([T, 2] on the device, block after
-        block) to (``to_slots``) or from the slot-ordered bytes of block ``j`` at address
-        ``block_addrs[j]``, layer ``l`` at ``+ l * layer_stride`` bytes."""
+               to_slots: bool, slot_layer0: int | None = None) -> None:
+        """Copy page layers ``layers`` of the tokens at ``rows`` ([T, 2] on the device, block
+        after block) to (``to_slots``) or from the slot-ordered bytes of block ``j`` at address
+        ``block_addrs[j]``, slot layer ``s`` at ``+ s * layer_stride`` bytes; slot layers start
+        at ``slot_layer0`` (default: the first page layer)."""
         T = int(rows.shape[0])
         if T == 0 or not len(layers):
             return
         w = min(self.word, _align([a - self.anchor for a in block_addrs] + [layer_stride]))
         base, desc = self._base(w)
-        blk = (np.asarray(block_addrs, np.int64) - self.anchor) // w
-        tok = (blk[:, None] + (np.arange(self.bt, dtype=np.int64) * (self.row // w))[None, :]).reshape(-1)[:T]
         dw = self.head_bytes // w
         bd = triton_next_pow2(self.halves * self.heads * dw)
         bt_tile = max(1, min(triton_next_pow2(T), self.TILE_WORDS // bd))
         grid = (-(-T // bt_tile), len(layers))
-        self.kernel[grid](base, rows.contiguous(), _to_device(tok, self.device), desc, T, self.halves,
-                          self.heads * dw, dw, self.bt * self.row // w, layer_stride // w, layers.start,
+        s0 = layers.start if slot_layer0 is None else slot_layer0
+        self.kernel[grid](base, rows.contiguous(), self._tokens(block_addrs, w, T), desc, T, self.halves,
+                          self.heads * dw, dw, self.bt * self.row // w, layer_stride // w, layers.start, s0,
                           TO_SLOTS=to_slots, BT=bt_tile, BD=bd)
+
+    def _tokens(self, block_addrs: Sequence[int], w: int, T: int) -> torch.Tensor:
+        """Word offset of each token's row in its block (device int64 [T]). A layer-wise op
+        asks for the same table once per layer: the last few are kept (keyed by value)."""
+        key = (tuple(block_addrs), w, T)
+        tok = self._tok_cache.get(key)
+        if tok is None:
+            blk = (np.asarray(block_addrs, np.int64) - self.anchor) // w
+            rows = np.arange(self.bt, dtype=np.int64) * (self.row // w)
+            tok = _to_device((blk[:, None] + rows[None, :]).reshape(-1)[:T], self.device)
+            if len(self._tok_cache) >= 8:
+                self._tok_cache.pop(next(iter(self._tok_cache)))
+            self._tok_cache[key] = tok
+        return tok
 
 
 def triton_next_pow2(n: int) -> int:
@@ -250,7 +279,7 @@ class BatchedKV:
             return
         pages = range(l, l + 1) if page_layer is None else range(page_layer, page_layer + 1)
         if self.path is CopyPath.ZEROCOPY:
-            self.rows.launch(rows, [self.arena + o + l * C for o in offsets], pages, 0, to_slots)
+            self.rows.launch(rows, [self.arena + o for o in offsets], pages, C, to_slots, slot_layer0=l)
             return
         staged = torch.empty(len(offsets) * C, dtype=torch.uint8, device=self.device)
         s = staged.data_ptr()

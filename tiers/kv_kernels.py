@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 
-def paged_rows(base, rows, tok, desc, T, HALVES, HW, DW, HALFW, LAYERW, l0,
+def paged_rows(base, rows, tok, desc, T, HALVES, HW, DW, HALFW, LAYERW, l0, s0,
                TO_SLOTS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Program (token tile, layer - l0) copies ``BT`` tokens x every word of their rows.
+    """Program (token tile, i) copies ``BT`` tokens x every word of their rows, from page
+    layer ``l0 + i`` to (or from) slot layer ``s0 + i``.
 
     ``rows`` [T, 2] int64: (kernel block, position in it) of each token. ``tok`` [T] int64: word
     offset of the token's row in layer 0 of its slot (any sign: the base is wherever).
@@ -31,10 +32,11 @@ def paged_rows(base, rows, tok, desc, T, HALVES, HW, DW, HALFW, LAYERW, l0,
     element stride and words per element (a head's words are ``(e // EW) * sD + e % EW``: a
     transposed K page has its elements ``sD`` apart). A row is ``HW = heads * DW`` words per
     half; column ``c`` of the tile is half ``c // HW``, head ``c % HW // DW``, word ``c % DW``.
-    Slot side: ``tok + l * LAYERW + half * HALFW + c % HW`` (kvstore's canonical ``[halves,
+    Slot side: ``tok + sl * LAYERW + half * HALFW + c % HW`` (kvstore's canonical ``[halves,
     tokens, heads, dim]`` per layer)."""
     pt = tl.program_id(0)
     l = l0 + tl.program_id(1)
+    sl = s0 + tl.program_id(1)
     t = pt * BT + tl.arange(0, BT)
     tm = t < T
     kb = tl.load(rows + 2 * t, mask=tm, other=0)
@@ -55,7 +57,7 @@ def paged_rows(base, rows, tok, desc, T, HALVES, HW, DW, HALFW, LAYERW, l0,
     ew = tl.load(d + 5, mask=cm, other=1)
     col = page + head * s_h + (e // ew) * s_d + e % ew
     cache = kb[:, None] * s_b[None, :] + pos[:, None] * s_n[None, :] + col[None, :]
-    slot = (dst + l * LAYERW)[:, None] + (half * HALFW + inrow)[None, :]
+    slot = (dst + sl * LAYERW)[:, None] + (half * HALFW + inrow)[None, :]
     m = tm[:, None] & cm[None, :]
     if TO_SLOTS:
         tl.store(base + slot, tl.load(base + cache, mask=m), mask=m)
