@@ -17,6 +17,11 @@ arena page-locked (``cudaHostRegister``) in this process, so arena <-> GPU copie
     ...                                               # the worker goes on
     h.commit()                                        # blocks until the DMA is done, then commits
 
+The copies are one batched Triton launch per layer (or per bulk op) by default
+(``copy_path="zerocopy"``: the kernel reads and writes the registered arena over the bus;
+``"staged"``: through a device buffer and one DMA per slot run; ``"legacy"``: the per-block
+copies from before, for A/B); see :mod:`kvstore.tiers.kv_copy`.
+
 Layer-wise store for disaggregated prefill: ``h = path.begin_store(...)``, then
 ``h.store_layer(l)`` after each layer, then ``h.commit()``. The copies themselves are
 :class:`kvstore.tiers.hbm_paged.KVMover`; this module adds the daemon's leases. A worker maps

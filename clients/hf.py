@@ -22,8 +22,11 @@ into that layer's ``[1, heads, tokens, dim]`` K and V tensors. The forward start
 calls ``cache.update(k, v, l)`` from layer ``l``'s attention, and only that call waits, for
 layer ``l``'s event. So while the main thread computes layer ``l`` (attention, MLP, then layer
 ``l+1``'s projections), the side thread copies layer ``l+1``; torch and numpy copies release
-the GIL, so the two really run at once. ``cache.timings`` records how long the main thread
-blocked (``load_wait_s``) against the side thread's copy time.
+the GIL, so the two really run at once. With ``copy_path`` ``zerocopy`` or ``staged`` (the
+default, where Triton runs: a GPU model, or ``TRITON_INTERPRET=1``) each layer's copy is one
+launch of :mod:`kvstore.tiers.kv_copy`'s kernel between the arena and K/V on the model's device,
+on the side thread's own CUDA stream; else the CPU copies described here. ``cache.timings``
+records how long the main thread blocked (``load_wait_s``) against the side thread's copy time.
 
 How storing works. The side thread reserves slots for the prompt's full blocks that were not
 loaded (blocks already cached come back PRESENT and are skipped). When ``update`` of layer

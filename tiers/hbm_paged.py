@@ -7,8 +7,11 @@ latent); a block table maps the request's block ``i`` (``block_size`` tokens) to
 block id. kvstore keeps a block of
 ``block_tokens`` tokens layer-major in a slot, ``[layers, 2, block_tokens, row]`` with ``row =
 kv_heads * head_dim * elem`` bytes (``KVStoreClient._block_shape``); the two block sizes need
-not match. Gather and scatter are index kernels on the cache's device; slot copies are one DMA
-per (block, layer) for layer-wise ops and one per run of adjacent slots for bulk ops.
+not match. By default one batched Triton launch per layer (or per bulk op) moves all of a
+request's blocks (:mod:`kvstore.tiers.kv_copy`); the legacy path (``copy_path="legacy"``, and
+wherever the kernels cannot run) gathers and scatters with index kernels on the cache's device,
+with one slot DMA per (block, layer) for layer-wise ops and one per run of adjacent slots for
+bulk ops.
 
 CUDA caches run on a :class:`~kvstore.tiers.hbm_device.CudaStream` with the host arena
 page-locked in place; CPU caches run the same code on an emulated stream (a copy thread).

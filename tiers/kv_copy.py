@@ -120,7 +120,8 @@ def word_at(addr: int, word: int, device: torch.device) -> torch.Tensor:
     dtype, ctype, typestr = WORDS[word]
     if device.type == "cuda":
         class _At:  # __cuda_array_interface__: how torch wraps a raw device address, no cupy needed
-            __cuda_array_interface__ = {"shape": (1,), "typestr": typestr, "data": (addr, False), "version": 3}
+            __cuda_array_interface__ = {"shape": (1,), "typestr": typestr, "data": (addr, False), "strides": None,
+                                        "version": 3}
 
         return torch.as_tensor(_At(), device=device)
     return torch.from_numpy(np.ctypeslib.as_array((ctype * 1).from_address(addr)))
