@@ -68,7 +68,7 @@ class ConnectorSettings:
         if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
             raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
         try:
-            s.copy_path = CopyPath.parse(s.copy_path).value
+            CopyPath.parse(s.copy_path)
         except ValueError as e:
             raise ValueError(f"kv_connector_extra_config: {e}") from None
         return s

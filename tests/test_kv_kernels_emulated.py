@@ -177,3 +177,19 @@ def test_emulated_hf_adapter_kernels_store_and_load_canonical_blocks(interpret, 
     finally:
         a.close()
         a.client.close()
+
+
+def test_connector_copy_path_switch():
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvstore.clients.vllm_setup import ConnectorSettings
+
+    def settings(extra):
+        return ConnectorSettings.from_vllm(VllmConfig(kv_transfer_config=KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.clients.vllm_connector",
+            kv_role="kv_both", kv_connector_extra_config=extra)))
+
+    assert settings({}).copy_path == "zerocopy"
+    assert settings({"copy_path": "legacy"}).copy_path == "legacy"
+    with pytest.raises(ValueError, match="kv_connector_extra_config: copy_path: expected one of"):
+        settings({"copy_path": "dma"})

@@ -84,8 +84,11 @@ def spans(base, table, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 def build(interpret: bool):
     """``(paged_rows, spans)`` as launchable kernels: compiled for CUDA, or interpreted on the
     CPU. Built on first use, not at import, so the choice is per call site, not per process."""
+    # Token count and layer indices change with every request and layer: specializing on them
+    # (Triton does for values of 1 and multiples of 16) would compile again mid-serving.
+    varying = ["T", "l0", "s0"]
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(paged_rows), InterpretedFunction(spans)
-    return triton.jit(paged_rows), triton.jit(spans)
+        return InterpretedFunction(paged_rows, do_not_specialize=varying), InterpretedFunction(spans)
+    return triton.jit(paged_rows, do_not_specialize=varying), triton.jit(spans)
