@@ -167,7 +167,10 @@ class RowCopy:
     n, dim]`` with any strides. A slot holds per layer ``[halves, block_tokens, heads, dim]``
     bytes. Launches go to the current stream (CUDA) or run in Triton's interpreter (CPU)."""
 
-    TILE_WORDS = 8192  # words per program: tokens x row words
+    # Words per program (tokens x row words). On CUDA 4096 with 8 warps is 16 words and their
+    # 64-bit addresses per thread: no register spills. The interpreter pays per program, not
+    # per word, so it takes tiles as large as the request.
+    TILE_WORDS, NUM_WARPS, INTERPRETED_TILE_WORDS = 4096, 8, 1 << 16
 
     def __init__(self, layers: Sequence[Sequence[torch.Tensor]], block_tokens: int) -> None:
         first = layers[0][0]
@@ -215,12 +218,13 @@ class RowCopy:
         base, desc = self._base(w)
         dw = self.head_bytes // w
         bd = triton_next_pow2(self.halves * self.heads * dw)
-        bt_tile = max(1, min(triton_next_pow2(T), self.TILE_WORDS // bd))
+        tile = self.TILE_WORDS if self.device.type == "cuda" else self.INTERPRETED_TILE_WORDS
+        bt_tile = max(1, min(triton_next_pow2(T), tile // bd))
         grid = (-(-T // bt_tile), len(layers))
         s0 = layers.start if slot_layer0 is None else slot_layer0
         self.kernel[grid](base, rows.contiguous(), self._tokens(block_addrs, w, T), desc, T, self.halves,
                           self.heads * dw, dw, self.bt * self.row // w, layer_stride // w, layers.start, s0,
-                          TO_SLOTS=to_slots, BT=bt_tile, BD=bd)
+                          TO_SLOTS=to_slots, BT=bt_tile, BD=bd, num_warps=self.NUM_WARPS)
 
     def _tokens(self, block_addrs: Sequence[int], w: int, T: int) -> torch.Tensor:
         """Word offset of each token's row in its block (device int64 [T]). A layer-wise op
@@ -355,4 +359,5 @@ def copy_spans(base: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> Non
     chunk = 1 << 16  # words per program: big programs, few of them
     grid = (len(spans), -(-int(t[:, 2].max()) // chunk))
     kernel = kv_kernels.build(base.device.type != "cuda")[1]
-    kernel[grid](word_at(base.data_ptr(), w, base.device), _to_device(t, base.device), CHUNK=chunk, BLOCK=1024)
+    kernel[grid](word_at(base.data_ptr(), w, base.device), _to_device(t, base.device), CHUNK=chunk, BLOCK=4096,
+                 num_warps=8)
