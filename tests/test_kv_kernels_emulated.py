@@ -78,6 +78,26 @@ def test_emulated_block_size_mismatch_mla_partial_unaligned(interpret, path, lay
         check_both_ways(layout, classic(layout, nb, block_size), table, n, offsets, path, layerwise)
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_emulated_offsets_outside_the_arena_fail_the_op(interpret, path):
+    """A kernel writes wherever an offset points (a slice would raise): the path checks first,
+    and the op's event carries the error; the arena is untouched."""
+    from kvstore.tiers.hbm_paged import KVMover, PagedKV
+
+    host = np.zeros(2 * GQA.block_bytes, np.uint8)
+    pages, _ = classic(GQA, 4, 16)()
+    m = KVMover(PagedKV(pages, GQA), GQA, host, path)
+    try:
+        rows = m.paged.token_rows([0], 8)
+        with pytest.raises(ValueError, match="outside the .*-byte arena"):
+            m.store_layer(0, rows, [GQA.block_bytes + 1]).synchronize(10)
+        with pytest.raises(ValueError, match="outside"):
+            m.load_all(rows, [-8])[-1].synchronize(10)
+        assert not host.any()
+    finally:
+        m.close()
+
+
 def test_emulated_d2d_spans_one_launch(interpret):
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
     pool[:1 << 15] = torch.randint(0, 255, (1 << 15,), dtype=torch.uint8)

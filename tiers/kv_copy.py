@@ -268,10 +268,15 @@ class BatchedKV:
         self.arena = device_address(host_ptr) if self.device.type == "cuda" and path is CopyPath.ZEROCOPY else host_ptr
         self.staging_bytes = staging_bytes
 
-    @staticmethod
-    def _present(rows: torch.Tensor, offsets, bt: int):
-        """The rows and offsets of the blocks to copy (a store skips blocks cached already)."""
+    def _present(self, rows: torch.Tensor, offsets, bt: int):
+        """The rows and offsets of the blocks to copy (a store skips blocks cached already).
+        A kernel writes wherever an offset points, unlike a slice: each must lie in the arena."""
         keep = [j for j, o in enumerate(offsets) if o is not None]
+        if keep:
+            lo, hi = min(offsets[j] for j in keep), max(offsets[j] for j in keep)
+            if lo < 0 or hi + self.layout.block_bytes > self.host.numel():
+                raise ValueError(f"slot offsets [{lo}, {hi}] + {self.layout.block_bytes}-byte blocks fall outside "
+                                 f"the {self.host.numel()}-byte arena")
         if len(keep) == len(offsets):
             return rows, list(offsets)
         idx = torch.tensor(keep, dtype=torch.int64).to(rows.device)
