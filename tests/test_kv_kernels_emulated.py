@@ -213,3 +213,22 @@ def test_connector_copy_path_switch():
     assert settings({"copy_path": "legacy"}).copy_path == "legacy"
     with pytest.raises(ValueError, match="kv_connector_extra_config: copy_path: expected one of"):
         settings({"copy_path": "dma"})
+
+
+def test_bench_kernels_dry_run_emulated(interpret, capsys, monkeypatch):
+    """tests/gpu/bench_kernels.py end to end on CPU tensors (Triton's interpreter, a tiny
+    layout), so the H200 run does not spend its minutes finding a bug in the script. EMULATED:
+    its figures say nothing about a GPU and are not checked."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "gpu"))
+    import bench_kernels
+
+    assert bench_kernels.main(["--emulated", "--reps", "1"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["emulated"] is True and "skipped" not in res["layouts"][0], res
+    for path in ("legacy", "zerocopy", "staged"):
+        assert set(res["layouts"][0]["ratio"][path]) == {"load_layerwise", "store_layerwise", "load_bulk", "store_bulk"}
+    assert set(res["d2d"]["ratio"]) == {"copy_many", "copy_async_per_slot"}
+    assert res["table_md"].count("| tiny") == 3
