@@ -368,6 +368,7 @@ class _PromptStore:
         # new ones, crop slices, reset drops them), so these stay valid while the side thread
         # copies them.
         k_src, v_src = keys[0].detach(), values[0].detach()
+        written = cache.adapter.compute_event()  # the forward's stream has written them by then
 
         def copy_layer() -> None:
             t0 = time.perf_counter()
@@ -375,8 +376,9 @@ class _PromptStore:
             if adapter.copy_path is not CopyPath.LEGACY:
                 # One launch for the layer's K and V of every new block, from the model's device.
                 pages = LayerPages((k_src[:, first * bt:end].unsqueeze(0), v_src[:, first * bt:end].unsqueeze(0)))
-                kernels, rows = adapter.batched([pages]), _prompt_rows(n * bt, adapter.device)
-                adapter.on_device(lambda: kernels.store_layer(l, rows, self.offsets, page_layer=0))
+                kernels = adapter.batched([pages])
+                adapter.on_device(lambda: kernels.store_layer(l, _prompt_rows(n * bt, adapter.device), self.offsets,
+                                                              page_layer=0), after=written)
                 cache.timings["store_copy_s"] += time.perf_counter() - t0
                 return
             arena = adapter.arena_bytes()
@@ -457,14 +459,26 @@ class HFAdapter:
             self._pin = HostPin(DeviceChoice(DeviceKind.CUDA, self.device.index or 0), arena.data_ptr(), arena.numel())
         return BatchedKV(pages, self.layout, arena, self.copy_path, BULK_STAGING_BYTES)
 
-    def on_device(self, fn) -> None:
-        """Run ``fn``'s launches on the side thread's own CUDA stream and wait for them (the
-        layer's event then means the copy is done); on the CPU just run it."""
+    def compute_event(self):
+        """An event on the caller's current CUDA stream (None on the CPU): the side stream's
+        copies of KV the forward just wrote must start after it."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def on_device(self, fn, after=None) -> None:
+        """Run ``fn``'s launches on the side thread's own CUDA stream, after the event
+        ``after``, and wait for them (the layer's event then means the copy is done); on the
+        CPU just run it."""
         if self.device.type != "cuda":
             fn()
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+        if after is not None:
+            self._stream.wait_event(after)
         with torch.cuda.stream(self._stream):
             fn()
         self._stream.synchronize()
