@@ -17,6 +17,11 @@ arena page-locked (``cudaHostRegister``) in this process, so arena <-> GPU copie
     ...                                               # the worker goes on
     h.commit()                                        # blocks until the DMA is done, then commits
 
+The copies are one batched Triton launch per layer (or per bulk op) by default
+(``copy_path="zerocopy"``: the kernel reads and writes the registered arena over the bus;
+``"staged"``: through a device buffer and one DMA per slot run; ``"legacy"``: the per-block
+copies from before, for A/B); see :mod:`kvstore.tiers.kv_copy`.
+
 Layer-wise store for disaggregated prefill: ``h = path.begin_store(...)``, then
 ``h.store_layer(l)`` after each layer, then ``h.commit()``. The copies themselves are
 :class:`kvstore.tiers.hbm_paged.KVMover`; this module adds the daemon's leases. A worker maps
@@ -39,6 +44,7 @@ import torch
 from kvstore.tiers.hbm import PoolMapping, open_pool
 from kvstore.tiers.hbm_device import CudaEvent, EmuStream
 from kvstore.tiers.hbm_paged import KVMover, PagedKV, wait_events
+from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 from kvstore.clients.leases import RESERVED, CommitOnExit, KVStoreError  # RESERVED: WriteLease state of a slot to fill
 
 __all__ = ["GpuKVPath", "KVMover", "LoadHandle", "PagedKV", "PoolMapping", "StoreHandle", "open_pool", "wait_events"]
@@ -186,14 +192,20 @@ class GpuKVPath:
 
     ``kv_caches``: one tensor per layer (see module docstring), all on one CUDA device or
     all on the CPU (emulated). The client's arena is page-locked for this path's lifetime;
-    call :meth:`close` before closing the client."""
+    call :meth:`close` before closing the client. ``copy_path``: the batched kernels
+    (``zerocopy``, ``staged``) or the per-block ``legacy`` copies (:mod:`kvstore.tiers.kv_copy`)."""
 
-    def __init__(self, client, kv_caches: Sequence[torch.Tensor]) -> None:
+    def __init__(self, client, kv_caches: Sequence[torch.Tensor], copy_path: CopyPath | str = DEFAULT_COPY_PATH) -> None:
         client.require_data_session()
         self.client, self.layout = client, client.layout
         self.paged = PagedKV(kv_caches, self.layout)
         self.arena = client.arena
-        self.mover = KVMover(self.paged, self.layout, client.arena.buf)
+        self.mover = KVMover(self.paged, self.layout, client.arena.buf, copy_path)
+
+    @property
+    def copy_path(self) -> CopyPath:
+        """The copy path that runs (``legacy`` where the kernels cannot: see ``mover.copy_reason``)."""
+        return self.mover.copy_path
 
     def check_arena(self, leases=()) -> None:
         """Raise (ending ``leases``) when the client re-registered with a restarted daemon since

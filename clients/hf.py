@@ -22,8 +22,11 @@ into that layer's ``[1, heads, tokens, dim]`` K and V tensors. The forward start
 calls ``cache.update(k, v, l)`` from layer ``l``'s attention, and only that call waits, for
 layer ``l``'s event. So while the main thread computes layer ``l`` (attention, MLP, then layer
 ``l+1``'s projections), the side thread copies layer ``l+1``; torch and numpy copies release
-the GIL, so the two really run at once. ``cache.timings`` records how long the main thread
-blocked (``load_wait_s``) against the side thread's copy time.
+the GIL, so the two really run at once. With ``copy_path`` ``zerocopy`` or ``staged`` (the
+default, where Triton runs: a GPU model, or ``TRITON_INTERPRET=1``) each layer's copy is one
+launch of :mod:`kvstore.tiers.kv_copy`'s kernel between the arena and K/V on the model's device,
+on the side thread's own CUDA stream; else the CPU copies described here. ``cache.timings``
+records how long the main thread blocked (``load_wait_s``) against the side thread's copy time.
 
 How storing works. The side thread reserves slots for the prompt's full blocks that were not
 loaded (blocks already cached come back PRESENT and are skipped). When ``update`` of layer
@@ -53,8 +56,10 @@ from kvstore.clients.client import KVStoreClient, KVStoreError, LookupResult
 from kvstore.clients.leases import RESERVED
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.modelcfg import ModelConfig, from_hf
-from kvstore.tiers.hbm_device import EmuEvent, EmuStream
+from kvstore.tiers.hbm_device import DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin
 from kvstore.tiers.arena import slot_runs
+from kvstore.tiers.hbm_paged import BULK_STAGING_BYTES, LayerPages
+from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, BatchedKV, CopyPath, resolve_copy_path
 
 log = logging.getLogger("kvstore.hf")
 
@@ -135,6 +140,7 @@ class HFAdapterConfig:
     model_params: float | None = None   # None = count the model's non-embedding parameters
     acquire_wait_s: float = 10.0        # how long Acquire may wait for NVMe blocks to be promoted
     layer_wait_s: float = 30.0          # bound on waiting for one layer's copy
+    copy_path: str = DEFAULT_COPY_PATH.value  # zerocopy | staged | legacy (kvstore.tiers.kv_copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,18 +260,29 @@ class KVStoreCache(DynamicCache):
         elem = lay.dtype.bits // 8
         De = lay.head_dim * elem
         B = lay.block_bytes
-        arena = self.adapter.arena_bytes()
+        adapter = self.adapter
+        arena = adapter.arena_bytes()
         runs = list(slot_runs(lease.offsets[:blocks], B))
-        dtype = self.adapter.torch_dtype
+        dtype = adapter.torch_dtype
         T = blocks * bt
+        if adapter.copy_path is not CopyPath.LEGACY:
+            # One launch per layer, straight into K/V on the model's device (allocated here, on
+            # the caller's stream, so the forward may use them once the layer's event fired).
+            dst_all = torch.empty((lay.num_layers, 2, H, T, De), dtype=torch.uint8, device=adapter.device)
+            kernels = adapter.batched([LayerPages((d[0:1], d[1:2])) for d in dst_all])
+            rows, offsets = _prompt_rows(T, adapter.device), list(lease.offsets[:blocks])
 
         def copy_layer(l: int, layer: _PrefixLayer) -> None:
             t0 = time.perf_counter()
-            dst = torch.empty((2, H, T, De), dtype=torch.uint8)
-            for a, b, off in runs:
-                k = b - a
-                src = arena[off:off + k * B].view(k, lay.num_layers, 2, bt, H, De)[:, l]  # [k, 2, bt, H, De]
-                dst[:, :, a * bt:b * bt].view(2, H, k, bt, De).copy_(src.permute(1, 3, 0, 2, 4))
+            if adapter.copy_path is not CopyPath.LEGACY:
+                adapter.on_device(lambda: kernels.load_layer(l, rows, offsets))
+                dst = dst_all[l]
+            else:
+                dst = torch.empty((2, H, T, De), dtype=torch.uint8)
+                for a, b, off in runs:
+                    k = b - a
+                    src = arena[off:off + k * B].view(k, lay.num_layers, 2, bt, H, De)[:, l]  # [k, 2, bt, H, De]
+                    dst[:, :, a * bt:b * bt].view(2, H, k, bt, De).copy_(src.permute(1, 3, 0, 2, 4))
             kv = dst.view(dtype)  # [2, H, T, D]
             layer.loaded = (kv[0:1], kv[1:2])
             self.timings["load_copy_s"] += time.perf_counter() - t0
@@ -351,10 +368,20 @@ class _PromptStore:
         # new ones, crop slices, reset drops them), so these stay valid while the side thread
         # copies them.
         k_src, v_src = keys[0].detach(), values[0].detach()
+        written = cache.adapter.compute_event()  # the forward's stream has written them by then
 
         def copy_layer() -> None:
             t0 = time.perf_counter()
-            arena = cache.adapter.arena_bytes()
+            adapter = cache.adapter
+            if adapter.copy_path is not CopyPath.LEGACY:
+                # One launch for the layer's K and V of every new block, from the model's device.
+                pages = LayerPages((k_src[:, first * bt:end].unsqueeze(0), v_src[:, first * bt:end].unsqueeze(0)))
+                kernels = adapter.batched([pages])
+                adapter.on_device(lambda: kernels.store_layer(l, _prompt_rows(n * bt, adapter.device), self.offsets,
+                                                              page_layer=0), after=written)
+                cache.timings["store_copy_s"] += time.perf_counter() - t0
+                return
+            arena = adapter.arena_bytes()
             for half, src in enumerate((k_src, v_src)):
                 src = src.to("cpu").contiguous().view(torch.uint8)  # [H, tokens, De]
                 s = src[:, first * bt:end].view(H, n, bt, De)
@@ -392,6 +419,13 @@ class _PromptStore:
         self.cache._side.synchronize()
 
 
+def _prompt_rows(tokens: int, device: torch.device) -> torch.Tensor:
+    """(page 0, position t) of each token: a layer's ``[1, heads, tokens, dim]`` K or V read
+    as one page, for the batched kernels."""
+    t = torch.arange(tokens, dtype=torch.int64)
+    return torch.stack([torch.zeros_like(t), t], dim=1).to(device)
+
+
 # --- the adapter ------------------------------------------------------------------------------
 
 class HFAdapter:
@@ -412,6 +446,42 @@ class HFAdapter:
                         prefill_tokens_per_s=config.prefill_tokens_per_s, model_params=float(params))
         self.side = EmuStream("kvstore-hf-side")
         self._arena_t: torch.Tensor | None = None
+        self.device = next(model.parameters()).device
+        self.copy_path, self.copy_reason = resolve_copy_path(config.copy_path, self.device)
+        self._pin: HostPin | None = None
+        self._stream = None  # the side thread's CUDA stream for the kernels
+
+    def batched(self, pages) -> BatchedKV:
+        """The batched copy kernels between ``pages`` (views on the model's device) and the
+        arena; on a GPU the arena is registered for them first (once)."""
+        arena = self.arena_bytes()
+        if self.device.type == "cuda" and self._pin is None:
+            self._pin = HostPin(DeviceChoice(DeviceKind.CUDA, self.device.index or 0), arena.data_ptr(), arena.numel())
+        return BatchedKV(pages, self.layout, arena, self.copy_path, BULK_STAGING_BYTES)
+
+    def compute_event(self):
+        """An event on the caller's current CUDA stream (None on the CPU): the side stream's
+        copies of KV the forward just wrote must start after it."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def on_device(self, fn, after=None) -> None:
+        """Run ``fn``'s launches on the side thread's own CUDA stream, after the event
+        ``after``, and wait for them (the layer's event then means the copy is done); on the
+        CPU just run it."""
+        if self.device.type != "cuda":
+            fn()
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        if after is not None:
+            self._stream.wait_event(after)
+        with torch.cuda.stream(self._stream):
+            fn()
+        self._stream.synchronize()
 
     def arena_bytes(self) -> torch.Tensor:
         """The client's shared arena as a uint8 tensor (zero copy)."""
@@ -472,8 +542,11 @@ class HFAdapter:
         return out[0, len(ids):].tolist(), cache
 
     def close(self) -> None:
-        """Stop the side thread (after its queued work). The client stays open."""
+        """Stop the side thread (after its queued work), unpin the arena. The client stays open."""
         self.side.close()
+        if self._pin is not None:
+            self._pin.close()
+            self._pin = None
 
     def __enter__(self) -> "HFAdapter":
         return self

@@ -329,7 +329,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
             if self._path is not None:
                 self._path.close()
-            self._path = GpuKVPath(client, self._pages)
+            self._path = GpuKVPath(client, self._pages, copy_path=self.settings.copy_path)
             self._path_generation = self.link.generation
         return self._path
 

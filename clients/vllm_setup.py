@@ -17,6 +17,7 @@ from kvstore.clients.client import KVStoreClient, KVStoreError
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -45,12 +46,13 @@ class ConnectorSettings:
     reconnect_s: float = 2.0             # "reconnect_s": least time between tries to reach a lost daemon
     transfer_peer: str = ""              # "transfer_peer": host:port of a decode daemon's transfer listener
     tp_rank: int | None = None           # "tp_rank"; None = vLLM's tensor-parallel rank
+    copy_path: str = DEFAULT_COPY_PATH.value  # "copy_path": zerocopy | staged | legacy (docs/gpu.md)
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
              "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
-             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank"}
+             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -65,6 +67,10 @@ class ConnectorSettings:
                                  f"got {getattr(s, name)!r}")
         if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
             raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
+        try:
+            CopyPath.parse(s.copy_path)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config: {e}") from None
         return s
 
 

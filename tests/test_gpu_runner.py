@@ -34,3 +34,7 @@ def test_run_sh_collects_every_gpu_test_through_its_shim(tmp_path):
     tests = summary["tests"]
     assert tests["failed"] == 0 and tests["passed"] + tests["skipped"] >= 29, summary
     assert f"python: {wrapper}" in p.stderr
+    # The copy-path table (issue 18) ran and said why it measured nothing; its file is there.
+    assert summary["copy_paths"]["skipped"].startswith("no CUDA device"), summary["copy_paths"]
+    assert (tmp_path / "out" / "kernels_table.md").read_text().startswith("not measured: no CUDA device")
+

@@ -30,6 +30,7 @@ streams and threads.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ import numpy as np
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import ExtentAllocator, TierError, TierKind, TierStats, CopyHandle
 from kvstore.tiers.hbm_device import DeviceKind, HostPin, Lane, choose_device, make_stream
+
+log = logging.getLogger("kvstore.hbm")
 
 MiB = 1 << 20
 
@@ -113,9 +116,28 @@ class _CudaPool:
         self.torch = torch
         with torch.cuda.device(index):
             self.mem = torch.empty(capacity_bytes, dtype=torch.uint8, device=f"cuda:{index}")
+        from kvstore.tiers.kv_copy import triton_missing  # torch only where a GPU pool is made
+
+        why = triton_missing(self.mem.device)
+        self.kernels = not why
+        if why:
+            log.warning("kvstore: HBM device-to-device copies without Triton (%s): one torch._foreach_copy_ "
+                        "per transfer", why)
 
     def slice(self, off: int, n: int):
         return self.mem[off:off + n]
+
+    def copy_spans(self, spans: list[tuple[int, int, int]]) -> None:
+        """Every ``(dst, src, nbytes)`` inside the pool in one launch (Triton), else in one
+        ``torch._foreach_copy_`` call: never one call per slot (0.02-0.03 of one device copy
+        for 4 MiB slots on an H200: the Python call and its event cost ~60 us, the copy ~2 us)."""
+        if self.kernels:
+            from kvstore.tiers.kv_copy import copy_spans
+
+            copy_spans(self.mem, spans)
+        else:
+            self.torch._foreach_copy_([self.slice(d, n) for d, _, n in spans], [self.slice(s, n) for _, s, n in spans],
+                                      non_blocking=True)
 
     def host(self, arr: np.ndarray):
         with warnings.catch_warnings():
@@ -146,6 +168,11 @@ class _EmuPool:
     @staticmethod
     def copy(dst, src) -> None:
         np.copyto(dst, src)
+
+    def copy_spans(self, spans: list[tuple[int, int, int]]) -> None:
+        buf = self.arena.buf
+        for d, s, n in spans:
+            np.copyto(buf[d:d + n], buf[s:s + n])
 
     def close(self) -> None:
         self.arena.close()
@@ -291,15 +318,17 @@ class HbmTier:
     # --- data -----------------------------------------------------------------------------------
     def _submit(self, lane: Lane, ops: Sequence[tuple[int, bool]], copies: list, keep) -> CopyHandle:
         """Queue ``copies`` (dst, src) on ``lane`` after the hazards of ``ops`` (slot, writes)."""
-        deps = [d for slot, write in ops for d in self._order.deps(lane, slot, write)]
-        nbytes = sum(int(src.nbytes) for _, src in copies)
-        t = CopyHandle(nbytes)
         copy = self.pool.copy
 
         def run() -> None:
             for dst, src in copies:
                 copy(dst, src)
 
+        return self._queue(lane, ops, run, sum(int(src.nbytes) for _, src in copies), keep)
+
+    def _queue(self, lane: Lane, ops: Sequence[tuple[int, bool]], run, nbytes: int, keep) -> CopyHandle:
+        deps = [d for slot, write in ops for d in self._order.deps(lane, slot, write)]
+        t = CopyHandle(nbytes)
         ev = lane.run(run, deps, t, keep)
         for slot, write in ops:
             self._order.note(lane, slot, ev, write)
@@ -339,12 +368,27 @@ class HbmTier:
 
     def copy_async(self, dst_slot: int, src_slot: int, nbytes: int) -> CopyHandle:
         """Device-to-device copy of ``nbytes`` between two slots of the pool."""
-        self._slot_bytes(dst_slot, nbytes)
-        self._slot_bytes(src_slot, nbytes)
-        if dst_slot == src_slot:
-            return CopyHandle.completed(nbytes)
-        copies = [(self.pool.slice(dst_slot, nbytes), self.pool.slice(src_slot, nbytes))]
-        return self._submit(next(self._next_up), [(src_slot, False), (dst_slot, True)], copies, None)
+        return self.copy_many([(dst_slot, src_slot, nbytes)])
+
+    def copy_many(self, pairs: Iterable[tuple[int, int, int]]) -> CopyHandle:
+        """Device-to-device copies ``(dst_slot, src_slot, nbytes)`` inside the pool as one
+        transfer: one launch and one event, neighbouring spans merged. Destinations must be
+        distinct slots, none of them a source of another pair."""
+        ops, spans, total = [], [], 0
+        for dst, src, n in pairs:
+            self._slot_bytes(dst, n)
+            self._slot_bytes(src, n)
+            total += n
+            if dst == src:
+                continue
+            ops += [(src, False), (dst, True)]
+            if spans and spans[-1][0] + spans[-1][2] == dst and spans[-1][1] + spans[-1][2] == src:
+                spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + n)
+            else:
+                spans.append((dst, src, n))
+        if not spans:
+            return CopyHandle.completed(total)
+        return self._queue(next(self._next_up), ops, lambda: self.pool.copy_spans(spans), total, None)
 
     def write_async(self, slot: int, src) -> CopyHandle:
         return self.promote([(slot, src)])

@@ -273,15 +273,23 @@ _pins: dict[tuple[int, int], int] = {}
 _pins_lock = threading.Lock()
 
 
-def _clear_last_cuda_error() -> None:
+def libcudart():
+    """The CUDA runtime torch loaded (ctypes), for the calls ``torch.cuda.cudart()`` lacks; None
+    when none is found. dlopen by soname returns the copy already in the process."""
     import ctypes
 
     for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
         try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
+            return ctypes.CDLL(name)
+        except OSError:
             continue
+    return None
+
+
+def _clear_last_cuda_error() -> None:
+    lib = libcudart()
+    if lib is not None and hasattr(lib, "cudaGetLastError"):
+        lib.cudaGetLastError()
 
 
 class HostPin:

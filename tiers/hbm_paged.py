@@ -7,8 +7,11 @@ latent); a block table maps the request's block ``i`` (``block_size`` tokens) to
 block id. kvstore keeps a block of
 ``block_tokens`` tokens layer-major in a slot, ``[layers, 2, block_tokens, row]`` with ``row =
 kv_heads * head_dim * elem`` bytes (``KVStoreClient._block_shape``); the two block sizes need
-not match. Gather and scatter are index kernels on the cache's device; slot copies are one DMA
-per (block, layer) for layer-wise ops and one per run of adjacent slots for bulk ops.
+not match. By default one batched Triton launch per layer (or per bulk op) moves all of a
+request's blocks (:mod:`kvstore.tiers.kv_copy`); the legacy path (``copy_path="legacy"``, and
+wherever the kernels cannot run) gathers and scatters with index kernels on the cache's device,
+with one slot DMA per (block, layer) for layer-wise ops and one per run of adjacent slots for
+bulk ops.
 
 CUDA caches run on a :class:`~kvstore.tiers.hbm_device.CudaStream` with the host arena
 page-locked in place; CPU caches run the same code on an emulated stream (a copy thread).
@@ -28,6 +31,7 @@ from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.tiers.arena import slot_runs
 from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin,
                                       choose_device, make_stream)
+from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, BatchedKV, CopyPath, resolve_copy_path
 
 BULK_STAGING_BYTES = 64 << 20  # device staging per bulk store/load step (bytes)
 
@@ -156,9 +160,16 @@ def wait_events(events, timeout_s: float | None = None) -> bool:
 
 class KVMover:
     """Copies between a :class:`PagedKV` and block slots of a host arena on one side stream.
-    No daemon: offsets are arena byte offsets of the blocks (None = skip that block)."""
+    No daemon: offsets are arena byte offsets of the blocks (None = skip that block).
 
-    def __init__(self, paged: PagedKV, layout: KVLayout, host: np.ndarray) -> None:
+    ``copy_path`` (:class:`~kvstore.tiers.kv_copy.CopyPath`): ``zerocopy`` / ``staged`` run
+    the batched Triton kernels of :mod:`kvstore.tiers.kv_copy` (one launch per layer, or per
+    bulk step); ``legacy`` the per-(block, layer) copies below. Where the kernels cannot run
+    (no Triton; CPU caches without ``TRITON_INTERPRET=1``) it is ``legacy``, and
+    ``copy_reason`` says why."""
+
+    def __init__(self, paged: PagedKV, layout: KVLayout, host: np.ndarray,
+                 copy_path: CopyPath | str = DEFAULT_COPY_PATH) -> None:
         self.paged, self.layout = paged, layout
         self.choice = _choice_for(paged.device)
         self.stream = make_stream(self.choice, "kvstore-gpu-side")
@@ -168,6 +179,14 @@ class KVMover:
             # runs its forward under it) does not hold: an inference tensor could not be written.
             self.host = torch.from_numpy(host)
         self.chunk = layout.layer_chunk_bytes
+        self.copy_path, self.copy_reason = resolve_copy_path(copy_path, paged.device)
+        self.batched = None
+        if self.copy_path is not CopyPath.LEGACY:
+            try:
+                self.batched = BatchedKV(paged.pages, layout, self.host, self.copy_path, BULK_STAGING_BYTES)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def emulated(self) -> bool:
@@ -212,6 +231,9 @@ class KVMover:
     def store_layer(self, l: int, rows: torch.Tensor, offsets: Sequence[int | None]):
         """Gather layer ``l`` of the blocks into their slots; returns the op's event."""
         C = self.chunk
+        if self.batched is not None:
+            self.stream.submit(lambda: self.batched.store_layer(l, rows, offsets))
+            return self.stream.record()
 
         def run() -> None:
             staged = self._gather(l, rows, len(offsets)).contiguous()
@@ -225,6 +247,9 @@ class KVMover:
     def load_layer(self, l: int, rows: torch.Tensor, offsets: Sequence[int]):
         """Scatter layer ``l`` of the blocks from their slots; returns the op's event."""
         p, C = self.paged, self.chunk
+        if self.batched is not None:
+            self.stream.submit(lambda: self.batched.load_layer(l, rows, offsets))
+            return self.stream.record()
 
         def run() -> None:
             staged = torch.empty((len(offsets), p.halves, self.layout.block_tokens, p.row),
@@ -244,6 +269,9 @@ class KVMover:
         """All layers, one DMA per run of adjacent slots; returns the event of the last op."""
         L, bt, B = self.layout.num_layers, self.layout.block_tokens, self.layout.block_bytes
         p = self.paged
+        if self.batched is not None:
+            self.stream.submit(lambda: self.batched.store_all(rows, offsets))
+            return self.stream.record()
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):
@@ -261,6 +289,9 @@ class KVMover:
         fire together: the blocks arrive whole before any layer is scattered)."""
         L, bt, B = self.layout.num_layers, self.layout.block_tokens, self.layout.block_bytes
         p = self.paged
+        if self.batched is not None:
+            self.stream.submit(lambda: self.batched.load_all(rows, offsets))
+            return [self.stream.record()] * L
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):

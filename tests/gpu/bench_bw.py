@@ -33,6 +33,15 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def on_stream(torch, stream, fn):
+    """``fn`` run with ``stream`` current, then waited for: one timed op."""
+    def run():
+        with torch.cuda.stream(stream):
+            fn()
+        stream.synchronize()
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=512)
@@ -72,11 +81,7 @@ def main(argv=None) -> int:
     side = torch.cuda.Stream()
 
     def on_side(fn):
-        def run():
-            with torch.cuda.stream(side):
-                fn()
-            side.synchronize()
-        return run
+        return on_stream(torch, side, fn)
 
     def wait_all(ts):
         for t in ts:
