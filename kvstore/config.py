@@ -156,6 +156,17 @@ class PolicyConfig:
 
 
 @dataclass
+class EventsConfig:
+    publish: str = field(default="", metadata={"help": "ZMQ PUB endpoint the daemon binds for its KV events in vLLM's format (tcp://host:port or ipc://path); empty = off"})
+    replay: str = field(default="", metadata={"help": "ZMQ ROUTER endpoint for replay by sequence number and snapshots (tcp://host:port or ipc://path); empty = none"})
+    topic: str = field(default="", metadata={"help": "topic frame of every message (llm-d reads kv@<pod>@<model>)"})
+    buffer_steps: int = field(default=10000, metadata={"help": "batches kept for replay"})
+    max_pending_events: int = field(default=100000, metadata={"help": "events queued for the publisher thread; more are dropped (counted), and subscribers resync"})
+    batch_interval_s: float = field(default=0.01, metadata={"help": "the publisher sends what is queued this often (seconds)"})
+    hwm: int = field(default=100000, metadata={"help": "ZMQ high-water mark of the PUB socket (messages per subscriber)"})
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
@@ -164,6 +175,7 @@ class Config:
     hbm: HbmConfig = field(default_factory=HbmConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     # -- derived values ---------------------------------------------------------------------
     def resolved_socket_path(self) -> str:
@@ -225,7 +237,20 @@ class Config:
         _check(-1 <= self.transport.verify_threads <= 64, "transport.verify_threads", "must be -1 (auto) or 0..64")
         _check(self.transport.verify_min_bytes >= 0, "transport.verify_min_bytes", "must be >= 0")
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
+        self._validate_events()
         return self
+
+    def _validate_events(self) -> None:
+        e = self.events
+        for key, url in (("events.publish", e.publish), ("events.replay", e.replay)):
+            if url and not url.startswith("ipc://"):
+                _check(url.startswith("tcp://"), key, f"must be tcp://host:port or ipc://path, got {url!r}")
+                _host_port(key, url[len("tcp://"):])
+        _check(not e.replay or bool(e.publish), "events.replay", "needs events.publish")
+        _check(e.buffer_steps >= 1, "events.buffer_steps", "must be >= 1")
+        _check(e.max_pending_events >= 1, "events.max_pending_events", "must be >= 1")
+        _check(0 < e.batch_interval_s <= 1, "events.batch_interval_s", "must be in (0, 1] seconds")
+        _check(e.hwm >= 0, "events.hwm", "must be >= 0 (0 = no limit)")
 
 
 def _check(ok: bool, key: str, why: str) -> None:
