@@ -164,6 +164,7 @@ class EventsConfig:
     max_pending_events: int = field(default=100000, metadata={"help": "events queued for the publisher thread; more are dropped (counted), and subscribers resync"})
     batch_interval_s: float = field(default=0.01, metadata={"help": "the publisher sends what is queued this often (seconds)"})
     hwm: int = field(default=100000, metadata={"help": "ZMQ high-water mark of the PUB socket (messages per subscriber)"})
+    heartbeat_s: float = field(default=2.0, metadata={"help": "an idle publisher sends an empty batch this often, so a subscriber that lost the last batch finds out (seconds)"})
 
 
 @dataclass
@@ -251,6 +252,7 @@ class Config:
         _check(e.max_pending_events >= 1, "events.max_pending_events", "must be >= 1")
         _check(0 < e.batch_interval_s <= 1, "events.batch_interval_s", "must be in (0, 1] seconds")
         _check(e.hwm >= 0, "events.hwm", "must be >= 0 (0 = no limit)")
+        _check(e.heartbeat_s >= e.batch_interval_s, "events.heartbeat_s", "must be >= events.batch_interval_s")
 
 
 def _check(ok: bool, key: str, why: str) -> None:

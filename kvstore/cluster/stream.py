@@ -142,22 +142,23 @@ class PeerStream:
                 _, seq, payload = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.last_batch_at = self.clock()
-            n = ev.seq_of(seq)
-            if self.state is SyncState.LIVE and self.expected is not None and n < self.expected:
-                # PUB never repeats a batch: lower numbers are a restarted publisher's.
-                log.info("peer %s: batch %d after %d: its publisher restarted; resyncing", self.member.node_id,
-                         n, self.expected - 1)
-                self.held = [(n, payload)]
-                self._resync()
-                if self.state is SyncState.LIVE:
-                    self._drain()
-                continue
+            self.take_live(ev.seq_of(seq), payload)
+
+    def take_live(self, n: int, payload: bytes) -> None:
+        """Live batch number ``n``: apply it, or hold it back behind a gap or a resync."""
+        self.last_batch_at = self.clock()
+        if self.state is SyncState.LIVE and self.expected is not None and n < self.expected:
+            # PUB never repeats a batch: lower numbers are a restarted publisher's.
+            log.info("peer %s: batch %d after %d: its publisher restarted; resyncing", self.member.node_id,
+                     n, self.expected - 1)
+            self.held = [(n, payload)]
+            self._resync()
+        else:
             self.held.append((n, payload))
             if len(self.held) > HELD_BACK_MAX:
                 del self.held[0]  # a gap the next check finds
-            if self.state is SyncState.LIVE:
-                self._drain()
+        if self.state is SyncState.LIVE:
+            self._drain()
 
     def on_answer(self) -> None:
         """Read what the DEALER socket has: replayed or snapshot batches, then the end marker."""
@@ -241,7 +242,10 @@ class PeerStream:
 class ClusterDirectory:
     """The directory and the thread that keeps it, behind one lock. ``members`` lists the
     cluster's members (any objects with :class:`Member`'s fields); it is called on the
-    directory's thread only and must not block for long."""
+    directory's thread only and must not block for long. :meth:`refresh` and :meth:`poll` are
+    the thread's two steps, public so that a caller may drive them without :meth:`start`."""
+
+    stream_cls = PeerStream  # one peer's stream (a test subclass may lose batches)
 
     def __init__(self, cfg: DirectoryConfig, members: Callable[[], Iterable[Member]], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -337,7 +341,7 @@ class ClusterDirectory:
     def _attach(self, m: Member) -> None:
         with self.lock:
             node = self.directory.add_node(m.node_id, m.epoch, getattr(m, "namespaces", ()) or ())
-        s = self.streams[m.node_id] = PeerStream(self._ctx, self._zmq, m, node, self.directory, self.lock,
+        s = self.streams[m.node_id] = self.stream_cls(self._ctx, self._zmq, m, node, self.directory, self.lock,
                                                  self.cfg, self.clock)
         for sock in s.sockets():
             self._poller.register(sock, self._zmq.POLLIN)

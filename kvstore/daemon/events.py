@@ -7,8 +7,10 @@ only appends them to a bounded list there. The ``kv-events`` thread sends what h
 ``events.batch_interval_s``, as one numbered batch (more when it is long), and answers replay
 and snapshot requests. Nothing on the request path waits for a subscriber: ZMQ's PUB drops for
 a subscriber past its high-water mark, and past ``events.max_pending_events`` queued events new
-ones are dropped and counted, and a batch number is skipped, so that every subscriber sees the
-gap, finds it missing from the replay buffer too, and resyncs from a snapshot.
+ones are dropped and counted, and a batch number is skipped (an empty batch follows at once), so
+that every subscriber sees the gap, finds it missing from the replay buffer too, and resyncs from
+a snapshot. An idle publisher sends an empty batch every ``events.heartbeat_s``, so a subscriber
+that lost the last batch before a quiet spell finds out within that time.
 
 Snapshots: :class:`CoreState` takes every block's tiers under the core lock and, in the same hold,
 cuts the queue, so the snapshot is exactly the state after the batches numbered before it.
@@ -80,6 +82,7 @@ class EventPublisher:
         self._pending: list[tuple] = []
         self._lost = 0  # events dropped since the last cut
         self._next = 0  # number of the next batch (the kv-events thread's)
+        self._sent_at = time.monotonic()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._topic = cfg.topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -172,17 +175,25 @@ class EventPublisher:
 
     def _send(self, items: list[tuple], lost: int) -> None:
         for i in range(0, len(items), BATCH_EVENTS):
-            seq = self._next
-            self._next += 1
-            payload = self._encode(ev.KVEventBatch(ts=time.time(), events=_events(items[i:i + BATCH_EVENTS])))
-            self._pub.send_multipart((self._topic, ev.seq_bytes(seq), payload), copy=False)
-            self._buffer.append((seq, payload))
-            self.metrics.events_published.inc()
+            self._publish(_events(items[i:i + BATCH_EVENTS]))
         if lost:
-            # Their number goes unused: subscribers see the gap, and the replay buffer lacks it.
+            # Their number goes unused: subscribers see the gap at the empty batch sent at once
+            # behind it, and the replay buffer lacks it.
             self._next += 1
+            self._publish([])
             log.warning("KV events: %d events dropped (events.max_pending_events = %d); subscribers resync",
                         lost, self.cfg.max_pending_events)
+        elif not items and time.monotonic() - self._sent_at >= self.cfg.heartbeat_s:
+            self._publish([])  # idle: an empty batch, so a subscriber that lost the last one knows
+
+    def _publish(self, events: list) -> None:
+        seq = self._next
+        self._next += 1
+        payload = self._encode(ev.KVEventBatch(ts=time.time(), events=events))
+        self._pub.send_multipart((self._topic, ev.seq_bytes(seq), payload), copy=False)
+        self._buffer.append((seq, payload))
+        self._sent_at = time.monotonic()
+        self.metrics.events_published.inc()
 
     def _serve_request(self) -> None:
         frames = self._replay.recv_multipart()
