@@ -63,6 +63,20 @@ def test_a_new_epoch_drops_what_the_old_registration_announced_and_namespaces_fi
     assert a2 is not a and d.entries() == 0 and not d.where
 
 
+def test_a_block_every_node_holds_and_the_lookup_limit():
+    d = Directory()
+    nodes = [d.add_node(f"n{i:02}", 1) for i in range(20)]
+    for i, n in enumerate(nodes):  # all hold the prompt K[0:2]; n19 goes deepest, n18 next
+        d.apply(n, stored(K[:2] + (K[2:2 + max(0, i - 17)])))
+    assert isinstance(d.where[K[0]], set) and isinstance(d.where[K[3]], int) and d.where[K[2]] == (18, 19)
+    hits = d.longest_prefix("ns", K[:6], limit=3)
+    assert [(h.node_id, h.n_blocks) for h in hits] == [("n19", 4), ("n18", 3), ("n00", 2)]
+    for n in nodes[:15]:
+        d.drop_node(n.node_id)
+    assert isinstance(d.where[K[0]], tuple) and sorted(d.where[K[0]]) == [15, 16, 17, 18, 19]
+    assert d.entries() == 5 * 2 + 2 + 1
+
+
 # --- fed by real daemons -------------------------------------------------------------------
 
 @dataclass

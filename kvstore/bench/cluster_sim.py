@@ -225,7 +225,10 @@ def _bytes_per_entry(nodes: list[SimNode], encode, decode) -> float:
 
 
 def run(a) -> dict:
-    rows = [simulate(n, a) for n in a.nodes]
+    rows = []
+    for n in a.nodes:
+        rows.append(simulate(n, a))
+        print(f"cluster-sim: {n} nodes done", file=sys.stderr, flush=True)
     return {"params": {k: v for k, v in vars(a).items() if k != "json"}, "rows": rows}
 
 

@@ -6,11 +6,12 @@ holds them apart; a prefix is found by walking a request's chain keys from the r
 where no node holds the next one.
 
 Per block and node the directory keeps one entry: ``Node.held[key]`` (the tier bits) and, in
-``Directory.where[key]``, the node's small index (an int while one node holds the key, a tuple
-once several do). A store, a removal or a tier move is two dict operations; dropping a node
-(it left, or came back under a new epoch, or its stream lost more than the peer could replay)
-is one pass over that node's own entries. docs/cluster.md has the measured bytes and
-microseconds per entry.
+``Directory.where[key]``, the node's small index among the key's holders (an int while one node
+holds the key, a tuple of up to :data:`TUPLE_MAX`, a set past that: a system prompt's blocks are
+held by every node, and a tuple would make each of their updates cost the node count). A store,
+a removal or a tier move is two dict operations; dropping a node (it left, or came back under a
+new epoch, or its stream lost more than the peer could replay) is one pass over that node's own
+entries. docs/cluster.md has the measured bytes and microseconds per entry.
 
 Single-threaded and plain: :class:`kvstore.cluster.stream.ClusterDirectory` holds the lock.
 """
@@ -27,6 +28,10 @@ from kvstore.tiers.base import TierKind
 _SPEED = (TierKind.HBM, TierKind.DRAM, TierKind.NVME)
 _BIT = {t: 1 << t for t in _SPEED}
 _MEDIUM_BIT = {m: _BIT[t] for m, t in TIER_OF_MEDIUM.items()}
+# Tier bits -> rank in _SPEED of the fastest tier among them (index 0, no tier, is never asked).
+_BEST = [next((r for r, t in enumerate(_SPEED) if bits & _BIT[t]), 0) for bits in range(1 << (max(_SPEED) + 1))]
+TUPLE_MAX = 8  # holders kept as a tuple; more as a set
+DEFAULT_LIMIT = 8  # nodes a lookup answers with
 
 
 class PrefixHit(NamedTuple):
@@ -48,19 +53,11 @@ class Node:
     held: dict[bytes, int] = field(default_factory=dict)  # key -> tier bits (1 << TierKind)
 
 
-def _best(bits: int) -> int:
-    """Rank in :data:`_SPEED` of the fastest tier in ``bits``."""
-    for rank, t in enumerate(_SPEED):
-        if bits & _BIT[t]:
-            return rank
-    raise ValueError("no tier")
-
-
 class Directory:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self.by_idx: dict[int, Node] = {}
-        self.where: dict[bytes, int | tuple[int, ...]] = {}
+        self.where: dict[bytes, int | tuple[int, ...] | set[int]] = {}
         self._free: list[int] = []
         self._next_idx = 0
 
@@ -124,8 +121,12 @@ class Directory:
                 self.where[key] = n.idx
             elif isinstance(cur, int):
                 self.where[key] = (cur, n.idx)
-            else:
+            elif isinstance(cur, set):
+                cur.add(n.idx)
+            elif len(cur) < TUPLE_MAX:
                 self.where[key] = cur + (n.idx,)
+            else:
+                self.where[key] = {*cur, n.idx}
 
     def removed(self, n: Node, key: bytes, bit: int) -> None:
         had = n.held.get(key)
@@ -146,42 +147,77 @@ class Directory:
             if cur == idx:
                 del self.where[key]
             return
+        if isinstance(cur, set):
+            cur.discard(idx)
+            if len(cur) <= TUPLE_MAX:
+                self.where[key] = tuple(cur)
+            return
         rest = tuple(i for i in cur if i != idx)
         self.where[key] = rest[0] if len(rest) == 1 else rest
 
     # --- lookup -----------------------------------------------------------------------------
-    def longest_prefix(self, namespace: bytes | str, chain: list[bytes]) -> list[PrefixHit]:
-        """For each node holding ``chain[0]``: how many leading blocks of ``chain`` it holds, as
-        one :class:`PrefixHit` per tier step (a node with blocks 0-2 in DRAM and block 3 only on
-        NVMe gives ``(DRAM, 3)`` and ``(NVME, 4)``), longest first. ``namespace`` (the 32-byte
-        namespace id or its hex) leaves out nodes whose registration lists other namespaces
-        only. Cost: one dict lookup per block and holder, stopping at the first block no
-        remaining candidate holds."""
-        if not chain:
+    def longest_prefix(self, namespace: bytes | str, chain: list[bytes], limit: int = DEFAULT_LIMIT
+                       ) -> list[PrefixHit]:
+        """The ``limit`` nodes holding the longest prefixes of ``chain``: how many leading blocks
+        each holds, as one :class:`PrefixHit` per tier step (a node with blocks 0-2 in DRAM and
+        block 3 only on NVMe gives ``(DRAM, 3)`` and ``(NVME, 4)``), longest first.
+        ``namespace`` (the 32-byte namespace id or its hex) leaves out nodes whose registration
+        lists other namespaces only.
+
+        Cost: one dict lookup per block to find how deep any node goes, then, from the deepest
+        block back, the holders of each block until ``limit`` nodes are found, each walked from
+        the root (one dict lookup per block). A system prompt held by every node costs its
+        holders only when fewer than ``limit`` nodes go deeper."""
+        if not chain or limit < 1:
             return []
         ns_hex = namespace.hex() if isinstance(namespace, (bytes, bytearray)) else namespace
-        first = self.where.get(chain[0])
-        if first is None:
-            return []
-        cand = [first] if isinstance(first, int) else list(first)
-        nodes = [self.by_idx[i] for i in cand]
-        nodes = [n for n in nodes if not n.namespaces or ns_hex in n.namespaces]
+        where = self.where
+        depth = 0
+        while depth < len(chain) and chain[depth] in where:
+            depth += 1
         hits: list[PrefixHit] = []
-        for n in nodes:
-            held = n.held.get
-            worst, count = 0, 0
-            for key in chain:
-                bits = held(key)
-                if not bits:
-                    break
-                rank = _best(bits)
-                if rank > worst and count:
-                    hits.append(PrefixHit(n.node_id, n.epoch, _SPEED[worst], count))
-                worst = max(worst, rank)
-                count += 1
-            hits.append(PrefixHit(n.node_id, n.epoch, _SPEED[worst], count))
+        seen: set[int] = set()
+        found = 0
+        for j in range(depth - 1, -1, -1):
+            cur = where[chain[j]]
+            for idx in (cur,) if isinstance(cur, int) else cur:
+                if idx in seen:
+                    continue
+                seen.add(idx)
+                n = self.by_idx[idx]
+                if not n.namespaces or ns_hex in n.namespaces:
+                    found += self._walk(n, chain, hits)
+            if found >= limit:
+                break
         hits.sort(key=lambda h: (-h.n_blocks, _SPEED.index(h.tier), h.node_id))
-        return hits
+        keep: set[str] = set()
+        out = []
+        for h in hits:  # the limit counts nodes, each with all of its tier steps
+            if h.node_id not in keep and len(keep) >= limit:
+                continue
+            keep.add(h.node_id)
+            out.append(h)
+        return out
+
+    @staticmethod
+    def _walk(n: Node, chain: list[bytes], hits: list[PrefixHit]) -> bool:
+        """Append ``n``'s tier steps along ``chain``; whether it holds the root at all."""
+        held = n.held.get
+        worst = count = 0
+        for key in chain:
+            bits = held(key)
+            if not bits:
+                break
+            rank = _BEST[bits]
+            if rank > worst and count:
+                hits.append(PrefixHit(n.node_id, n.epoch, _SPEED[worst], count))
+                worst = rank
+            elif rank > worst:
+                worst = rank
+            count += 1
+        if count:
+            hits.append(PrefixHit(n.node_id, n.epoch, _SPEED[worst], count))
+        return count > 0
 
     # --- size -------------------------------------------------------------------------------
     def entries(self) -> int:
