@@ -12,7 +12,8 @@ new epoch and applies its snapshot.
 
 Measured, per node count: directory entries and distinct blocks; bytes per entry (tracemalloc,
 over the final state rebuilt alone); decode + apply cost per block event (the directory's
-thread); lookup cost for a conversation's chain; cost of dropping a node and applying a
+thread), and its ratio to the same run's raw path, decode + one plain dict store per block
+event; lookup cost for a conversation's chain; cost of dropping a node and applying a
 snapshot, per entry. Then, for the per-node rate and capacity given, the event rate one daemon
 must absorb, the cores that takes, and the directory's memory at full capacity. Times are this
 machine's, of this Python process: they are ratios of the same run's own work, not a target.
@@ -139,7 +140,8 @@ def simulate(n_nodes: int, a) -> dict:
     tick_s = 0.1
     per_tick = a.requests_per_node_s * tick_s
     restart_p = a.restarts_per_node_hour * tick_s / 3600
-    apply_s = 0.0
+    apply_s = ref_s = 0.0
+    raw: dict[bytes, int] = {}
     applied = restarts = 0
     drop_s = snap_s = 0.0
     dropped_entries = snap_entries = 0
@@ -156,8 +158,18 @@ def simulate(n_nodes: int, a) -> dict:
                 continue
             t0 = time.perf_counter()
             batch = decode(out[1])
+            t1 = time.perf_counter()
             d.apply(handles[n.node_id], batch.events)
-            apply_s += time.perf_counter() - t0
+            t2 = time.perf_counter()
+            for e in batch.events:  # the reference: one plain dict store or pop per block event
+                if isinstance(e, ev.BlockStored):
+                    for k in e.block_hashes:
+                        raw[k] = 1
+                elif isinstance(e, ev.BlockRemoved):
+                    for k in e.block_hashes:
+                        raw.pop(k, None)
+            ref_s += (t1 - t0) + (time.perf_counter() - t2)
+            apply_s += t2 - t0
             applied += block_events([batch])
         for n in nodes:
             if rng.random() < restart_p:
@@ -192,6 +204,7 @@ def simulate(n_nodes: int, a) -> dict:
         "copies_per_block": round(entries / blocks, 2) if blocks else 0,
         "bytes_per_entry": round(bytes_per_entry, 1),
         "block_events_per_s": round(events_s), "apply_us_per_block_event": round(cost_us, 3),
+        "apply_vs_dict_store": round(apply_s / ref_s, 2) if ref_s else None,
         "directory_cores": round(events_s * cost_us / 1e6, 3),
         "lookup_us_median": round(statistics.median(times) * 1e6, 1), "lookup_chain_blocks": round(statistics.mean(map(len, chains)), 1),
         "lookup_hit_blocks_mean": round(statistics.mean(hits), 1), "lookup_holders_mean": round(statistics.mean(holders), 2),
@@ -235,7 +248,7 @@ def run(a) -> dict:
 def _table(r: dict) -> str:
     cols = [("nodes", "nodes"), ("entries", "entries"), ("copies_per_block", "copies/blk"),
             ("bytes_per_entry", "B/entry"), ("block_events_per_s", "blk-ev/s"),
-            ("apply_us_per_block_event", "us/blk-ev"), ("directory_cores", "cores"),
+            ("apply_us_per_block_event", "us/blk-ev"), ("apply_vs_dict_store", "x dict"), ("directory_cores", "cores"),
             ("lookup_us_median", "lookup us"), ("lookup_holders_mean", "holders"),
             ("drop_us_per_entry", "drop us/e"), ("snapshot_us_per_entry", "snap us/e"),
             ("full_capacity_gib", "GiB@full")]

@@ -187,6 +187,8 @@ class Directory:
                 n = self.by_idx[idx]
                 if not n.namespaces or ns_hex in n.namespaces:
                     found += self._walk(n, chain, hits)
+                    if found >= limit:  # the others hold no more than these: as far as block j
+                        break
             if found >= limit:
                 break
         hits.sort(key=lambda h: (-h.n_blocks, _SPEED.index(h.tier), h.node_id))
