@@ -13,4 +13,6 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
 7. :mod:`.handout` (the arena over a unix socket), :mod:`.stats` and :mod:`.metrics` (Stats and
    /metrics), :mod:`.advice` (load-or-recompute). The per-layer doorbell cells, shared with clients, are
    :mod:`kvstore.doorbell`.
+8. :mod:`.events`: the KV event stream (vLLM's format, :mod:`kvstore.kv_events`) the core reports
+   tier changes to; peers read it into their cluster directory (:mod:`kvstore.cluster`).
 """
