@@ -223,6 +223,7 @@ class Core:
         self.doorbells = doorbells
         self.metrics = metrics
         self.events: BlockEvents = events if events is not None else NoEvents()
+        self._quiet = events is None  # no stream: announce() costs nothing on the commit path
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
         self.sessions = SessionTable(cfg.session_ttl_s, clock)
@@ -336,6 +337,8 @@ class Core:
         """Tell the event stream which tiers ``b`` is in now. Idempotent: whoever changes a
         block's tiers (commit, eviction, demotion, promotion, an HBM copy, forget) calls it
         after the change."""
+        if self._quiet:
+            return
         now = held_tiers(b)
         was = b.announced
         if now == was:
