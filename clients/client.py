@@ -314,13 +314,17 @@ class KVStoreClient:
 
     # --- leases -----------------------------------------------------------------------------
     def reserve(self, keys: Sequence[bytes], parent: bytes = b"", retry_s: float = 10.0,
-                doorbell: bool = False) -> WriteLease:
+                doorbell: bool = False, token_ids=None) -> WriteLease:
         """Reserve slots for ``keys``. While the daemon refuses with ``REFUSAL_DRAM_DEMOTING``
         (DRAM full of blocks still being demoted to NVMe), retry with backoff for at most
         ``retry_s`` seconds. (The daemon itself first waits up to ``server.reserve_wait_s`` for
-        a demotion to land; a daemon too old to name the refusal is not retried.)"""
+        a demotion to land; a daemon too old to name the refusal is not retried.)
+        ``token_ids``: the tokens of ``keys``' blocks (``block_tokens`` each), when known: the
+        daemon's KV events carry them to routers."""
         self.require_data_session()
-        req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell)
+        tokens = b"" if token_ids is None else np.asarray(token_ids).astype("<i4", copy=False).tobytes()
+        req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell,
+                                token_ids=tokens)
         deadline, pause = time.monotonic() + retry_s, 0.002
         while True:
             try:
@@ -379,7 +383,8 @@ class KVStoreClient:
         try:
             for start in range(0, len(keys), step):
                 chunk = keys[start:start + step]
-                w = self.reserve(chunk, parent=keys[start - 1] if start else b"")
+                w = self.reserve(chunk, parent=keys[start - 1] if start else b"",
+                                 token_ids=np.asarray(token_ids)[start * bt:(start + len(chunk)) * bt])
                 futures: list[grpc.Future] = []
                 pending.append(futures)
                 try:

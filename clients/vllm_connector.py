@@ -441,7 +441,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for span in (meta.saves if path is not None else ()):
             keys = path.client.keys(span.token_ids)
             try:
-                w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"")
+                w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"",
+                                        token_ids=span.token_ids[span.start * self.bt:span.end * self.bt])
             except Exception as e:  # noqa: BLE001 - a save is best effort: the blocks stay uncached
                 log.warning("kvstore save of %s skipped: %s", span.req_id, e)
                 if isinstance(e, KVStoreError):

@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("tiers", "NVMe through the daemon vs fio; promotion latency"),
                         ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
                         ("cluster", "3 daemons, multi-turn round-robin workload: hit rate, time-to-KV alone vs pulling"),
+                        ("cluster-sim", "the cluster prefix directory fed by 8-1,024 synthetic daemons' event streams"),
                         ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
@@ -208,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 # of the line; build_parser() lists them for --help.
 DELEGATED = {("plan",): "kvstore.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
-             ("bench", "vllm"): "kvstore.bench.vllm", ("bench", "cluster"): "kvstore.bench.cluster"}
+             ("bench", "vllm"): "kvstore.bench.vllm", ("bench", "cluster"): "kvstore.bench.cluster",
+             ("bench", "cluster-sim"): "kvstore.bench.cluster_sim"}
 
 
 def main(argv: list[str] | None = None) -> int:

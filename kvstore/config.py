@@ -180,6 +180,18 @@ class ClusterConfig:
 
 
 @dataclass
+class EventsConfig:
+    publish: str = field(default="", metadata={"help": "ZMQ PUB endpoint the daemon binds for its KV events in vLLM's format (tcp://host:port or ipc://path); empty = off"})
+    replay: str = field(default="", metadata={"help": "ZMQ ROUTER endpoint for replay by sequence number and snapshots (tcp://host:port or ipc://path); empty = none"})
+    topic: str = field(default="", metadata={"help": "topic frame of every message (llm-d reads kv@<pod>@<model>)"})
+    buffer_steps: int = field(default=10000, metadata={"help": "batches kept for replay"})
+    max_pending_events: int = field(default=100000, metadata={"help": "events queued for the publisher thread; more are dropped (counted), and subscribers resync"})
+    batch_interval_s: float = field(default=0.01, metadata={"help": "the publisher sends what is queued this often (seconds)"})
+    hwm: int = field(default=100000, metadata={"help": "ZMQ high-water mark of the PUB socket (messages per subscriber)"})
+    heartbeat_s: float = field(default=2.0, metadata={"help": "an idle publisher sends an empty batch this often, so a subscriber that lost the last batch finds out (seconds)"})
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
@@ -189,6 +201,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     # -- derived values ---------------------------------------------------------------------
     def resolved_socket_path(self) -> str:
@@ -264,7 +277,21 @@ class Config:
                 _host_port(f"cluster.{key}", getattr(c, key))
         _check(bool(c.etcd_cert_file) == bool(c.etcd_key_file), "cluster.etcd_cert_file",
                "etcd_cert_file and etcd_key_file go together")
+        self._validate_events()
         return self
+
+    def _validate_events(self) -> None:
+        e = self.events
+        for key, url in (("events.publish", e.publish), ("events.replay", e.replay)):
+            if url and not url.startswith("ipc://"):
+                _check(url.startswith("tcp://"), key, f"must be tcp://host:port or ipc://path, got {url!r}")
+                _host_port(key, url[len("tcp://"):])
+        _check(not e.replay or bool(e.publish), "events.replay", "needs events.publish")
+        _check(e.buffer_steps >= 1, "events.buffer_steps", "must be >= 1")
+        _check(e.max_pending_events >= 1, "events.max_pending_events", "must be >= 1")
+        _check(0 < e.batch_interval_s <= 1, "events.batch_interval_s", "must be in (0, 1] seconds")
+        _check(e.hwm >= 0, "events.hwm", "must be >= 0 (0 = no limit)")
+        _check(e.heartbeat_s >= e.batch_interval_s, "events.heartbeat_s", "must be >= events.batch_interval_s")
 
 
 def is_loopback(host: str) -> bool:

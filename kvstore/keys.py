@@ -115,3 +115,21 @@ def engine_keys(root: bytes, engine_keys: Sequence[bytes]) -> list[BlockKey]:
     apart. They never equal :func:`chain_keys`' keys: an engine's tier shares blocks with
     itself, not with kvstore's own connectors."""
     return [BlockKey(hashlib.sha256(root + b"\0engine\0" + bytes(k)).digest()) for k in engine_keys]
+
+
+def check_tokens(root: bytes, parent: bytes, packed_keys: bytes, tokens: bytes, block_tokens: int) -> None:
+    """Check that ``tokens`` (int32 LE, ``block_tokens`` per key) are the token ids the packed
+    32-byte ``packed_keys`` were chained from, after ``parent`` (or ``root``); raises ValueError
+    saying which key does not match. A writer's token ids reach routers through the KV events,
+    so they must be the ones its keys stand for."""
+    step = 4 * block_tokens
+    n = len(packed_keys) // KEY_BYTES
+    if len(tokens) != n * step:
+        raise ValueError(f"token_ids: {len(tokens)} bytes, but {n} keys of {block_tokens} tokens need {n * step} "
+                         "(int32 little-endian, or empty)")
+    prev = parent or root
+    for i in range(n):
+        prev = hashlib.sha256(prev + tokens[i * step:(i + 1) * step]).digest()
+        if prev != packed_keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]:
+            raise ValueError(f"token_ids: the tokens of block {i} do not hash to key {i} "
+                             "(chain_keys over the namespace root, after parent)")

@@ -15,4 +15,6 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
    :mod:`kvstore.doorbell`.
 8. :mod:`.pull` (kvstore.v1.Peer: a prefix pulled from the peer that holds it), over the fleet's
    membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md).
+9. :mod:`.events`: the KV event stream (vLLM's format, :mod:`kvstore.kv_events`) the core reports
+   tier changes to; peers read it into their cluster directory (:mod:`kvstore.cluster`).
 """

@@ -111,6 +111,47 @@ class TierCopies:
         self.hbm.dram_freed(b, reason)
 
 
+class BlockEvents(Protocol):
+    """Where the core reports each committed block entering or leaving a tier, for the KV event
+    stream (:class:`kvstore.daemon.events.EventPublisher`; :class:`NoEvents` when off). Called
+    under the core lock, in the order the changes happen; it only queues (never blocks, never
+    calls the core)."""
+
+    def stored(self, b: Block, ns: Namespace, tier: TierKind) -> None:
+        """``b`` (of ``ns``) is now held in ``tier``."""
+
+    def removed(self, b: Block, tier: TierKind) -> None:
+        """``b`` is no longer held in ``tier``."""
+
+
+class NoEvents:
+    """:class:`BlockEvents` of a daemon that publishes none."""
+
+    def stored(self, b: Block, ns: Namespace, tier: TierKind) -> None:
+        pass
+
+    def removed(self, b: Block, tier: TierKind) -> None:
+        pass
+
+
+_TIER_BITS = tuple((t, 1 << t) for t in (TierKind.HBM, DRAM, NVME))
+
+
+def held_tiers(b: Block) -> int:
+    """The tiers ``b`` is readable from, as bits ``1 << TierKind``: 0 unless committed (a
+    forgotten block is RESERVED again)."""
+    if b.state is not BlockState.COMMITTED:
+        return 0
+    bits = 0
+    if b.tier is DRAM and b.offset >= 0:
+        bits |= 1 << DRAM
+    if b.on_nvme:
+        bits |= 1 << NVME
+    if b.hbm_slot >= 0:
+        bits |= 1 << TierKind.HBM
+    return bits
+
+
 @dataclass(slots=True)
 class DramPressure:
     """Back-pressure between writers and the demoter, shared by the core (which refuses a
@@ -170,7 +211,7 @@ def split_keys(packed: bytes, limit: int) -> list[bytes]:
 
 class Core:
     def __init__(self, dram: DramTier, cfg: CoreConfig, *, lower: LowerTiers | None = None,
-                 doorbells: Doorbells | None = None, metrics=None,
+                 doorbells: Doorbells | None = None, metrics=None, events: BlockEvents | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.RLock()
         # Notified (under the lock) when blocks finish moving between tiers: demotions and
@@ -181,6 +222,8 @@ class Core:
         self.lower: LowerTiers = lower if lower is not None else DramOnly()
         self.doorbells = doorbells
         self.metrics = metrics
+        self.events: BlockEvents = events if events is not None else NoEvents()
+        self._quiet = events is None  # no stream: announce() costs nothing on the commit path
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
         self.sessions = SessionTable(cfg.session_ttl_s, clock)
@@ -290,9 +333,32 @@ class Core:
         self.tick += 1
         b.tick = self.tick
 
+    def announce(self, b: Block) -> None:
+        """Tell the event stream which tiers ``b`` is in now. Idempotent: whoever changes a
+        block's tiers (commit, eviction, demotion, promotion, an HBM copy, forget) calls it
+        after the change."""
+        if self._quiet:
+            return
+        now = held_tiers(b)
+        was = b.announced
+        if now == was:
+            return
+        b.announced = now
+        for tier, bit in _TIER_BITS:
+            if was & bit and not now & bit:
+                self.events.removed(b, tier)
+        if now & ~was:
+            ns = self.namespaces[b.ns_id].ns
+            for tier, bit in _TIER_BITS:
+                if now & bit and not was & bit:
+                    self.events.stored(b, ns, tier)
+
     # --- write path ------------------------------------------------------------------------
-    def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False
+    def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False, tokens: bytes = b""
                 ) -> tuple[Lease | None, list[int], bytes]:
+        """Slots for the new keys of ``packed``. ``tokens``: the keys' token ids (int32 LE,
+        ``block_tokens`` per key, already checked against the keys by the caller) or empty; kept
+        with each block for the KV events."""
         self.sessions.check_open(s)
         if self.writes_refused:
             raise KVError(Code.UNAVAILABLE, self.writes_refused)
@@ -321,6 +387,7 @@ class Core:
         offsets = [0] * len(keys)
         if not todo:
             return None, offsets, bytes(states)
+        step = 4 * ns.ns.layout.block_tokens
         lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.cfg.lease_ttl_s)
         quota = QuotaFlag()
         try:
@@ -343,6 +410,8 @@ class Core:
                                       "every other block is pinned or being written; retry after releasing leases")
                     b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
                               parent_key=keys[i - 1] if i else (parent or None))
+                    if tokens:
+                        b.tokens = tokens[i * step:(i + 1) * step]
                     ns.blocks[keys[i]] = b
                     lease.blocks.append(b)
                     offsets[i] = off
@@ -442,6 +511,7 @@ class Core:
         if kept:
             b.tier, b.offset = NVME, -1
             self.lru(NVME, b.ns_id).add(b)
+            self.announce(b)
         else:
             self.forget(b)
         if self.metrics:
@@ -469,6 +539,7 @@ class Core:
             k.parent = None
         b.kids = set()
         b.state = BlockState.RESERVED
+        self.announce(b)
 
     def add_recovered(self, st: NsState, key: bytes, parent_key: bytes | None) -> Block:
         """Index a committed block found on NVMe at start (chains are linked by
@@ -476,6 +547,7 @@ class Core:
         b = Block(key, st.id, NVME, -1, state=BlockState.COMMITTED, parent_key=parent_key, on_nvme=True)
         st.blocks[key] = b
         self.touch(b)
+        self.announce(b)
         return b
 
     def link_recovered(self) -> list[Block]:
@@ -549,6 +621,8 @@ class Core:
             lru.add(b)
             if b.parent is not None:
                 self.touch(b.parent)
+        for b in chosen:  # in chain order: a router's tree gets each parent before its children
+            self.announce(b)
         done = set(map(id, chosen))
         lease.blocks = [b for b in lease.blocks if id(b) not in done]
         if not lease.blocks:
@@ -725,12 +799,14 @@ class Core:
         """``b`` (in DRAM) now also has an NVMe copy: dropping its DRAM copy loses nothing."""
         b.on_nvme = True
         self.lru(NVME, b.ns_id).add(b)
+        self.announce(b)
 
     def lose_nvme_copy(self, b: Block) -> None:
         """``b``'s NVMe copy is gone (the tier lost it or it failed its checksum); nothing to
         delete there."""
         b.on_nvme = False
         self.lru(NVME, b.ns_id).discard(b)
+        self.announce(b)
 
     def drop_namespace(self, ns_id_hex: str) -> tuple[int, int]:
         text = ns_id_hex.lower()

@@ -88,6 +88,7 @@ class HbmCache:
                         break
                     hbm.free(victim.ns_id, victim.hbm_slot)
                     victim.hbm_slot = -1
+                    core.announce(victim)
                     slot = hbm.allocate(b.ns_id, st.block_bytes)
                 if slot is None:
                     break
@@ -102,6 +103,7 @@ class HbmCache:
                 b.busy = False
                 if t.error is None and core.namespaces[b.ns_id].blocks.get(b.key) is b and b.tier is TierKind.DRAM:
                     b.hbm_slot = slot
+                    core.announce(b)
                     self.lru.add(b)
                     self.metrics.promotions.labels(src="dram", dst="hbm").inc()
                 else:

@@ -48,6 +48,8 @@ class Block:
     # lives, so transfers and NVMe writes reuse these instead of hashing again; whoever checks
     # them next (the receiving daemon, an NVMe read) catches memory that changed since.
     digests: "array | None" = None
+    tokens: bytes | None = None  # its token ids (int32 LE), when the writer sent them: for the KV events
+    announced: int = 0  # tiers the KV event stream was last told it is in (bits 1 << TierKind)
 
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)

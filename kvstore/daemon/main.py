@@ -208,8 +208,10 @@ class Daemon:
         try:
             self.hbm, hbm_copies = self._open_hbm()
             self.nvme, nvme_copies, nvme_error = self._open_nvme()
+            self.events = self._open_events()
             self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=TierCopies(nvme_copies, hbm_copies),
-                             doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics)
+                             doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics,
+                             events=self.events)
             self.policy = LoadPolicy()
             self.tiering = None
             if nvme_copies is not None:
@@ -246,6 +248,10 @@ class Daemon:
             _check_port_free("transport.listen", *_split_host_port(cfg.transport.listen),
                              f"start the {cfg.transport.backend} listener")
             self.transfer_wire = _transfer_credentials(cfg.transport)
+        for key in ("publish", "replay"):
+            url = getattr(cfg.events, key)
+            if url.startswith("tcp://"):
+                _check_port_free(f"events.{key}", *_split_host_port(url[len("tcp://"):]), "bind")
         if cfg.server.tcp_listen:
             _check_port_free("server.tcp_listen", *_split_host_port(cfg.server.tcp_listen), "listen")
             s = cfg.server
@@ -290,6 +296,17 @@ class Daemon:
             log.error("NVMe tier disabled: nvme.dir: %s", e)
             return None, None, f"nvme.dir: {e}"
         return tier, NvmeCopies(tier, n), ""
+
+    def _open_events(self):
+        """The KV event publisher (:mod:`kvstore.daemon.events`); None when events.publish is off."""
+        if not self.cfg.events.publish:
+            return None
+        try:
+            from kvstore.daemon.events import EventPublisher
+
+            return EventPublisher(self.cfg.events, metrics=self.metrics)
+        except ImportError as e:
+            raise StartupError(f"events.publish: needs pyzmq and msgspec (pip install 'kvstore-daemon[events]'): {e}") from None
 
     def _close_tiers(self) -> None:
         if self.nvme is not None:
@@ -365,6 +382,14 @@ class Daemon:
             blocks = self.tiering.recover()
             log.info("NVMe tier at %s: %d blocks recovered (%s I/O)", cfg.nvme.dir, blocks, self.nvme.io_mode.value)
             self.tiering.start()
+        if self.events is not None:
+            from kvstore.daemon.events import CoreState
+
+            try:
+                self.events.start(CoreState(self.core))
+            except Exception as e:  # noqa: BLE001 - zmq.ZMQError: a taken or bad address stops start-up
+                raise StartupError(f"events.publish/replay: cannot bind {cfg.events.publish} / "
+                                   f"{cfg.events.replay or '-'}: {e}") from None
         if self.inbound is not None:
             try:
                 self.transfer_address = self.inbound.start()
@@ -560,6 +585,8 @@ class Daemon:
         if self.hbm_cache is not None:
             self.hbm_cache.close()
             self.hbm.close()
+        if self.events is not None:
+            self.events.stop()
         self._remove_sockets()
 
 

@@ -57,6 +57,10 @@ class Metrics:
         self.policy_decisions = Counter("kvstore_policy_decisions", "Load-or-recompute answers", ["decision"], registry=r)
         self.tier_bandwidth = Gauge("kvstore_tier_bandwidth_bytes_per_second", "Measured moving-average bandwidth", ["path"], registry=r)
         # Transfer
+        self.events_published = Counter("kvstore_events_published_batches", "KV event batches published", registry=r)
+        self.events_dropped = Counter("kvstore_events_dropped", "KV events dropped: the publisher's queue was full "
+                                      "(events.max_pending_events); subscribers resync", registry=r)
+        self.events_resyncs = Counter("kvstore_events_resyncs", "Replay and snapshot requests served", ["kind"], registry=r)
         self.transfer_bytes = Counter("kvstore_transfer_bytes", "Bytes shipped between daemons", ["direction", "backend"], registry=r)
         self.transfer_chunks = Counter("kvstore_transfer_chunks", "Layer chunks shipped", ["direction", "backend"], registry=r)
         self.transfer_failures = Counter("kvstore_transfer_failures", "Transfers failed", ["reason"], registry=r)

@@ -22,7 +22,7 @@ from kvstore.daemon.core import Core, SessionEnd
 from kvstore.errors import REFUSAL_KEY, Code, KVError, invalid, not_found
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.stats import Reporter
-from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.keys import KEY_BYTES, Namespace, check_tokens
 from kvstore.layout import KVLayout, LayoutError
 from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
@@ -239,12 +239,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # back at once, and the client retries as it would after the wait.
         deadline = None  # set at the first refusal: the common path pays nothing
         placed = b""
+        if req.token_ids:  # hashed without the lock: one SHA-256 per block
+            with self.core.lock:
+                ns = self._session(req.session_id).ns.ns
+            try:
+                check_tokens(ns.root, req.parent, req.keys, req.token_ids, ns.layout.block_tokens)
+            except ValueError as e:
+                raise invalid(str(e)) from None
         try:
             with self.core.lock:
                 while True:
                     s = self._session(req.session_id)  # again after a wait: it may have closed
                     try:
-                        lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell)
+                        lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell, req.token_ids)
                         break
                     except KVError as e:
                         if deadline is None:

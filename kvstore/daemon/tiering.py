@@ -317,6 +317,7 @@ class Tiering:
                 live = core.namespaces[b.ns_id].blocks.get(b.key) is b and b.state is BlockState.COMMITTED
                 if outcome in (IoResult.OK, IoResult.PRESENT) and live:
                     b.on_nvme = True
+                    core.announce(b)
                     if b.ref_cnt == 0:
                         core.evict_from_dram(b)  # kept: becomes an NVMe block
                         self.metrics.demotions.labels(src="dram", dst="nvme").inc()
@@ -375,6 +376,7 @@ class Tiering:
         with closing(stream):
             for b in itertools.islice(stream, count):
                 b.on_nvme = False
+                core.announce(b)
                 dropped.append(b.key)
                 if b.tier is NVME:
                     core.forget(b)
@@ -497,6 +499,7 @@ class Tiering:
                 live = st.blocks.get(b.key) is b
                 if ok and live:
                     b.tier, b.offset = DRAM, off
+                    core.announce(b)
                     b.keep_digests(sums.get(b.key))
                     core.touch(b)
                     core.lru(DRAM, st.id).add(b)

@@ -153,16 +153,18 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "parent", "doorbell")
+    __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     parent: bytes
     doorbell: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., doorbell: _Optional[bool] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., doorbell: _Optional[bool] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "states", "expires_in_s", "doorbell_offset")
