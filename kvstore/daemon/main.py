@@ -236,6 +236,7 @@ class Daemon:
         self.transfer_address = ""
         self.membership = None
         self.pulls = None
+        self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -409,6 +410,8 @@ class Daemon:
         self.reporter.refresh_gauges()
         if self.membership is not None:
             self.membership.start(self._advert())
+        if self.directory is not None:
+            self.directory.start()
         self._spawn("reaper", self._reaper)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -440,17 +443,36 @@ class Daemon:
         tiers = ["dram"] + (["nvme"] if self.nvme is not None else []) + (["hbm"] if self.hbm is not None else [])
         caps = {"version": __version__, "transport": self.cfg.transport.backend if self.transfer_address else "",
                 "tiers": tiers, "control_addr": c.advertise_control or self.cfg.server.tcp_listen}
-        return Member(self.membership.node_id, 0, transfer_addr=c.advertise_transfer or self.transfer_address,
+        transfer = c.advertise_transfer or self.transfer_address
+        events, replay = (_reachable_url(self.cfg.events.publish, transfer),
+                          _reachable_url(self.cfg.events.replay, transfer))
+        return Member(self.membership.node_id, 0, transfer_addr=transfer, events_addr=events, replay_addr=replay,
                       capabilities=caps)
+
+    def _holders(self):
+        """Where a pull looks for a chain: the cluster prefix directory, fed by the peers' KV
+        events, where pyzmq is installed (peers that publish no events are asked after the
+        ones the directory names); otherwise every peer advertising the namespace."""
+        from kvstore.daemon.pull import AdvertisedHolders
+
+        try:
+            from kvstore.cluster.holders import DirectoryHolders
+            from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
+        except ImportError as e:
+            log.info("cluster: no prefix directory (%s; pip install 'kvstore-daemon[events]'): pulls ask every "
+                     "peer advertising the namespace", e)
+            return AdvertisedHolders(self.membership)
+        self.directory = ClusterDirectory(DirectoryConfig(self_id=self.membership.node_id), self.membership.peers)
+        return DirectoryHolders(self.directory, self.membership)
 
     def _peer_service(self):
         """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no
         transfer listener, both answer UNAVAILABLE saying what to set."""
-        from kvstore.daemon.pull import AdvertisedHolders, PeerLinks, PeerService, Pulls
+        from kvstore.daemon.pull import PeerLinks, PeerService, Pulls
 
         if self.membership is not None and self.outbound is not None:
             self.pulls = Pulls(self.core, self.membership, self.outbound, PeerLinks(self.cfg.server), self.cfg.transport,
-                               holders=AdvertisedHolders(self.membership), tiering=self.tiering,
+                               holders=self._holders(), tiering=self.tiering,
                                metrics=self.cluster_metrics)
         return PeerService(self.core, self.pulls, metrics=self.metrics)
 
@@ -577,6 +599,8 @@ class Daemon:
                 ev.wait(min(RPC_DRAIN_S, max(0.0, deadline - time.monotonic())))
         if self.pulls is not None:  # the channels to peers; a pull still running ends as a miss
             self.pulls.close()
+        if self.directory is not None:
+            self.directory.stop()
         if self.tiering is not None:
             self.tiering.close(deadline)
         for ev in (done, tcp_done):
@@ -588,6 +612,19 @@ class Daemon:
         if self.events is not None:
             self.events.stop()
         self._remove_sockets()
+
+
+def _reachable_url(url: str, advertised: str) -> str:
+    """``url`` (an events socket, ``tcp://host:port`` or ``ipc://path``) as peers reach it: a
+    wildcard bind host is replaced by the advertised transfer address's host; ipc:// is this
+    node's only and is not advertised."""
+    if not url.startswith("tcp://"):
+        return ""
+    host, port = _split_host_port(url[len("tcp://"):])
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::", "*", "") and advertised:
+        host = _split_host_port(advertised)[0].strip("[]")
+    return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
 
 
 def _sd_notify(state: str) -> None:
