@@ -42,7 +42,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
