@@ -150,8 +150,12 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.layout, model = chunk_layout(offloading_spec, self.block_size_bytes)
         self.model_id = storage_model_id(model_id or model, offloading_spec, self.block_size_bytes)
         self.data = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt))
-        self.lookups = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt,
-                                     prefault=False))
+        try:
+            self.lookups = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt,
+                                         prefault=False))
+        except BaseException:
+            self.data.client.close()
+            raise
         self._root = self.data.client.namespace.root
         self._lock = threading.Lock()      # _pins, _leases, _done
         self._pins: dict[OffloadKey, _Pin] = {}
@@ -183,24 +187,15 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             for k in keys:
                 if k in self._pins:
                     self._pins[k].reqs.add(req_id)
+        # Only this (the lookup) thread adds pins, so none of ``todo`` is pinned meanwhile.
         lease_id, got = self._acquire(self.lookups, todo) if todo else (0, [])
-        extra = 0
         with self._lock:
             for k, p in got:
-                if k in self._pins:  # pinned meanwhile by a load that pinned again: keep that one
-                    extra += 1
-                    self._pins[k].reqs.add(req_id)
-                    continue
                 p.reqs.add(req_id)
                 self._pins[k] = p
             if got:
-                self._leases[lease_id] = len(got) - extra
-                if not self._leases[lease_id]:
-                    del self._leases[lease_id]
-            found = [k in self._pins for k in keys]
-        if got and extra == len(got):
-            self._release(got[0][1])
-        return found
+                self._leases[lease_id] = len(got)
+            return [k in self._pins for k in keys]
 
     def _acquire(self, conn: _Conn, keys: list[OffloadKey]) -> tuple[int, list[tuple[OffloadKey, _Pin]]]:
         """One lease pinning the leading ``keys`` the daemon holds, and a pin for each of them;
