@@ -73,6 +73,16 @@ class Engine:
             self.rows[int(cid)] = data[keys.index(key)]
         self.m.complete_store(out.keys_to_store, req)
 
+    def stored(self, tag: str, n: int, seed: int) -> tuple[list, list[np.ndarray]]:
+        """``n`` chunks of random bytes stored by one finished request, cascaded to kvstore."""
+        keys, data = keys_for(tag, n), chunks(n, seed, self.tier.block_size_bytes)
+        req = ReqContext(f"{tag}-store")
+        self.m.on_new_request(req)
+        self.store(req, keys, data)
+        self.settle()
+        self.m.on_request_finished(req)
+        return keys, data
+
     def lookup_all(self, req: ReqContext, keys: list) -> list[LookupResult]:
         """The connector's prefix scan, stepped until nothing is pending (RETRY/HIT_PENDING)."""
         def settled():
@@ -117,12 +127,7 @@ def engines(daemon):
 def test_a_fresh_engine_promotes_what_another_stored_bit_exact(engines):
     a, b = engines(), engines()
     assert type(a.tier) is KVStoreSecondaryTier  # loaded by vLLM's factory from module_path
-    keys, data = keys_for("rt", 4), chunks(4, 1, a.tier.block_size_bytes)
-    req = ReqContext("r-store")
-    a.m.on_new_request(req)
-    a.store(req, keys, data)
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("rt", 4, 1)
     mine = [e for e in a.m.take_events() if e.locality is Locality.LOCAL]  # the tier's, not the primary's
     assert [(sorted(e.keys), e.removed) for e in mine] == [(sorted(keys), False)]
 
@@ -139,12 +144,8 @@ def test_a_fresh_engine_promotes_what_another_stored_bit_exact(engines):
 
 def test_lookup_stops_at_the_first_block_kvstore_lacks(engines):
     a, b = engines(), engines()
-    keys, data = keys_for("gap", 3), chunks(3, 2, a.tier.block_size_bytes)
-    req = ReqContext("g1")
-    a.m.on_new_request(req)
-    a.store(req, keys[:2], data[:2])
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("gap", 2, 2)
+    keys.append(keys_for("gap-not-stored", 1)[0])
     r2 = ReqContext("g2")
     b.m.on_new_request(r2)
     assert b.lookup_all(r2, keys) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
@@ -154,12 +155,7 @@ def test_lookup_stops_at_the_first_block_kvstore_lacks(engines):
 
 def test_tenant_salt_and_model_keep_caches_apart(engines):
     a, other_tenant, other_model = engines(tenant_salt="t1"), engines(tenant_salt="t2"), engines(model_id="m2")
-    keys, data = keys_for("salt", 2), chunks(2, 3, a.tier.block_size_bytes)
-    req = ReqContext("s1")
-    a.m.on_new_request(req)
-    a.store(req, keys, data)
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("salt", 2, 3)
     for e in (other_tenant, other_model):
         r = ReqContext("s2")
         e.m.on_new_request(r)
@@ -195,12 +191,7 @@ class FailingCopyTier(KVStoreSecondaryTier):
 
 def test_a_failed_store_is_never_visible(engines):
     a = engines(type="FailingCopyTier", module_path=__name__)
-    keys, data = keys_for("fail", 3), chunks(3, 4, a.tier.block_size_bytes)
-    req = ReqContext("f1")
-    a.m.on_new_request(req)
-    a.store(req, keys, data)
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("fail", 3, 4)
     assert a.tier.get_stats().data["data"]["vllm:kv_offload_kvstore_store_failed_blocks"][()] == 3
     b = engines()
     r = ReqContext("f2")
@@ -214,12 +205,7 @@ def test_a_hit_is_pinned_until_its_load_and_a_stale_pin_is_not_trusted(engines):
     it. A pin older than half the lease TTL is not trusted: the load pins again, and a block
     gone by then is reported as not loaded (vLLM recomputes it), never read from a freed slot."""
     a, b = engines(), engines()
-    keys, data = keys_for("gone", 2), chunks(2, 5, a.tier.block_size_bytes)
-    req = ReqContext("x1")
-    a.m.on_new_request(req)
-    a.store(req, keys, data)
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("gone", 2, 5)
     r = ReqContext("x2")
     b.m.on_new_request(r)
     assert [b.m.lookup(k, r) for k in keys] == [LookupResult.RETRY] * 2
@@ -243,12 +229,7 @@ def test_a_hit_is_pinned_until_its_load_and_a_stale_pin_is_not_trusted(engines):
 
 def test_pins_of_a_request_that_never_loads_end_with_it(engines):
     a, b = engines(), engines()
-    keys, data = keys_for("fin", 2), chunks(2, 6, a.tier.block_size_bytes)
-    req = ReqContext("p1")
-    a.m.on_new_request(req)
-    a.store(req, keys, data)
-    a.settle()
-    a.m.on_request_finished(req)
+    keys, data = a.stored("fin", 2, 6)
     r = ReqContext("p2")
     b.m.on_new_request(r)
     b.tier.lookup(keys[0], r)  # the tier alone: a HIT the manager never promotes

