@@ -31,11 +31,11 @@ BLOCK_BYTES = 16384  # one worker's KV of one 16-token block
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def make_spec(socket_path: str, **tier) -> TieringOffloadingSpec:
+def make_spec(socket_path: str, block_bytes: int = BLOCK_BYTES, chunks: int = 16, **tier) -> TieringOffloadingSpec:
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=True,
-        extra_config={"cpu_bytes_to_use": 16 * BLOCK_BYTES, "secondary_tiers": [
+        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": chunks * block_bytes, "secondary_tiers": [
             {"type": "KVStoreSecondaryTier", "module_path": "kvstore.clients.vllm_tier",
              "kvstore_socket": socket_path, "rpc_timeout_s": 5, "enable_kv_events": True, **tier}]},
         engine_id=f"kvstore-test-{uuid.uuid4().hex[:8]}",
@@ -246,6 +246,8 @@ def test_bad_config_is_a_clear_error(daemon, tmp_path):
         make_spec(daemon.socket_path, kvstore_sock="x").get_manager()
     with pytest.raises(ValueError, match="rpc_timeout_s must be a positive"):
         make_spec(daemon.socket_path, rpc_timeout_s=0).get_manager()
+    with pytest.raises(RuntimeError, match="refused vLLM's chunks of 5242880 bytes: .*larger than a DRAM extent"):
+        make_spec(daemon.socket_path, block_bytes=5 << 20, chunks=2).get_manager()  # the test daemon's extents: 4 MiB
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("vllm_offload_kvstore-test")]  # cleaned up
 
 
