@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
                         ("cluster", "3 daemons, multi-turn round-robin workload: hit rate, time-to-KV alone vs pulling"),
                         ("cluster-sim", "the cluster prefix directory fed by 8-1,024 synthetic daemons' event streams"),
-                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe")):
+                        ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
+                        ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
@@ -210,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 DELEGATED = {("plan",): "kvstore.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.bench.store",
              ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
              ("bench", "vllm"): "kvstore.bench.vllm", ("bench", "cluster"): "kvstore.bench.cluster",
-             ("bench", "cluster-sim"): "kvstore.bench.cluster_sim"}
+             ("bench", "cluster-sim"): "kvstore.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.bench.vllm_offload"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,7 +176,8 @@ def cpu_name() -> str:
     return f"{name}, {len(os.sched_getaffinity(0))} CPUs usable"
 
 
-def run(a) -> dict:
+def sizes(a) -> tuple[list[int], dict, int, int, int, Prompts]:
+    """From the options: lengths, model shape, head dim, KV bytes per token, max model length, prompts."""
     lengths = sorted(set(a.lengths))
     if a.reps < 1 or a.new_tokens < 1 or lengths[0] <= BT:
         raise SystemExit("--reps and --new-tokens must be >= 1, every length > 32 tokens")
@@ -184,7 +185,11 @@ def run(a) -> dict:
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim * 4  # float32 K and V
     max_len = -(-(lengths[-1] + a.new_tokens) // BT) * BT
-    p = Prompts.make(lengths, a.reps, shape["vocab_size"])
+    return lengths, shape, head_dim, kv_token, max_len, Prompts.make(lengths, a.reps, shape["vocab_size"])
+
+
+def run(a) -> dict:
+    lengths, shape, head_dim, kv_token, max_len, p = sizes(a)
     os.makedirs(a.dir, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-", dir=a.dir))
     d = None
@@ -276,22 +281,33 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvstore bench vllm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="prompt lengths (tokens)")
+def parser(prog: str, doc: str, lengths: list[int], new_tokens: int) -> argparse.ArgumentParser:
+    """The options the real-engine benches share (this one and ``bench vllm-offload``)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=lengths, help="prompt lengths (tokens)")
     ap.add_argument("--reps", type=int, default=3, help="distinct prompts per length and case; medians reported")
-    ap.add_argument("--new-tokens", type=int, default=32, help="max_tokens of the timed whole requests")
+    ap.add_argument("--new-tokens", type=int, default=new_tokens, help="max_tokens of the timed whole requests")
     ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="small", help="random Llama shape")
-    ap.add_argument("--follow-policy", action="store_true",
-                    help="let the daemon's load-or-recompute policy decide (default: load every hit block)")
     ap.add_argument("--dir", default="/var/tmp", help="where the temporary model, daemon and NVMe files go")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--table", action="store_true", help="a table for people (the default)")
     out.add_argument("--json", action="store_true", help="one JSON object")
+    return ap
+
+
+def report(ap: argparse.ArgumentParser, run_fn, table_fn, argv: list[str] | None) -> int:
+    """Parse, run, print (table or JSON); exit status 0 only when every row was verified."""
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    r = run(a)
-    print(json.dumps(r, indent=2) if a.json else table(r))
+    r = run_fn(a)
+    print(json.dumps(r, indent=2) if a.json else table_fn(r))
     return 0 if r["verified"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("kvstore bench vllm", __doc__, [512, 1024, 2048, 4096, 8192], 32)
+    ap.add_argument("--follow-policy", action="store_true",
+                    help="let the daemon's load-or-recompute policy decide (default: load every hit block)")
+    return report(ap, run, table, argv)
 
 
 if __name__ == "__main__":

