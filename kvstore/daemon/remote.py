@@ -106,18 +106,22 @@ class AskedRemoteHits:
             if not addr or not m.transfer_addr:
                 continue
             try:
-                asked.append((m, time.monotonic(), self.links.stub(addr).Lookup.future(req, timeout=timeout)))
+                fut = self.links.stub(addr).Lookup.future(req, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - a stopping daemon, a bad address: no hit from it
                 log.debug("peer lookup of %s not sent: %s", m.node_id, e)
+                continue
+            # Each answer's own arrival time (gRPC's thread calls back), not when it is read here.
+            t0, done = time.monotonic(), []
+            fut.add_done_callback(lambda _f, d=done: d.append(time.monotonic()))
+            asked.append((m, t0, done, fut))
         out = []
-        for m, t0, fut in asked:
+        for m, t0, done, fut in asked:
             try:
                 r = fut.result()
             except grpc.RpcError as e:
                 log.debug("peer lookup of %s: %s", m.node_id, e.code().name)
                 continue
-            self.meter.rtt(m.node_id, time.monotonic() - t0)  # answers are waited for in order: an
-            # upper bound for the later ones, tight for the first (and the sample is small)
+            self.meter.rtt(m.node_id, (done[0] if done else time.monotonic()) - t0)
             if r.blocks and r.epoch == m.epoch:  # another epoch: a Push would be fenced
                 tier = TierKind.NVME if TierKind.NVME in r.tiers[:r.blocks] else TierKind.DRAM
                 out.append((m, r.blocks, tier))
