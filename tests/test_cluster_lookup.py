@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvstore import cli
 from kvstore.bench.cluster import fleet_certificates
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
@@ -46,7 +47,7 @@ def client(d) -> KVStoreClient:
     return c
 
 
-def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link(daemons, etcd, tmp_path):
+def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link(daemons, etcd, tmp_path, capsys):
     pki = fleet_certificates(tmp_path / "pki", ("look-a", "look-c"), {"127.0.0.1"})
     # C assumes a 100 kB/s link until it has timed a pull: pulling 6 blocks (192 KiB) then looks
     # slower (2 s) than recomputing them (96 tokens at a modelled 500 tokens/s: 0.19 s); any
@@ -73,8 +74,9 @@ def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link
     assert cc.pull(keys, "look-a").pulled == 6
     link = {x.node_id: x for x in cc.stats().links}["look-a"]
     assert link.pulls == 1 and link.bytes_per_s > 1e5
-    print(f"measured loopback link: {link.bytes_per_s / 1e6:.1f} MB/s, round trip {link.rtt_s * 1e3:.2f} ms")
     assert scraped(c, 'kvstore_cluster_link_bandwidth_bytes_per_second{peer="look-a"}') == link.bytes_per_s
+    assert cli.main(["stats", "--socket", c.socket_path]) == 0
+    assert "peer look-a" in capsys.readouterr().out
 
     # Over the measured (loopback) link the second prompt's extension is worth pulling, and
     # acting on the advice leaves the whole prefix local, bit-exact.
