@@ -14,5 +14,6 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
    /metrics), :mod:`.advice` (load-or-recompute). The per-layer doorbell cells, shared with clients, are
    :mod:`kvstore.doorbell`.
 8. :mod:`.pull` (kvstore.v1.Peer: a prefix pulled from the peer that holds it), over the fleet's
-   membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md).
+   membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md); :mod:`.remote` (a Lookup's
+   remote hits, the per-peer link estimates, and the load / pull / recompute advice).
 """
