@@ -312,8 +312,10 @@ class KVStoreClient:
             raise RuntimeError("no arena: data calls need the daemon's unix socket, not a TCP control connection")
 
     # --- lookup -----------------------------------------------------------------------------
-    def lookup_keys(self, keys: Sequence[bytes]) -> LookupResult:
-        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys)))
+    def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False) -> LookupResult:
+        """``ask_peers``: in a cluster, also learn which peer holds the blocks after the local
+        hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`)."""
+        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers))
         advice = pb.Advice.Name(r.advice).removeprefix("ADVICE_").lower() if r.advice else ""
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
                             advice, r.remote_blocks, r.remote_node_id, r.est_pull_s)

@@ -60,10 +60,13 @@ def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link
     for i, t in enumerate(prompts):
         assert ca_.put(t, kv_for(t, i)) == 8
         assert cc.put(t[:2 * BT], np.ascontiguousarray(kv_for(t, i)[:, :, :2 * BT])) == 2  # C holds the first two blocks
-    wait_for(lambda: cc.lookup_keys(cc.keys(prompts[0])).remote_blocks == 6, what="C sees A's extension")
+    wait_for(lambda: cc.lookup_keys(cc.keys(prompts[0]), ask_peers=True).remote_blocks == 6, what="C sees A's extension")
 
     keys = cc.keys(prompts[0])
+    # Not asked to ask the peers: no round trip, no remote hits, the local advice.
     r = cc.call("Lookup", pb.LookupRequest(session_id=cc.session_id, keys=b"".join(keys)))
+    assert (r.hit_blocks, r.remote_blocks, r.advice) == (2, 0, pb.ADVICE_LOAD)
+    r = cc.call("Lookup", pb.LookupRequest(session_id=cc.session_id, keys=b"".join(keys), ask_peers=True))
     assert (r.hit_blocks, r.remote_blocks, r.remote_node_id, r.remote_epoch, r.remote_tier) == (2, 6, "look-a", 1, pb.TIER_DRAM)
     assert r.advice == pb.ADVICE_LOAD and r.load_blocks == 2, r.reason  # the prior link is too slow
     assert r.time_if_load_s < r.time_if_pull_s and r.time_if_load_s < r.time_if_recompute_s
@@ -81,17 +84,17 @@ def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link
     # Over the measured (loopback) link the second prompt's extension is worth pulling, and
     # acting on the advice leaves the whole prefix local, bit-exact.
     keys = cc.keys(prompts[1])
-    res = cc.lookup_keys(keys)
+    res = cc.lookup_keys(keys, ask_peers=True)
     assert (res.advice, res.hit_blocks, res.remote_blocks, res.remote_node_id) == ("pull", 2, 6, "look-a"), res.reason
     assert res.est_pull_s > 0
     assert cc.advised_blocks(res, keys) == 8
     out = np.zeros_like(kv_for(prompts[1]))
     assert cc.get(prompts[1], out) == 8 * BT and np.array_equal(out, kv_for(prompts[1], 1))
     # All local now: loading wins, and no peer has more.
-    res = cc.lookup_keys(keys)
+    res = cc.lookup_keys(keys, ask_peers=True)
     assert (res.advice, res.hit_blocks, res.remote_blocks) == ("load", 8, 0)
     # Nothing anywhere: recompute.
-    res = cc.lookup_keys(cc.keys(list(range(50_000, 50_000 + 4 * BT))))
+    res = cc.lookup_keys(cc.keys(list(range(50_000, 50_000 + 4 * BT))), ask_peers=True)
     assert (res.advice, res.hit_blocks, res.remote_blocks) == ("recompute", 0, 0)
     assert scraped(c, 'kvstore_cluster_advice_total{advice="pull"}') >= 1
 
@@ -120,10 +123,10 @@ def test_without_a_cluster_lookup_answers_as_before(daemon):
     t = list(range(4 * BT))
     assert c.put(t, kv_for(t)) == 4
     keys = c.keys(t + list(range(10**6, 10**6 + BT)))
-    r = c.call("Lookup", pb.LookupRequest(session_id=c.session_id, keys=b"".join(keys)))
+    r = c.call("Lookup", pb.LookupRequest(session_id=c.session_id, keys=b"".join(keys), ask_peers=True))
     assert {f.name for f, _ in r.ListFields()} <= {"hit_blocks", "tiers", "load_blocks", "est_load_s",
                                                   "est_recompute_s", "reason"}
     assert r.hit_blocks == 4 and r.load_blocks == 4 and r.advice == pb.ADVICE_UNSPECIFIED
-    assert c.lookup_keys(keys).advice == "" and c.advised_blocks(c.lookup_keys(keys), keys) == 4
+    assert c.lookup_keys(keys, ask_peers=True).advice == "" and c.advised_blocks(c.lookup_keys(keys), keys) == 4
     assert not c.stats().links
     c.close()

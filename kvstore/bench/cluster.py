@@ -200,7 +200,7 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
             c, toks = clients[d], tokens[conv][:n]
             keys = c.keys(toks)
             t0 = time.perf_counter()
-            res = c.lookup_keys(keys)
+            res = c.lookup_keys(keys, ask_peers=mode == "policy")  # the others cannot act on remote hits
             local = res.hit_blocks
             have, pulled, t_pull = local, 0, 0.0
             if mode == "policy":

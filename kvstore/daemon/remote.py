@@ -44,6 +44,9 @@ class RemoteHits(Protocol):
 
     def remote_prefix(self, ns_hex: str, keys: list[bytes]) -> list[tuple["Member", int, TierKind]]: ...
 
+    # A source whose ``round_trip`` is true (it asks peers) is consulted only for a Lookup with
+    # ask_peers set; one answering from memory (a directory) need not define it.
+
 
 class LinkMeter:
     """The per-peer link estimates (:class:`kvstore.policy.LinkEstimator`) behind a lock, fed by
@@ -85,6 +88,8 @@ class AskedRemoteHits:
     ``peer_lookup_max_peers``) for their leading blocks of ``keys``, all at once, waiting at
     most ``peer_lookup_timeout_s``; a peer that does not answer in time is left out. Each answer
     is a control round trip, timed into the link estimate."""
+
+    round_trip = True  # consulted only for a Lookup with ask_peers (RemoteHits)
 
     def __init__(self, membership: "Membership", holders, links, meter: LinkMeter, c: ClusterConfig) -> None:
         """``holders``: a Holders source; ``links``: the PeerLinks its channels come from."""
@@ -140,10 +145,12 @@ class ClusterAdvisor:
         self.meter = meter
         self.metrics = metrics
 
-    def advise(self, st: NsState, keys: list[bytes], local: Decision) -> dict:
-        """Called outside the core lock: asking peers is a round trip."""
+    def advise(self, st: NsState, keys: list[bytes], local: Decision, ask_peers: bool) -> dict:
+        """Called outside the core lock: asking peers is a round trip, taken only for a
+        request that asks for it (``ask_peers``) or from a source that costs none."""
         hit = local.matched_tokens // st.ns.layout.block_tokens
-        offers = self.remote.remote_prefix(st.id.hex(), keys[hit:]) if hit < len(keys) else []
+        ask = hit < len(keys) and (ask_peers or not getattr(self.remote, "round_trip", False))
+        offers = self.remote.remote_prefix(st.id.hex(), keys[hit:]) if ask else []
         remotes = [RemoteHit(m.node_id, m.epoch, n, t.name.lower()) for m, n, t in offers]
         with self.core.lock:  # the tier estimator is not thread-safe
             d = choose_source(local, remotes, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes,

@@ -227,7 +227,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             decision = self.advisor.decide(s.ns, tiers)
         advice = self.advisor.fields(decision)
         if self.cluster is not None:  # without a cluster the answer has none of these fields
-            advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision))
+            advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
         m = self.metrics
         if m:
             bt = s.ns.ns.layout.block_tokens
