@@ -17,6 +17,9 @@ Two models meet here:
 recompute the rest; only a prefix can be loaded, since recompute needs the KV before it) and
 picks the fastest. Transfers of different tiers are assumed serial (they share the host link),
 and an NVMe or peer block also pays the DRAM-to-GPU hop, since it lands in the arena first.
+In a cluster, :class:`LinkEstimator` keeps each peer link's round trip and pull bandwidth
+(moving averages over configured priors) and :func:`choose_source` chooses, per request, among
+loading the local prefix, pulling a peer's extension of it and recomputing.
 Nothing here is thread-safe: the daemon calls it under its one lock.
 """
 
