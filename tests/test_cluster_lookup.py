@@ -1,9 +1,12 @@
 """Lookup in a fleet (two real daemons on a real etcd, mutual TLS, loopback): remote hits from
 a peer's Lookup, the advice among load, pull and recompute, a worker acting on a PULL advice,
 and the per-peer link estimate that the first timed pull replaces the configured prior with.
-Without a cluster a Lookup's answer carries none of the new fields."""
+A paused peer costs a Lookup no more than the peer lookups' deadline. Without a cluster a
+Lookup's answer carries none of the new fields."""
 
 from __future__ import annotations
+
+import signal
 
 import grpc
 import numpy as np
@@ -114,6 +117,17 @@ def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link
         with pytest.raises(grpc.RpcError) as e:
             peer_grpc.PeerStub(ch).Lookup(req, timeout=5)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    # A stalled peer (paused, still registered) holds up no Lookup beyond the peer lookups'
+    # deadline: the answer comes without its blocks, advising from what is local.
+    fresh = list(range(20_000, 20_000 + 4 * BT))
+    assert ca_.put(fresh, kv_for(fresh, 5)) == 4
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        res = cc.lookup_keys(cc.keys(fresh), ask_peers=True)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert (res.advice, res.hit_blocks, res.remote_blocks) == ("recompute", 0, 0)
     for x in (ca_, cc):
         x.close()
 
