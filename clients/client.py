@@ -30,6 +30,7 @@ from kvstore.layout import AttnKind, KVLayout
 from kvstore.tiers.arena import Arena, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
 from kvstore.clients.leases import RESERVED, IncomingTransfer, KVStoreError, ReadLease, WriteLease, _Future
 from kvstore.clients.session import SessionKeeper, refusal
@@ -109,6 +110,12 @@ class LookupResult:
     est_load_s: float
     est_recompute_s: float
     reason: str
+    # In a cluster (empty / 0 alone): "load", "pull" or "recompute", and the peer holding
+    # ``remote_blocks`` blocks after the hit ones (act on it with :meth:`KVStoreClient.advised_blocks`).
+    advice: str = ""
+    remote_blocks: int = 0
+    remote_node_id: str = ""
+    est_pull_s: float = 0.0
 
 
 class KVStoreClient:
@@ -135,6 +142,7 @@ class KVStoreClient:
         else:
             self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=opts)
         self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.peer_stub = peer_grpc.PeerStub(self.channel)
         self.session_id = b""
         self.arena: Arena | None = None
         self.layout: KVLayout | None = None
@@ -304,9 +312,31 @@ class KVStoreClient:
             raise RuntimeError("no arena: data calls need the daemon's unix socket, not a TCP control connection")
 
     # --- lookup -----------------------------------------------------------------------------
-    def lookup_keys(self, keys: Sequence[bytes]) -> LookupResult:
-        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys)))
-        return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason)
+    def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False) -> LookupResult:
+        """``ask_peers``: in a cluster, also learn which peer holds the blocks after the local
+        hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`)."""
+        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers))
+        advice = pb.Advice.Name(r.advice).removeprefix("ADVICE_").lower() if r.advice else ""
+        return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
+                            advice, r.remote_blocks, r.remote_node_id, r.est_pull_s)
+
+    def pull(self, keys: Sequence[bytes], holder: str = "", deadline_s: float = 0.0) -> ppb.PullResponse:
+        """Have this client's daemon fetch the blocks of ``keys`` it lacks from a peer (``holder``,
+        or the peers it knows to hold the namespace); a miss is an answer, not an error."""
+        req = ppb.PullRequest(session_id=self.session_id, keys=pack(keys), holder=holder, deadline_s=deadline_s)
+        try:
+            return self.peer_stub.Pull(req, timeout=max(self.timeout_s, deadline_s + 5))
+        except grpc.RpcError as e:
+            raise KVStoreError(e.code(), e.details() or "", refusal(e)) from None
+
+    def advised_blocks(self, result: LookupResult, keys: Sequence[bytes], deadline_s: float = 0.0) -> int:
+        """How many leading blocks of ``keys`` to load now, acting on ``result`` (their Lookup):
+        for a PULL advice the daemon pulls the remote extension first (a miss falls back to
+        what is local then), for RECOMPUTE none, else the policy's ``load_blocks``."""
+        if result.advice == "pull":
+            want = keys[:result.hit_blocks + result.remote_blocks]
+            return self.pull(want, result.remote_node_id, deadline_s).blocks
+        return 0 if result.advice == "recompute" else result.load_blocks
 
     def lookup(self, token_ids) -> int:
         """Number of leading tokens of ``token_ids`` cached (a multiple of ``block_tokens``)."""

@@ -88,6 +88,9 @@ def cmd_stats(args) -> int:
         state = ("emulated " if t.emulated else "") + ("enabled" if t.enabled else f"DISABLED {t.detail}")
         print(f"{name:<6} {t.capacity_bytes / 2**30:>13.3f} {t.used_bytes / 2**30:>10.3f} {usage:>7.1%} {t.blocks:>9}  {state}")
     print("(GiB = 2^30 bytes)")
+    for ln in resp.links:  # in a cluster: the measured link to each peer (priors until timed)
+        print(f"peer {ln.node_id:<16} {ln.bytes_per_s / 1e9:>8.3f} GB/s  rtt {ln.rtt_s * 1e3:.2f} ms  "
+              f"({ln.pulls} pulls, {ln.round_trips} round trips timed)")
     for k in sorted(resp.counters):
         print(f"  {k} = {resp.counters[k]:g}")
     return 0

@@ -174,6 +174,11 @@ class ClusterConfig:
     etcd_ca_file: str = field(default="", metadata={"help": "PEM CA bundle of etcd's server certificate; set for an etcd that serves TLS"})
     etcd_cert_file: str = field(default="", metadata={"help": "PEM client certificate for etcd (mutual TLS)"})
     etcd_key_file: str = field(default="", metadata={"help": "PEM private key of etcd_cert_file"})
+    link_prior_bytes_per_s: float = field(default=1.25e9, metadata={"help": "a peer link's bandwidth assumed before its first pull is timed (bytes/second; 10 Gb/s)"})
+    link_prior_rtt_s: float = field(default=0.0005, metadata={"help": "a peer link's round trip assumed before one is timed (seconds)"})
+    link_alpha: float = field(default=0.3, metadata={"help": "weight of the newest pull or round trip in a link's moving averages, in (0, 1]"})
+    peer_lookup_timeout_s: float = field(default=0.05, metadata={"help": "deadline of asking peers, in parallel, for the blocks after a Lookup's local hits (seconds; 0 = ask no one)"})
+    peer_lookup_max_peers: int = field(default=8, metadata={"help": "at most this many peers advertising the namespace are asked per Lookup"})
 
     def endpoints(self) -> list[str]:
         return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
@@ -267,6 +272,11 @@ class Config:
         c = self.cluster
         for e in c.endpoints():
             _host_port("cluster.etcd_endpoints", e)
+        _check(c.link_prior_bytes_per_s > 0 and c.link_prior_rtt_s >= 0, "cluster.link_prior_*",
+               "need bandwidth > 0 and round trip >= 0")
+        _check(0 < c.link_alpha <= 1, "cluster.link_alpha", "must be in (0, 1]")
+        _check(0 <= c.peer_lookup_timeout_s <= 5 and c.peer_lookup_max_peers >= 1, "cluster.peer_lookup_*",
+               "timeout in [0, 5] seconds (it is on every Lookup's path), at least 1 peer")
         _check(c.lease_ttl_s >= 2, "cluster.lease_ttl_s", "must be >= 2 seconds (etcd's shortest lease)")
         _check(0 < c.etcd_timeout_s <= c.lease_ttl_s / 3, "cluster.etcd_timeout_s",
                "must be in (0, lease_ttl_s / 3]: a renewal that hangs must leave time for the next one")

@@ -1,4 +1,4 @@
-"""`kvstore bench cluster` runs end to end on a tiny workload (figures go in docs/cluster.md)."""
+"""`kvstore bench cluster --policy` runs end to end on a tiny workload (figures go in docs/cluster.md)."""
 
 import json
 import shutil
@@ -15,7 +15,7 @@ def test_bench_cluster_tiny():
     # pulls every earlier turn's tokens come from a peer.
     p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "cluster", "--json", "--conversations", "4",
                         "--turns", "3", "--first-tokens", "32", "--turn-tokens", "32", "--layers", "2",
-                        "--kv-heads", "2", "--head-dim", "64"], capture_output=True, text=True, timeout=300)
+                        "--kv-heads", "2", "--head-dim", "64", "--policy"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr + p.stdout
     r = json.loads(p.stdout)
     alone, pulls = r["alone"], r["with_pulls"]
@@ -25,3 +25,8 @@ def test_bench_cluster_tiny():
     assert pulls["mean_recompute_s"] == pytest.approx(alone["mean_recompute_s"] / 2)
     assert r["time_to_kv_ratio"] == round(pulls["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
     assert "rows" not in alone
+    # By policy: Lookup's advice taken per request; the first turns (nothing anywhere) recompute,
+    # and what was pulled is what the advice said to pull (the split depends on measured links).
+    advised = r["with_policy"]
+    assert advised["requests"] == sum(advised["choices"].values()) == 12 and advised["choices"]["recompute"] >= 4
+    assert advised["pulled_tokens"] <= pulls["pulled_tokens"] and (advised["choices"]["pull"] or not advised["pulled_tokens"])

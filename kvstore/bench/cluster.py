@@ -1,7 +1,8 @@
 """``kvstore bench cluster``: one multi-turn workload over three daemons in one fleet, routed
 round-robin, once with each daemon alone (a miss is recomputed) and once with pulls (a miss
 asks the daemon to pull the prefix from the peer that holds it): hit rate and mean
-time-to-KV per request.
+time-to-KV per request. With ``--policy``, a third run acts on each Lookup's advice (load,
+pull or recompute) instead of always pulling, and counts how often each was advised.
 
 The fleet: a private etcd (Debian's ``etcd-server``), three ``kvstore serve`` processes on
 loopback, each with its transfer listener and a mutual-TLS control listener (a throwaway CA and
@@ -141,7 +142,9 @@ def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int) -> tuple[str, .
             "--server-tcp-listen", f"127.0.0.1:{_free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
             "--server-tls-key-file", str(pki / f"{name}.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
             "--transport-listen", f"127.0.0.1:{_free_port()}", "--transport-timeout-s", str(a.pull_deadline_s),
-            "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", "4MiB")  # pre-faulted, as in production
+            "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", "4MiB",  # pre-faulted, as in production
+            # the daemons' recompute price is the one modelled here (linear: no parameter count)
+            "--policy-prefill-tokens-per-s", str(a.prefill_tokens_per_s))
 
 
 def _wait_advertised(etcd: str, names, n_namespaces: int, timeout_s: float = 30.0) -> None:
@@ -169,7 +172,9 @@ def workload(a) -> list[tuple[int, int]]:
     return [(c, a.first_tokens + t * a.turn_tokens) for t in range(a.turns) for c in range(a.conversations)]
 
 
-def _run(a, layout, model: str, sockets: list[str], pulls: bool, kv: list[np.ndarray], tokens: list[np.ndarray]) -> dict:
+def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarray], tokens: list[np.ndarray]) -> dict:
+    """``mode``: ``alone`` (load what is local), ``pulls`` (always pull what is missing) or
+    ``policy`` (act on Lookup's advice: load, pull or recompute)."""
     import grpc
 
     from kvstore.clients import KVStoreClient
@@ -188,15 +193,23 @@ def _run(a, layout, model: str, sockets: list[str], pulls: bool, kv: list[np.nda
     # to touch (0.3 GB/s) than the load itself.
     worker = np.ones(max(n for _, n in workload(a)) * per_token, np.uint8)
     rows = []
+    choices = {"load": 0, "pull": 0, "recompute": 0}
     try:
         for i, (conv, n) in enumerate(workload(a)):
             d = i % len(sockets)
             c, toks = clients[d], tokens[conv][:n]
             keys = c.keys(toks)
             t0 = time.perf_counter()
-            local = c.lookup_keys(keys).hit_blocks
+            res = c.lookup_keys(keys, ask_peers=mode == "policy")  # the others cannot act on remote hits
+            local = res.hit_blocks
             have, pulled, t_pull = local, 0, 0.0
-            if pulls and have < len(keys):
+            if mode == "policy":
+                choices[res.advice] += 1
+                p0 = time.perf_counter()
+                have = c.advised_blocks(res, keys, a.pull_deadline_s)
+                if res.advice == "pull":
+                    t_pull, pulled = time.perf_counter() - p0, max(0, have - local)
+            elif mode == "pulls" and have < len(keys):
                 p0 = time.perf_counter()
                 r = peers[d].Pull(ppb.PullRequest(session_id=c.session_id, keys=b"".join(keys),
                                                   deadline_s=a.pull_deadline_s), timeout=a.pull_deadline_s + 5)
@@ -225,7 +238,7 @@ def _run(a, layout, model: str, sockets: list[str], pulls: bool, kv: list[np.nda
     local = sum(r["local_tokens"] for r in rows)
     pulled = sum(r["pulled_tokens"] for r in rows)
     pull_rows = [r for r in rows if r["pulled_tokens"]]
-    return {"pulls": pulls, "requests": len(rows), "prompt_tokens": total, "local_hit_tokens": local,
+    return {"mode": mode, **({"choices": choices} if mode == "policy" else {}), "requests": len(rows), "prompt_tokens": total, "local_hit_tokens": local,
             "pulled_tokens": pulled, "recomputed_tokens": total - local - pulled,
             "hit_rate": round((local + pulled) / total, 4), "local_hit_rate": round(local / total, 4),
             "mean_time_to_kv_s": statistics.fmean(r["time_to_kv_s"] for r in rows),
@@ -247,9 +260,9 @@ def bench(a) -> dict:
     tokens = [rng.integers(0, 32000, longest) for _ in range(a.conversations)]
     kv = [rng.integers(0, 2**16, layout.tensor_shape(longest), dtype=np.uint16).view(np.float16)
           for _ in range(a.conversations)]
-    # Every conversation's longest prompt, in both namespaces, fits each daemon's DRAM (with an
-    # extent of slack per namespace): nothing is evicted, so the hit rates are the routing's alone.
-    need = 2 * a.conversations * longest * layout.block_bytes // layout.block_tokens
+    # Every conversation's longest prompt, in every run's namespace, fits each daemon's DRAM (with
+    # an extent of slack per namespace): nothing is evicted, so the hit rates are the routing's alone.
+    need = (3 if a.policy else 2) * a.conversations * longest * layout.block_bytes // layout.block_tokens
     dram = max(64 << 20, (-(-need // (4 << 20)) + 4) * (4 << 20))
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
     etcd, daemons = None, []
@@ -269,13 +282,14 @@ def bench(a) -> dict:
 
         holders = []
         for s in sockets:
-            for model in ("bench-cluster-alone", "bench-cluster-pulls"):
+            for model in ("bench-cluster-alone", "bench-cluster-pulls", "bench-cluster-policy")[:3 if a.policy else 2]:
                 c = KVStoreClient(s)
                 c.register(layout, model)
                 holders.append(c)
-        _wait_advertised(etcd.endpoint, NODES, 2)
-        alone = _run(a, layout, "bench-cluster-alone", sockets, False, kv, tokens)
-        pulled = _run(a, layout, "bench-cluster-pulls", sockets, True, kv, tokens)
+        _wait_advertised(etcd.endpoint, NODES, 3 if a.policy else 2)
+        alone = _run(a, layout, "bench-cluster-alone", sockets, "alone", kv, tokens)
+        pulled = _run(a, layout, "bench-cluster-pulls", sockets, "pulls", kv, tokens)
+        advised = _run(a, layout, "bench-cluster-policy", sockets, "policy", kv, tokens) if a.policy else None
         for c in holders:
             c.close()
     finally:
@@ -285,8 +299,11 @@ def bench(a) -> dict:
             etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
     if not a.rows:
-        for r in (alone, pulled):
-            r.pop("rows")
+        for r in (alone, pulled, advised):
+            if r is not None:
+                r.pop("rows")
+    extra = {} if advised is None else {
+        "with_policy": advised, "policy_time_to_kv_ratio": round(advised["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)}
     return {"bench": "cluster", "daemons": len(NODES), "routing": "round-robin",
             "holder_source": "peers advertising the namespace in etcd (membership)",
             "conversations": a.conversations, "turns": a.turns, "first_tokens": a.first_tokens,
@@ -296,7 +313,7 @@ def bench(a) -> dict:
             # a pull beats recomputing when it moves a token's KV faster than prefill makes it
             "break_even_pull_GBps": round(a.prefill_tokens_per_s * layout.block_bytes / 16 / 1e9, 3),
             "transport": "tcp over loopback", "cpus": os.cpu_count(), "alone": alone, "with_pulls": pulled,
-            "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)}
+            "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4), **extra}
 
 
 def table(r: dict) -> str:
@@ -306,13 +323,18 @@ def table(r: dict) -> str:
            f"recompute modelled at {r['prefill_tokens_per_s']:,.0f} tokens/s",
            f"{'':<12} {'hit rate':>9} {'local':>7} {'pulled':>7} {'recomputed':>11} {'time-to-KV':>11} "
            f"{'measured':>9} {'modelled':>9} {'pull GB/s':>10}"]
-    for label, x in (("alone", r["alone"]), ("with pulls", r["with_pulls"])):
+    runs = [("alone", r["alone"]), ("with pulls", r["with_pulls"])] + ([("by policy", r["with_policy"])] if "with_policy" in r else [])
+    for label, x in runs:
         gbps = f"{x['pull_GBps']:.2f}" if x["pull_GBps"] else "-"
         out.append(f"{label:<12} {x['hit_rate']:>9.1%} {x['local_hit_tokens']:>7} {x['pulled_tokens']:>7} "
                    f"{x['recomputed_tokens']:>11} {x['mean_time_to_kv_s'] * 1e3:>8.1f} ms {x['mean_measured_s'] * 1e3:>6.1f} ms "
                    f"{x['mean_recompute_s'] * 1e3:>6.1f} ms {gbps:>10}")
     out.append(f"mean time-to-KV with pulls / alone: {r['time_to_kv_ratio']:.2f} (a pull pays off above "
                f"{r['break_even_pull_GBps']:.2f} GB/s: the modelled prefill rate x KV bytes per token)")
+    if "with_policy" in r:
+        ch = r["with_policy"]["choices"]
+        out.append(f"by policy / alone: {r['policy_time_to_kv_ratio']:.2f}; Lookup advised load {ch['load']}, "
+                   f"pull {ch['pull']}, recompute {ch['recompute']} times")
     return "\n".join(out)
 
 
@@ -330,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                     help="the modelled prefill rate a recomputed token costs")
     ap.add_argument("--pull-deadline-s", type=float, default=5.0)
+    ap.add_argument("--policy", action="store_true", help="a third run acting on Lookup's advice (load, pull or "
+                    "recompute) instead of always pulling, with how often each was chosen")
     ap.add_argument("--rows", action="store_true", help="with --json: every request's figures too")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

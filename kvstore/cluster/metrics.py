@@ -27,6 +27,14 @@ class ClusterMetrics:
                               "(an epoch is not current), denied (the caller's certificate does not name the requester), "
                               "missing (none of the blocks here), failed (transfer)",
                               ["result"], registry=r)
+        self.link_bandwidth = Gauge("kvstore_cluster_link_bandwidth_bytes_per_second", "A peer link's pull bandwidth "
+                                    "(moving average, pulls' bytes over their time less a round trip)", ["peer"], registry=r)
+        self.link_rtt = Gauge("kvstore_cluster_link_rtt_seconds", "A peer link's control round trip (moving average)",
+                              ["peer"], registry=r)
+        self.advice = Counter("kvstore_cluster_advice", "Lookup's advice in a cluster: load, pull, recompute",
+                              ["advice"], registry=r)
+        for advice in ("load", "pull", "recompute"):
+            self.advice.labels(advice=advice)
         for result in ("ok", "miss"):
             self.pulls.labels(result=result)
         for result in ("ok", "fenced", "denied", "missing", "failed"):

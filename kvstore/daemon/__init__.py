@@ -14,7 +14,8 @@ up in :mod:`kvstore`, and the tiers and the wire are :mod:`kvstore.tiers` and
    /metrics), :mod:`.advice` (load-or-recompute). The per-layer doorbell cells, shared with clients, are
    :mod:`kvstore.doorbell`.
 8. :mod:`.pull` (kvstore.v1.Peer: a prefix pulled from the peer that holds it), over the fleet's
-   membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md).
+   membership on etcd in :mod:`kvstore.cluster` (docs/cluster.md); :mod:`.remote` (a Lookup's
+   remote hits, the per-peer link estimates, and the load / pull / recompute advice).
 9. :mod:`.events`: the KV event stream (vLLM's format, :mod:`kvstore.kv_events`) the core reports
    tier changes to; peers read it into their cluster directory (:mod:`kvstore.cluster`).
 """

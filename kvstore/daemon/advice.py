@@ -7,9 +7,8 @@ import itertools
 
 from kvstore.config import PolicyConfig
 from kvstore.daemon.core import NsState
-from kvstore.daemon.index import Block
 from kvstore.daemon.metrics import Metrics
-from kvstore.policy import LoadPolicy, PrefillCostModel
+from kvstore.policy import Decision, LoadPolicy, PrefillCostModel
 from kvstore.tiers.base import TierKind
 
 
@@ -26,13 +25,18 @@ class Advisor:
         st.cost = PrefillCostModel.for_layout(
             st.ns.layout, params=params, tokens_per_s=st.prefill_tokens_per_s or self.cfg.prefill_tokens_per_s)
 
-    def advise(self, st: NsState, hits: list[Block], tiers: bytes) -> dict:
-        """LookupResponse fields for the matched prefix (called under the core lock)."""
-        if not hits:
-            return {"load_blocks": 0, "reason": "no cached prefix"}
+    def decide(self, st: NsState, tiers: bytes) -> Decision:
+        """The load-or-recompute split of the matched prefix (called under the core lock)."""
         runs = [(TierKind(t).name.lower(), len(list(g))) for t, g in itertools.groupby(tiers)]
         d = self.policy.decide(runs, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes, cost=st.cost)
         if self.metrics and d.outcome.value in ("load", "recompute", "partial"):
             self.metrics.policy_decisions.labels(decision=d.outcome.value).inc()
+        return d
+
+    @staticmethod
+    def fields(d: Decision) -> dict:
+        """LookupResponse fields of a decision."""
+        if not d.matched_tokens:
+            return {"load_blocks": 0, "reason": "no cached prefix"}
         return {"load_blocks": d.load_blocks, "est_load_s": d.load_s, "est_recompute_s": d.all_recompute_s,
                 "reason": d.reason}

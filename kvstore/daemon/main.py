@@ -38,6 +38,7 @@ from kvstore.config import Config
 from kvstore.daemon.core import Core, CoreConfig, TierCopies
 from kvstore.daemon.handout import ArenaHandout
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.remote import LinkMeter
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
@@ -224,8 +225,9 @@ class Daemon:
 
                 self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
             self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
+            self.link_meter = LinkMeter(cfg.cluster, self.cluster_metrics) if cfg.cluster.etcd_endpoints else None
             self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
-                                     nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error)
+                                     nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error, links=self.link_meter)
             self.handout = ArenaHandout(self.arena_socket, cfg.server, self.arena, self.core, self.hbm_cache)
         except BaseException:  # a part that opened (NVMe's lock and LMDB, the pinned arena) is let go
             self._close_tiers()
@@ -237,6 +239,7 @@ class Daemon:
         self.membership = None
         self.pulls = None
         self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
+        self.cluster_advisor = None
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -333,7 +336,8 @@ class Daemon:
     def _service(self) -> KVStoreService:
         return KVStoreService(self.core, self.cfg.server, advisor=Advisor(self.policy, self.cfg.policy, self.metrics),
                               reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
-                              outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket)
+                              outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket,
+                              cluster=self.cluster_advisor)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -358,14 +362,14 @@ class Daemon:
                                                              thread_name_prefix="grpc"),
                                   options=[("grpc.max_receive_message_length", 64 << 20),
                                            ("grpc.max_send_message_length", 64 << 20)])
-        service = self._service()
-        pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.cluster.etcd_endpoints:
             self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.membership = self._membership()
         peer = self._peer_service()
+        service = self._service()  # after the peer service: its Lookup asks peers through it
+        pb_grpc.add_KVStoreServicer_to_server(service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_grpc.add_PeerServicer_to_server(peer, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -469,11 +473,15 @@ class Daemon:
         """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no
         transfer listener, both answer UNAVAILABLE saying what to set."""
         from kvstore.daemon.pull import PeerLinks, PeerService, Pulls
+        from kvstore.daemon.remote import AskedRemoteHits, ClusterAdvisor
 
         if self.membership is not None and self.outbound is not None:
-            self.pulls = Pulls(self.core, self.membership, self.outbound, PeerLinks(self.cfg.server), self.cfg.transport,
-                               holders=self._holders(), tiering=self.tiering,
-                               metrics=self.cluster_metrics)
+            links, holders = PeerLinks(self.cfg.server), self._holders()
+            self.pulls = Pulls(self.core, self.membership, self.outbound, links, self.cfg.transport,
+                               holders=holders, tiering=self.tiering, metrics=self.cluster_metrics,
+                               meter=self.link_meter)
+            remote = AskedRemoteHits(self.membership, holders, links, self.link_meter, self.cfg.cluster)
+            self.cluster_advisor = ClusterAdvisor(self.core, self.policy, remote, self.link_meter, self.cluster_metrics)
         return PeerService(self.core, self.pulls, metrics=self.metrics)
 
     def _start_tcp(self, service: KVStoreService, peer) -> grpc.Server:

@@ -38,6 +38,7 @@ from kvstore.tiers.base import TierKind
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
 if TYPE_CHECKING:
+    from kvstore.daemon.remote import LinkMeter
     from kvstore.daemon.tiering import Tiering
 
 log = logging.getLogger("kvstore.daemon.pull")
@@ -132,9 +133,9 @@ class Pulls:
 
     def __init__(self, core: Core, membership: Membership, outbound: Outbound, links: PeerLinks,
                  t: TransportConfig, *, holders: Holders, tiering: "Tiering | None",
-                 metrics: ClusterMetrics) -> None:
+                 metrics: ClusterMetrics, meter: "LinkMeter") -> None:
         """``holders``: which peers a pull asks; ``tiering``: promotes what a push finds only
-        on NVMe (None without an NVMe tier)."""
+        on NVMe (None without an NVMe tier); ``meter``: each pull's bytes and time, per peer."""
         self.core = core
         self.membership = membership
         self.outbound = outbound
@@ -143,6 +144,7 @@ class Pulls:
         self.holders = holders
         self.tiering = tiering
         self.metrics = metrics
+        self.meter = meter
 
     def close(self) -> None:
         self.links.close()
@@ -194,10 +196,12 @@ class Pulls:
             try:
                 # The transfer's own deadline is a tenth earlier, so a late holder's
                 # transfer ends (and frees its slots here) before this call gives up.
+                t_push = time.monotonic()
                 r = self.links.stub(addr).Push(req, timeout=left)
             except grpc.RpcError as e:
                 why.append(f"{m.node_id}@{m.epoch}: {e.code().name}: {e.details()}")
                 continue
+            self.meter.pull(m.node_id, r.bytes, time.monotonic() - t_push)
             with self.core.lock:
                 now = leading(s.ns, keys)
             first = first or m
@@ -213,16 +217,36 @@ class Pulls:
         log.info("pull of %d blocks missed: %s", len(keys) - have, "; ".join(why))
         return miss("; ".join(why))
 
+    @staticmethod
+    def check_caller(requester: str, caller: frozenset[str]) -> None:
+        """PERMISSION_DENIED unless the caller's client certificate names ``requester``."""
+        if requester not in caller:
+            shown = ", ".join(sorted(caller)[:4]) or "no client certificate"
+            raise KVError(Code.PERMISSION_DENIED, f"requester {requester!r}: the caller's certificate does not name "
+                          f"it ({shown}); each daemon needs a certificate whose CN or a SAN is its node id")
+
+    def lookup(self, req: ppb.PeerLookupRequest, keys: list[bytes], caller: frozenset[str]) -> ppb.PeerLookupResponse:
+        """A peer's Lookup: only a registered fleet member learns what this daemon holds (a
+        namespace id alone must not tell a unix-socket client another tenant's chains)."""
+        self.check_caller(req.requester, caller)
+        if self.membership.member(req.requester) is None:
+            raise KVError(Code.FAILED_PRECONDITION, f"requester {req.requester!r}: not a registered peer")
+        with self.core.lock:
+            st = self.core.namespaces.get(req.namespace_id)
+            n = leading(st, keys) if st is not None else 0
+            tiers = bytes(st.blocks[k].tier for k in keys[:n])
+        return ppb.PeerLookupResponse(blocks=n, tiers=tiers, epoch=self.membership.epoch)
+
     def push(self, req: ppb.PushRequest, keys: list[bytes], deadline_s: float,
              caller: frozenset[str]) -> ppb.PushResponse:
         """``deadline_s``: what is left of the caller's wait; the transfer ends within it.
         ``caller``: the names in the caller's client certificate; one must be the requester's
         node id, else any fleet member could have blocks shipped in another's name."""
-        if req.requester not in caller:
+        try:
+            self.check_caller(req.requester, caller)
+        except KVError:
             self.metrics.pushes.labels(result="denied").inc()
-            shown = ", ".join(sorted(caller)[:4]) or "no client certificate"
-            raise KVError(Code.PERMISSION_DENIED, f"requester {req.requester!r}: the caller's certificate does not name "
-                          f"it ({shown}); each daemon needs a certificate whose CN or a SAN is its node id")
+            raise
         me = self.membership.epoch
         if not me or req.holder_epoch != me:
             self.metrics.pushes.labels(result="fenced").inc()
@@ -304,3 +328,11 @@ class PeerService(peer_grpc.PeerServicer):
         if deadline_s <= 0.01:
             raise KVError(Code.DEADLINE_EXCEEDED, "push: the requester's deadline has passed")
         return self._on().push(req, keys, deadline_s, certificate_names(context))
+
+    @rpc
+    def Lookup(self, req, context):
+        if len(req.namespace_id) != 32:
+            raise invalid(f"namespace_id: must be 32 bytes, got {len(req.namespace_id)}")
+        with self.core.lock:
+            keys = self.core.keys(req.keys)
+        return self._on().lookup(req, keys, certificate_names(context))

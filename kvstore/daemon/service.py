@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvstore.daemon.tiering import Tiering
     from kvstore.daemon.inbound import Inbound
     from kvstore.daemon.outbound import Outbound
+    from kvstore.daemon.remote import ClusterAdvisor
 
 
 log = logging.getLogger("kvstore.daemon.service")
@@ -148,7 +149,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def __init__(self, core: Core, cfg: ServerConfig, *, advisor: Advisor, reporter: Reporter, metrics: Metrics,
                  arena_socket: str, tiering: Tiering | None = None, outbound: Outbound | None = None,
-                 inbound: Inbound | None = None) -> None:
+                 inbound: Inbound | None = None, cluster: ClusterAdvisor | None = None) -> None:
+        """``cluster``: remote hits and the load/pull/recompute advice in Lookup (None alone)."""
         self.core = core
         self.cfg = cfg  # SIGHUP may change reserve_wait_s
         self.advisor = advisor
@@ -158,6 +160,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.tiering = tiering
         self.outbound = outbound
         self.inbound = inbound
+        self.cluster = cluster
         self.waits = Waits(cfg.resolved_max_waits(), cfg.max_waits_per_session)
 
     @property
@@ -221,7 +224,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             hits, tiers = self.core.lookup(s, req.keys)
-            advice = self.advisor.advise(s.ns, hits, tiers)
+            decision = self.advisor.decide(s.ns, tiers)
+        advice = self.advisor.fields(decision)
+        if self.cluster is not None:  # without a cluster the answer has none of these fields
+            advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
         m = self.metrics
         if m:
             bt = s.ns.ns.layout.block_tokens

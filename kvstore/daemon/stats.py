@@ -17,7 +17,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 class Reporter:
     def __init__(self, core: Core, *, metrics: Metrics, policy: LoadPolicy, hbm=None, nvme=None,
-                 nvme_wanted: bool = False, nvme_error: str = "") -> None:
+                 nvme_wanted: bool = False, nvme_error: str = "", links=None) -> None:
         self.core = core
         self.metrics = metrics
         self.policy = policy
@@ -25,6 +25,7 @@ class Reporter:
         self.nvme = nvme  # kvstore.tiers.nvme.NvmeTier or None
         self.nvme_wanted = nvme_wanted  # nvme.dir is set (a missing tier is then reported, disabled)
         self.nvme_error = nvme_error  # why the NVMe tier could not start
+        self.links = links  # kvstore.daemon.remote.LinkMeter in a cluster, else None
         self.started = time.monotonic()
 
     @property
@@ -86,7 +87,7 @@ class Reporter:
             tiers=[pb.TierStats(tier=int(t.kind), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
                                 blocks=t.blocks, emulated=t.emulated, enabled=t.enabled,
                                 detail=json.dumps(t.extra) if t.extra else "") for t in tiers],
-            namespaces=nss, counters=counters)
+            namespaces=nss, counters=counters, links=self.links.links_pb() if self.links is not None else ())
 
 
 def _ns_usage(st: NsState) -> dict[str, tuple[int, int]]:

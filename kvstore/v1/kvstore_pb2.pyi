@@ -21,6 +21,13 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_SESSION_UNKNOWN: _ClassVar[Refusal]
     REFUSAL_DRAM_DEMOTING: _ClassVar[Refusal]
 
+class Advice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADVICE_UNSPECIFIED: _ClassVar[Advice]
+    ADVICE_LOAD: _ClassVar[Advice]
+    ADVICE_PULL: _ClassVar[Advice]
+    ADVICE_RECOMPUTE: _ClassVar[Advice]
+
 class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SLOT_RESERVED: _ClassVar[SlotState]
@@ -48,6 +55,10 @@ TIER_REMOTE: Tier
 REFUSAL_UNSPECIFIED: Refusal
 REFUSAL_SESSION_UNKNOWN: Refusal
 REFUSAL_DRAM_DEMOTING: Refusal
+ADVICE_UNSPECIFIED: Advice
+ADVICE_LOAD: Advice
+ADVICE_PULL: Advice
+ADVICE_RECOMPUTE: Advice
 SLOT_RESERVED: SlotState
 SLOT_PRESENT: SlotState
 SLOT_BUSY: SlotState
@@ -129,28 +140,48 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "ask_peers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ASK_PEERS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    ask_peers: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason")
+    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EST_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     EST_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ADVICE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
+    EST_PULL_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_IF_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_IF_PULL_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_IF_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: bytes
     load_blocks: int
     est_load_s: float
     est_recompute_s: float
     reason: str
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    advice: Advice
+    remote_blocks: int
+    remote_node_id: str
+    remote_epoch: int
+    remote_tier: Tier
+    est_pull_s: float
+    time_if_load_s: float
+    time_if_pull_s: float
+    time_if_recompute_s: float
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids")
@@ -387,7 +418,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., blocks_by_tier: _Optional[_Mapping[str, int]] = ..., bytes_by_tier: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "namespaces", "counters", "hbm_emulated")
+    __slots__ = ("version", "uptime_s", "tiers", "namespaces", "counters", "hbm_emulated", "links")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,13 +432,29 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     counters: _containers.ScalarMap[str, float]
     hbm_emulated: bool
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., hbm_emulated: _Optional[bool] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., hbm_emulated: _Optional[bool] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ...) -> None: ...
+
+class PeerLink(_message.Message):
+    __slots__ = ("node_id", "bytes_per_s", "rtt_s", "pulls", "round_trips")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIPS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    bytes_per_s: float
+    rtt_s: float
+    pulls: int
+    round_trips: int
+    def __init__(self, node_id: _Optional[str] = ..., bytes_per_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., pulls: _Optional[int] = ..., round_trips: _Optional[int] = ...) -> None: ...
 
 class DropNamespaceRequest(_message.Message):
     __slots__ = ("namespace_id_hex",)

@@ -4,6 +4,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PeerLookupRequest(_message.Message):
+    __slots__ = ("requester", "namespace_id", "keys")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    namespace_id: bytes
+    keys: bytes
+    def __init__(self, requester: _Optional[str] = ..., namespace_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class PeerLookupResponse(_message.Message):
+    __slots__ = ("blocks", "tiers", "epoch")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    tiers: bytes
+    epoch: int
+    def __init__(self, blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("session_id", "keys", "holder", "deadline_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

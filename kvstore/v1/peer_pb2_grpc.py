@@ -44,6 +44,11 @@ class PeerStub:
                 request_serializer=kvstore_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_peer__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvstore.v1.Peer/Lookup',
+                request_serializer=kvstore_dot_v1_dot_peer__pb2.PeerLookupRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_peer__pb2.PeerLookupResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -70,6 +75,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Unary. Called by a peer daemon's Lookup: how many leading blocks of `keys` are committed
+        here (DRAM or NVMe), with this daemon's epoch. PERMISSION_DENIED as for Push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +95,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=kvstore_dot_v1_dot_peer__pb2.PushRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_peer__pb2.PushResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvstore_dot_v1_dot_peer__pb2.PeerLookupRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_peer__pb2.PeerLookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +156,33 @@ class Peer:
             '/kvstore.v1.Peer/Push',
             kvstore_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
             kvstore_dot_v1_dot_peer__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Peer/Lookup',
+            kvstore_dot_v1_dot_peer__pb2.PeerLookupRequest.SerializeToString,
+            kvstore_dot_v1_dot_peer__pb2.PeerLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
