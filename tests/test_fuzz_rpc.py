@@ -14,6 +14,7 @@ import math
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,8 @@ from kvstore.keys import KEY_BYTES, Namespace, chain_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.v1 import peer_pb2 as ppb
+from kvstore.v1 import peer_pb2_grpc as ppb_grpc
 
 CASES_PER_RPC = 100     # hypothesis examples per RPC (the whole file stays well under a minute)
 CALL_TIMEOUT_S = 5.0    # an RPC that does not wait answers well within this; past it is a hang
@@ -35,7 +38,9 @@ BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 LAYOUT = KVLayout(4, 2, 64, "fp16")
 TOKENS = list(range(2 * 16))   # two reference blocks
 FUZZ_MODEL = "fuzz-model"
-SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+# Every service the daemon serves on its unix socket: KVStore, and Peer (Pull, and the Push and
+# Lookup peers call over TLS; a daemon outside a fleet answers them UNAVAILABLE with a reason).
+SERVICES = (pb.DESCRIPTOR.services_by_name["KVStore"], ppb.DESCRIPTOR.services_by_name["Peer"])
 
 SEEN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # method -> status counts
 
@@ -203,7 +208,7 @@ def request(desc):
 
 
 def build(desc, values: dict, state: State):
-    msg = getattr(pb, desc.name)()
+    msg = message_factory.GetMessageClass(desc)()
     for name, v in values.items():
         v = state.resolve(v)
         f = desc.fields_by_name[name]
@@ -228,6 +233,7 @@ def world(module_daemons, tmp_path_factory):
     assert ref.put(TOKENS, kv) == len(TOKENS) // LAYOUT.block_tokens
     channel = grpc.insecure_channel(f"unix:{d.socket_path}")
     state = State(pb_grpc.KVStoreStub(channel), d.transfer_addr, b"".join(ref.keys(TOKENS)))
+    state.peer_stub = ppb_grpc.PeerStub(channel)
     yield d, ref, kv, state
     channel.close()
     ref.close()
@@ -238,12 +244,13 @@ def call_one(world, method, values):
     req = build(method.input_type, values, state)
     timeout = WAIT_CAP_S if method.name in WAITING else CALL_TIMEOUT_S
     try:
-        resp = getattr(state.stub, method.name)(req, timeout=timeout)
+        stub = state.stub if method.containing_service.name == "KVStore" else state.peer_stub
+        resp = getattr(stub, method.name)(req, timeout=timeout)
         code, details = grpc.StatusCode.OK, ""
         state.learn(resp)
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
-    SEEN[method.name][code.name] += 1
+    SEEN[method.full_name.removeprefix("kvstore.v1.")][code.name] += 1
     assert code not in BROKEN, f"{method.name}({req}) -> {code.name}: {details}"
     assert code != grpc.StatusCode.DEADLINE_EXCEEDED or method.name in WAITING, \
         f"{method.name}({req}) hung past {timeout} s"
@@ -265,7 +272,7 @@ EXAMPLES: dict[str, list[dict]] = {
 }
 
 
-def fuzz_test(method):
+def fuzz_test(method, name: str):
     @settings(max_examples=CASES_PER_RPC, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(values=request(method.input_type))
@@ -274,12 +281,14 @@ def fuzz_test(method):
 
     for ex in EXAMPLES.get(method.name, ()):
         test = example(values=ex)(test)
-    test.__name__ = f"test_fuzz_{method.name}"
+    test.__name__ = f"test_fuzz_{name}"
     return test
 
 
-for _m in SERVICE.methods:
-    globals()[f"test_fuzz_{_m.name}"] = fuzz_test(_m)
+for _svc in SERVICES:
+    for _m in _svc.methods:
+        name = _m.name if _svc.name == "KVStore" else f"{_svc.name}_{_m.name}"
+        globals()[f"test_fuzz_{name}"] = fuzz_test(_m, name)
 
 
 def test_reference_blocks_intact_and_daemon_alive(world):
@@ -292,4 +301,4 @@ def test_reference_blocks_intact_and_daemon_alive(world):
     assert d.alive()
     print("\nstatuses per RPC:")
     for name in sorted(SEEN):
-        print(f"  {name:16s} " + ", ".join(f"{k}={v}" for k, v in sorted(SEEN[name].items())))
+        print(f"  {name:20s} " + ", ".join(f"{k}={v}" for k, v in sorted(SEEN[name].items())))
