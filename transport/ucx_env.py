@@ -18,9 +18,11 @@ bad runs, when it slept between layers; 32 layers of 8 MiB, compute = transfer).
 is open (``transfers_open``, kept by the listener's and the connector's tickers) a sleep lasts at
 most ``OPEN_NAP_MS``, so a wake-up UCX does not deliver (a sender whose shared-memory FIFO was
 full is not signalled when it drains) costs a millisecond, not a 20 ms tick. In polling mode the
-engine spins always; in adaptive mode (the default) it spins while a transfer is open and sleeps
-otherwise: on this 2-core VM a blocking engine let the pipelined overlap fall to medians of
-0.79-0.93 (single runs down to 0), where adaptive and polling kept 0.89-0.97.
+engine spins always; in adaptive mode (the default) it spins while a transfer is open and none of
+its payloads is in flight (waiting for the peer's next frame or the caller's next layer, where a
+wake-up's latency shows: on this 2-core VM a blocking engine let the pipelined overlap fall to
+medians of 0.79-0.93, single runs down to 0), and waits on UCX's events like raw ucxx while
+payloads are in flight (spinning through a bulk transfer cost ~3x raw's CPU per GB per side).
 """
 
 from __future__ import annotations
