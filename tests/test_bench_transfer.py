@@ -17,6 +17,9 @@ def test_bench_transfer_through_daemons_small():
     assert row["daemon_GBps"] > 0 and row["raw_GBps"] > 0
     assert abs(row["ratio"] - row["daemon_GBps"] / row["raw_GBps"]) < 0.01  # one round: the pair's ratio
     assert len(row["ratio_runs"]) == 1
+    cpu = row["cpu_s_per_gb"]  # each daemon's CPU per GB beside raw's sender and receiver
+    assert set(cpu) == {"tx", "rx", "raw_tx", "raw_rx"} and all(v >= 0 for v in cpu.values())
+    assert len(r["load_average"]) == 3
     pl = row["pipelined"]
     assert pl["best_possible"] == round(1 - 1 / 32, 3) and pl["hidden_fraction"] <= pl["best_possible"] + 0.01
     assert pl["wall_s"] > 0 and pl["transfer_alone_s"] > 0

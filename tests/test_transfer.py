@@ -282,6 +282,19 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
         assert cb.lookup(tokens) == 0
 
 
+def test_digests_taken_at_commit_are_what_the_first_transfer_sends(tmp_path):
+    """Without any NVMe tier, the commit hashes every layer chunk and the block keeps those
+    digests: its first transfer hashes nothing on the send path, so bytes changed in A's DRAM
+    after the commit are caught on arrival (DATA_LOSS) instead of shipped under a fresh hash."""
+    with linked(tmp_path, "tcp") as (a, b, peer_b, ca, cb):
+        tokens = list(range(2 * 16))
+        ca.put(tokens, kv_for(tokens, 8))
+        keys = ca.keys(tokens)
+        scribble(ca, keys[1], 3 * LAYOUT.layer_chunk_bytes + 5, 0x20)  # block 1, layer 3
+        expect_data_loss(ca, keys, peer_b, "block 1, layer 3,")
+        assert cb.lookup(tokens) == 0
+
+
 def test_the_receiver_keeps_the_digests_it_verified(tmp_path):
     """B records the digests it verified on arrival, so when B ships those blocks on (here back
     to A) it hashes nothing, and bytes changed in B's DRAM in between are caught (DATA_LOSS)."""

@@ -18,9 +18,11 @@ bad runs, when it slept between layers; 32 layers of 8 MiB, compute = transfer).
 is open (``transfers_open``, kept by the listener's and the connector's tickers) a sleep lasts at
 most ``OPEN_NAP_MS``, so a wake-up UCX does not deliver (a sender whose shared-memory FIFO was
 full is not signalled when it drains) costs a millisecond, not a 20 ms tick. In polling mode the
-engine spins always; in adaptive mode (the default) it spins while a transfer is open and sleeps
-otherwise: on this 2-core VM a blocking engine let the pipelined overlap fall to medians of
-0.79-0.93 (single runs down to 0), where adaptive and polling kept 0.89-0.97.
+engine spins always; in adaptive mode (the default) it spins while a transfer is open and none of
+its payloads is in flight (waiting for the peer's next frame or the caller's next layer, where a
+wake-up's latency shows: on this 2-core VM a blocking engine let the pipelined overlap fall to
+medians of 0.79-0.93, single runs down to 0), and waits on UCX's events like raw ucxx while
+payloads are in flight (spinning through a bulk transfer cost ~3x raw's CPU per GB per side).
 """
 
 from __future__ import annotations
@@ -231,6 +233,18 @@ class Engine:
                 log.exception("UCX completion handler failed")
         return True
 
+    def _hot(self, now: float, spin_until: float) -> bool:
+        """Whether an idle round polls again instead of sleeping. Adaptive, with a transfer
+        open: only while none of our payloads is in flight, i.e. while the next thing to come
+        is a frame of the peer or work from the caller (the next layer of a pipelined transfer),
+        whose latency polling saves; while payloads are in flight UCX's own events wake us as
+        they progress, as raw ucxx waits. Spinning through a bulk transfer instead cost about
+        3x raw's CPU per GB on each side on a 2-core host, and the spinning sender took the
+        core the receiver's copy needed. Otherwise: for ``SPIN_S`` after the last busy round."""
+        if self._adaptive and self.transfers_open:
+            return not any(self._lanes)
+        return now < spin_until
+
     def _run(self) -> None:
         worker, calls = self.worker, self._calls
         tick_ms = int(self.TICK_S * 1000)
@@ -239,7 +253,7 @@ class Engine:
         now = 0.0
         while self._running:
             self.loops += 1
-            if idle and not self._polling and now >= spin_until and not (self._adaptive and self.transfers_open):
+            if idle and not self._polling and not self._hot(now, spin_until):
                 self._sleeping = True
                 if not calls:
                     self.sleeps += 1

@@ -38,6 +38,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid`` so far (ns resolution, from schedstat; a
+    thread that exited since is not counted, and the daemons' threads live as long as they do)."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
+
+
 def daemons(a) -> dict:
     from kvstore.clients import KVStoreClient
     from kvstore.layout import KVLayout
@@ -75,16 +88,18 @@ def daemons(a) -> dict:
             cb.register(layout, f"bench-{chunk}")
             tokens = np.arange(n * 16)
             kv = np.random.default_rng(chunk).integers(0, 2**16, layout.tensor_shape(len(tokens)), dtype=np.uint16).view(np.float16)
-            times, raws = [], []
+            times, raws, cpu = [], [], []
             nbytes = n * layout.block_bytes
             message = run_layers(chunk, layout.num_layers) * chunk  # what the daemon puts in one message
             for r in range(a.repeat + 1):  # the first round warms the connection up
                 toks = tokens + r * 10_000_000  # fresh keys every round: nothing recorded for them yet
                 ca.put(toks, kv)
                 keys = ca.keys(toks)
+                c0 = (_cpu_s(da.proc.pid), _cpu_s(db.proc.pid))
                 t0 = time.perf_counter()
                 ca.transfer(keys, f"127.0.0.1:{port_b}", deadline_s=120)
                 seconds = time.perf_counter() - t0
+                c1 = (_cpu_s(da.proc.pid), _cpu_s(db.proc.pid))
                 if a.verify and r == a.repeat:
                     out = np.zeros_like(kv)
                     if cb.get(toks, out) != len(toks) or out.tobytes() != kv.tobytes():
@@ -93,7 +108,10 @@ def daemons(a) -> dict:
                 ca.delete(keys)
                 if r:
                     times.append(seconds)
-                    raws.append(raw_fn(ctx, message, max(8, nbytes // message), 5)["gbps"])
+                    raw = raw_fn(ctx, message, max(8, nbytes // message), 5)
+                    raws.append(raw["gbps"])
+                    gb = nbytes / 1e9  # CPU s per GB: (daemon A, daemon B, raw sender, raw receiver)
+                    cpu.append(((c1[0] - c0[0]) / gb, (c1[1] - c0[1]) / gb, raw["cpu_tx_s_per_gb"], raw["cpu_rx_s_per_gb"]))
             hidden = None
             if a.pipelined:  # the median of --repeat tries, by hidden fraction
                 tries = sorted((_pipelined(ca, cb, tokens, kv, f"127.0.0.1:{port_b}", a.compute_ratio)
@@ -105,14 +123,20 @@ def daemons(a) -> dict:
             rows.append({"chunk_bytes": chunk, "message_bytes": message, "blocks": n, "bytes": nbytes,
                          "daemon_GBps": round(nbytes / statistics.median(times) / 1e9, 3),
                          "raw_GBps": round(statistics.median(raws), 3), "ratio": round(statistics.median(ratios), 3),
-                         "ratio_runs": [round(x, 3) for x in ratios], "verified": bool(a.verify), "pipelined": hidden})
+                         "ratio_runs": [round(x, 3) for x in ratios],
+                         # medians per column: what each side spends per GB, and the same for raw
+                         "cpu_s_per_gb": dict(zip(("tx", "rx", "raw_tx", "raw_rx"),
+                                                  (round(statistics.median(c), 3) for c in zip(*cpu)))),
+                         "cpu_ratio_runs": {"tx": [round(c[0] / c[2], 2) for c in cpu],
+                                            "rx": [round(c[1] / c[3], 2) for c in cpu]},
+                         "verified": bool(a.verify), "pipelined": hidden})
     finally:
         for d in procs:
             d.stop(30)
         shutil.rmtree(work, ignore_errors=True)
     return {"bench": "transfer-daemons", "backend": a.backend, "unit": "GB/s with GB = 10^9 bytes",
             "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv",
-            "ucx_progress": a.ucx_progress, "verify_threads": a.verify_threads, "cpus": os.cpu_count(), "rows": rows}
+            "ucx_progress": a.ucx_progress, "verify_threads": a.verify_threads, "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
 
 
 def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
@@ -193,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"Transfer RPC daemon A -> daemon B over {a.backend}, against a {r['reference']} in the same run (GB = 10^9 bytes)")
     print(f"{'chunk':>10} {'message':>10} {'blocks':>7} {'daemon GB/s':>12} {'raw GB/s':>9} {'ratio':>6} "
-          f"{'(min-max)':>11}  (medians; raw sends messages of the daemon's size)")
+          f"{'(min-max)':>11} {'CPU s/GB tx/rx':>15} {'raw tx/rx':>11}  (medians; raw sends messages of the daemon's size)")
     for x in r["rows"]:
         pl = x["pipelined"]
         extra = (f"   pipelined: {pl['hidden_fraction']:.0%} of transfer hidden (median; {min(pl['hidden_runs']):.0%}-"
                  f"{max(pl['hidden_runs']):.0%}; best possible {pl['best_possible']:.0%})") if pl else ""
         lo, hi = min(x["ratio_runs"]), max(x["ratio_runs"])
+        c = x["cpu_s_per_gb"]
         print(f"{x['chunk_bytes'] >> 10:>6} KiB {x['message_bytes'] >> 10:>6} KiB {x['blocks']:>7} "
               f"{x['daemon_GBps']:>12.2f} {x['raw_GBps']:>9.2f} "
-              f"{x['ratio']:>6.2f} ({lo:.2f}-{hi:.2f}){extra}")
+              f"{x['ratio']:>6.2f} ({lo:.2f}-{hi:.2f}) {c['tx']:>7.2f}/{c['rx']:.2f} {c['raw_tx']:>6.2f}/{c['raw_rx']:.2f}{extra}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

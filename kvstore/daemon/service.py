@@ -280,6 +280,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             blocks = self.core.commit(s, req.lease_id, req.keys)
+        if self.outbound is not None:  # digests taken once, here, for transfers and the NVMe tier
+            self.outbound.committed(blocks)
         if self.tiering is not None:
             self.tiering.committed(blocks)
         return pb.CommitResponse(committed=len(blocks))
