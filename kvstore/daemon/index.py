@@ -42,9 +42,10 @@ class Block:
     tick: int = 0  # recency: higher is more recent
     reads: int = 0  # Acquires: what makes a block hot enough for HBM
     hbm_slot: int = -1  # offset of its copy in the HBM pool, -1 = none
-    # xxh3-64 of each layer chunk, recorded the first time the committed block is hashed: by a
-    # transfer (sent, or received and verified), or by the NVMe tier writing it (durable commit,
-    # demotion) or reading it back verified (promotion). The bytes never change while the key
+    # xxh3-64 of each layer chunk, taken at commit on a daemon with a transport
+    # (``Outbound.committed``), else the first time the committed block is hashed: by a transfer
+    # (sent, or received and verified), or by the NVMe tier writing it (durable commit, demotion)
+    # or reading it back verified (promotion). The bytes never change while the key
     # lives, so transfers and NVMe writes reuse these instead of hashing again; whoever checks
     # them next (the receiving daemon, an NVMe read) catches memory that changed since.
     digests: "array | None" = None
