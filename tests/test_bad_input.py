@@ -1,6 +1,7 @@
 """Bad input against the real daemon: the right gRPC status, a clear message, the daemon keeps
 serving and no committed block is lost."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -14,12 +15,15 @@ from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(4, 2, 64, "fp16")
+SHARE_DAEMON = True  # one daemon for the module: each test's blocks come from tokens of its own
+_TOKEN_BASES = itertools.count(0, 64)
 
 
 @pytest.fixture
 def setup(daemon, client_factory):
     c = client_factory(LAYOUT)
-    tokens = list(range(4 * 16))
+    base = next(_TOKEN_BASES)  # 4 blocks no other test of the module stores
+    tokens = list(range(base, base + 4 * 16))
     kv = np.random.default_rng(0).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
     assert c.put(tokens, kv) == 4
     yield c, tokens, kv

@@ -288,8 +288,15 @@ def main(argv: list[str]) -> int:
                 _answer({"error": f"unknown op {op!r}"})
         except Exception as e:  # noqa: BLE001 - the parent decides; the engine stays up
             _answer({"error": f"{type(e).__name__}: {e}"})
-    del llm
-    return 0
+    # vLLM's own shutdown: the connector closes its sessions, the engine-core process (if any)
+    # exits. Then out without the interpreter's teardown, whose garbage collections over
+    # vLLM's ~700k objects were two thirds of a 15-30 s exit on a loaded 2-core machine (the
+    # rest is the collections vLLM's shutdown runs itself); nothing of this process is left
+    # for it to write or release.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
