@@ -26,15 +26,16 @@ $(TSTAMP): pyproject.toml scripts/install_vllm.sh
 install: $(STAMP)
 install-test: $(TSTAMP)
 
-# System tools the tests use: fio (same-run NVMe reference), etcd (Debian's etcd-server 3.4,
-# the cluster tests' coordination store). Installed only when missing.
+# System tools the tests use: fio (same-run NVMe reference) and etcd (the cluster tests).
+# Installed only when missing, in one apt-get run.
 sysdeps:
-	@command -v fio >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null) || \
-	  echo "warning: fio not installed; NVMe benchmarks fall back to a raw O_DIRECT reference"; }
-	@command -v etcd >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server >/dev/null) || \
-	  echo "warning: etcd not installed; the cluster tests are skipped"; }
+	@missing=""; command -v fio >/dev/null 2>&1 || missing="fio"; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	if [ -n "$$missing" ]; then \
+	  { command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
+	  echo "warning: could not install$$missing: without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
+	fi
 
 serve: $(STAMP)
 	$(VENV)/bin/kvstore serve $(ARGS)
