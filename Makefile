@@ -34,7 +34,7 @@ sysdeps:
 	if [ -n "$$missing" ]; then \
 	  { command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
-	  echo "warning: could not install$$missing: without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
+	  echo "warning: could not install:$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
 	fi
 
 serve: $(STAMP)
