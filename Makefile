@@ -29,12 +29,12 @@ install-test: $(TSTAMP)
 # System tools the tests use: fio (same-run NVMe reference) and etcd (the cluster tests).
 # Installed only when missing, in one apt-get run.
 sysdeps:
-	@missing=""; command -v fio >/dev/null 2>&1 || missing="fio"; \
+	@missing=""; command -v fio >/dev/null 2>&1 || missing=" fio"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	if [ -n "$$missing" ]; then \
 	  { command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
-	  echo "warning: could not install:$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
+	  echo "warning: could not install$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
 	fi
 
 serve: $(STAMP)
