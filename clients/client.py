@@ -32,7 +32,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
-from kvstore.clients.leases import RESERVED, IncomingTransfer, KVStoreError, ReadLease, WriteLease, _Future
+from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease,
+                                    _Future)
 from kvstore.clients.session import SessionKeeper, refusal
 
 log = logging.getLogger("kvstore.client")
@@ -328,6 +329,36 @@ class KVStoreClient:
             return self.peer_stub.Pull(req, timeout=max(self.timeout_s, deadline_s + 5))
         except grpc.RpcError as e:
             raise KVStoreError(e.code(), e.details() or "", refusal(e)) from None
+
+    def pull_layers(self, keys: Sequence[bytes], have: int = 0, holder: str = "",
+                    deadline_s: float = 0.0) -> PullingTransfer:
+        """Pull ``keys`` (one chain) and follow the blocks it brings layer by layer as they
+        land: the holder ships layer 0 of every block first, then layer 1..., so a worker can
+        load layer 0 to the GPU while the later ones are on the wire. ``have``: how many leading
+        keys this daemon holds already (a Lookup's ``hit_blocks``); the pull brings the rest,
+        which the returned :class:`PullingTransfer` follows (``wait_layer``, ``layer_view``;
+        ``result()`` is the pull's answer). Release it when done."""
+        self.require_data_session()
+        keys = list(keys)
+        if not 0 <= have < len(keys):
+            raise ValueError(f"have={have}: must leave some of the {len(keys)} keys to pull")
+        wait_s = deadline_s or 10.0
+        pull = self.peer_stub.Pull.future(
+            ppb.PullRequest(session_id=self.session_id, keys=pack(keys), holder=holder, deadline_s=deadline_s,
+                            layer_major=True), timeout=max(self.timeout_s, deadline_s + 5))
+        follow = self.stub.AwaitTransfer.future(
+            pb.AwaitTransferRequest(session_id=self.session_id, keys=pack(keys[have:]), wait_s=wait_s),
+            timeout=wait_s + self.timeout_s)
+        pull.add_done_callback(lambda _: follow.cancel())  # no transfer to wait for once the pull answered
+        try:
+            resp = follow.result()
+        except grpc.FutureCancelledError:
+            resp = None
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED:
+                raise KVStoreError(e.code(), e.details() or "", refusal(e)) from None
+            resp = None
+        return PullingTransfer(self, pull, resp, keys, have)
 
     def advised_blocks(self, result: LookupResult, keys: Sequence[bytes], deadline_s: float = 0.0) -> int:
         """How many leading blocks of ``keys`` to load now, acting on ``result`` (their Lookup):

@@ -132,6 +132,45 @@ class IncomingTransfer:
         self.release()
 
 
+class PullingTransfer(IncomingTransfer):
+    """The blocks a pull is bringing here (:meth:`KVStoreClient.pull_layers`), followed layer
+    by layer like any :class:`IncomingTransfer`: block ``i`` is the pull's ``keys[have + i]``.
+    A pull whose transfer could not be followed (it missed, brought fewer blocks than asked, or
+    ended before the wait got there) is settled from its answer: the blocks it brought are
+    pinned with every layer ready (``blocks`` says how many); with none, :meth:`layers_ready`
+    raises NOT_FOUND with the pull's reason, and the worker recomputes."""
+
+    def __init__(self, client: "KVStoreClient", pull: grpc.Future, resp: pb.AwaitTransferResponse | None,
+                 keys: list[bytes], have: int) -> None:
+        self._pull = pull
+        if resp is None or not resp.lease_id:
+            r = self.result()
+            n = max(0, r.blocks - have)  # leading blocks here now, of those after the ``have``
+            resp = pb.AwaitTransferResponse(state=pb.TRANSFER_UNKNOWN, detail=r.detail or "the pull brought nothing")
+            if n:
+                lease = client.acquire(keys[have:have + n], allow_partial=True)
+                resp = pb.AwaitTransferResponse(state=pb.TRANSFER_DONE, lease_id=lease.lease_id,
+                                                offsets=lease.offsets[:lease.count], detail=r.detail)
+        super().__init__(client, resp)
+
+    @property
+    def blocks(self) -> int:
+        """Blocks followed (all those asked for, unless the pull brought fewer)."""
+        return len(self.offsets)
+
+    def layers_ready(self) -> int:
+        if self.state == pb.TRANSFER_UNKNOWN:
+            raise KVStoreError(grpc.StatusCode.NOT_FOUND, f"the pull brought no block: {self.detail}; recompute")
+        return super().layers_ready()
+
+    def result(self):
+        """The pull's answer (a ``peer_pb2.PullResponse``), waiting for it."""
+        try:
+            return self._pull.result()
+        except grpc.RpcError as e:
+            raise KVStoreError(e.code(), e.details() or "") from None
+
+
 class ReadLease:
     """Pinned blocks; ``view(i)`` reads block i in place. Released on context exit."""
 

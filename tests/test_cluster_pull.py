@@ -27,9 +27,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.bench.cluster import fleet_certificates
-from kvstore.clients import KVStoreClient
+from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
+from kvstore.v1 import kvstore_pb2 as pb, peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 from tests.daemon_util import free_port
 from tests.etcd_util import EtcdServer, cli_members, node, scraped_in
 from tests.netns_util import star
@@ -157,6 +157,42 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     assert served(cc, first, 0)  # bit-exact, out of C's own DRAM
     assert pull(c, cc, first).pulled == 0  # already here: nothing moves
 
+    # A worker following a pull layer by layer (pull_layers): the holder ships layer-major, so
+    # C's doorbell counts complete layers while later ones are still on the wire, and each
+    # layer reads bit-exact as soon as it is announced. Shipped block by block, layer 0 would be
+    # complete only with the last block, and the first wait would already see every layer.
+    deep = KVLayout(32, 4, 64, "fp16")  # 16 KiB layer chunks, 512 KiB blocks
+    xa, xc = (KVStoreClient(d.socket_path, timeout_s=10) for d in (a, c))
+    for x in (xa, xc):
+        x.register(deep, "pull-layers")
+    toks = list(range(9000, 9000 + 40 * 16))  # 20 MiB
+    kv = np.random.default_rng(9).standard_normal(deep.tensor_shape(len(toks))).astype(np.float16)
+    src = kv.view(np.uint8).reshape(deep.num_layers, 2, len(toks), -1)
+    assert xa.put(toks, kv) == 40
+    with xc.pull_layers(xc.keys(toks), holder="pull-a", deadline_s=5.0) as p:
+        assert p.state == pb.TRANSFER_RUNNING and p.blocks == 40, p.detail
+        last = deep.num_layers - 1
+        p.wait_layer(0)
+        # Layer 0 of every block is in, and not yet the last layer of the first block (it
+        # comes in the last 1/32 of the bytes; block by block it would have come first).
+        assert not np.array_equal(p.layer_view(0, last), src[last, :, :16])
+        for layer in range(deep.num_layers):
+            p.wait_layer(layer)
+            for i in (0, 39):
+                assert np.array_equal(p.layer_view(i, layer), src[layer, :, i * 16:(i + 1) * 16])
+        r = p.result()
+    assert (r.blocks, r.pulled, r.holder) == (40, 40, "pull-a"), r.detail
+    out = np.zeros_like(kv)
+    assert xc.get(toks, out) == len(toks) and np.array_equal(out, kv)
+    # Nothing to follow: a pull that misses says why at the first wait (the worker recomputes).
+    missing = list(range(20_000, 20_000 + 4 * 16))
+    with xc.pull_layers(xc.keys(missing), holder="pull-a", deadline_s=2.0) as p:
+        with pytest.raises(KVStoreError, match="NOT_FOUND"):
+            p.wait_layer(0)
+    for x in (xa, xc):
+        x.delete(x.keys(toks))
+        x.close()
+
     # On B's NVMe only (a prefix put, then pushed out of B's DRAM by 320 more blocks): B
     # promotes it within the pull's deadline and ships it.
     fourth = list(range(3000, 3064))
@@ -227,7 +263,7 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
                    ca2.namespace.root, b"".join(ca2.keys(third)))
     assert said.startswith("FAILED_PRECONDITION") and "epoch" in said, said
     prefix_c, prefix_a = net.nodes["pull-c"][0], net.nodes["pull-a"][0]
-    assert scraped_in(prefix_c, c.metrics_port, 'kvstore_cluster_pulls_total{result="ok"}') == 3
+    assert scraped_in(prefix_c, c.metrics_port, 'kvstore_cluster_pulls_total{result="ok"}') == 4
     assert scraped_in(prefix_a, a2.metrics_port, 'kvstore_cluster_pushes_total{result="fenced"}') == 1
     for x in (cb, cc, ca2):
         x.close()

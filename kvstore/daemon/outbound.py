@@ -95,7 +95,11 @@ class Outbound:
                         b.keep_digests(sums[i])
 
     def transfer(self, s: Session, keys: list[bytes], peer: str, deadline_s: float, pipelined: bool,
-                 lease_id: int) -> tuple[int, int, float]:
+                 lease_id: int, *, layer_major: bool = False) -> tuple[int, int, float]:
+        """Ship ``keys`` to ``peer``: pipelined (each layer as the writer of ``lease_id`` rings
+        for it), or committed blocks, block by block in runs of layers, or, with
+        ``layer_major``, layer 0 of every block, then layer 1... (a pull into a worker that
+        follows the receiver's doorbell). Returns (blocks, bytes, seconds)."""
         try:
             parse_peer(peer)
         except ValueError as e:
@@ -148,6 +152,11 @@ class Outbound:
                         self._wait_bell(bell, layer + 1, tx.deadline, lease_id)
                         tx.send_layer(layer, [buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk]
                                               for b in blocks])
+                elif layer_major:  # the receiver's doorbell counts layer l once every block has it
+                    for layer in range(lay.num_layers):
+                        for i, b in enumerate(blocks):
+                            tx.send(i, layer, buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk],
+                                    None if b.digests is None else b.digests[layer])
                 else:  # committed: a block's layers lie back to back in its slot; runs of them
                     k = run_layers(chunk, lay.num_layers)
                     for i, b in enumerate(blocks):

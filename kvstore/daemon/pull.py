@@ -149,20 +149,21 @@ class Pulls:
     def close(self) -> None:
         self.links.close()
 
-    def pull(self, s: Session, keys: list[bytes], holder: str, deadline_s: float) -> ppb.PullResponse:
+    def pull(self, s: Session, keys: list[bytes], holder: str, deadline_s: float,
+             layer_major: bool = False) -> ppb.PullResponse:
         t0 = time.monotonic()
         deadline = t0 + (deadline_s or self.cfg.timeout_s)
         with self.core.lock:
             have = leading(s.ns, keys)
         if have == len(keys):
             return ppb.PullResponse(blocks=have)
-        r = self._pull_from_peers(s, keys, have, holder, deadline)
+        r = self._pull_from_peers(s, keys, have, holder, deadline, layer_major)
         self.metrics.pulls.labels(result="ok" if r.pulled else "miss").inc()
         self.metrics.pull_latency.observe(time.monotonic() - t0)
         return r
 
     def _pull_from_peers(self, s: Session, keys: list[bytes], have: int, holder: str,
-                         deadline: float) -> ppb.PullResponse:
+                         deadline: float, layer_major: bool) -> ppb.PullResponse:
         def miss(why: str) -> ppb.PullResponse:
             return ppb.PullResponse(blocks=have, detail=why)
 
@@ -192,7 +193,8 @@ class Pulls:
                 why.append(f"{m.node_id}: offers no control listener or no transfer listener")
                 continue
             req = ppb.PushRequest(requester=self.membership.node_id, requester_epoch=me, holder_epoch=m.epoch,
-                                  namespace_id=s.ns.id, keys=b"".join(keys[got.blocks:]), deadline_s=left * 0.9)
+                                  namespace_id=s.ns.id, keys=b"".join(keys[got.blocks:]), deadline_s=left * 0.9,
+                                  layer_major=layer_major)
             try:
                 # The transfer's own deadline is a tenth earlier, so a late holder's
                 # transfer ends (and frees its slots here) before this call gives up.
@@ -275,7 +277,8 @@ class Pulls:
             raise KVError(Code.NOT_FOUND, "none of the leading blocks is here (evicted, or never here)" if not held else
                           "the leading blocks are on NVMe and could not be brought into DRAM within the deadline")
         try:
-            blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, deadline_s, False, 0)
+            blocks, nbytes, _ = self.outbound.transfer(s, keys[:n], m.transfer_addr, deadline_s, False, 0,
+                                                       layer_major=req.layer_major)
         except KVError:  # evicted between the look and the transfer (NOT_FOUND), or the wire failed
             self.metrics.pushes.labels(result="failed").inc()
             raise
@@ -310,7 +313,7 @@ class PeerService(peer_grpc.PeerServicer):
             keys = self.core.keys(req.keys)
         if not keys:
             raise invalid("keys: name the blocks to pull")
-        return self._on().pull(s, keys, req.holder, req.deadline_s)
+        return self._on().pull(s, keys, req.holder, req.deadline_s, req.layer_major)
 
     @rpc
     def Push(self, req, context):

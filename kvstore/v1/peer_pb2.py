@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\"J\n\x11PeerLookupRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"B\n\x12PeerLookupResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"S\n\x0bPullRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\"s\n\x0cPullResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x0e\n\x06pulled\x18\x02 \x01(\r\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x14\n\x0cholder_epoch\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"\x87\x01\n\x0bPushRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x17\n\x0frequester_epoch\x18\x02 \x01(\x04\x12\x14\n\x0cholder_epoch\x18\x03 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\x0c\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\"-\n\x0cPushResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x32\xc5\x01\n\x04Peer\x12\x39\n\x04Pull\x12\x17.kvstore.v1.PullRequest\x1a\x18.kvstore.v1.PullResponse\x12\x39\n\x04Push\x12\x17.kvstore.v1.PushRequest\x1a\x18.kvstore.v1.PushResponse\x12G\n\x06Lookup\x12\x1d.kvstore.v1.PeerLookupRequest\x1a\x1e.kvstore.v1.PeerLookupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\"J\n\x11PeerLookupRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"B\n\x12PeerLookupResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"h\n\x0bPullRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x13\n\x0blayer_major\x18\x05 \x01(\x08\"s\n\x0cPullResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x0e\n\x06pulled\x18\x02 \x01(\r\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x14\n\x0cholder_epoch\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"\x9c\x01\n\x0bPushRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x17\n\x0frequester_epoch\x18\x02 \x01(\x04\x12\x14\n\x0cholder_epoch\x18\x03 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\x0c\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\x12\x13\n\x0blayer_major\x18\x07 \x01(\x08\"-\n\x0cPushResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x32\xc5\x01\n\x04Peer\x12\x39\n\x04Pull\x12\x17.kvstore.v1.PullRequest\x1a\x18.kvstore.v1.PullResponse\x12\x39\n\x04Push\x12\x17.kvstore.v1.PushRequest\x1a\x18.kvstore.v1.PushResponse\x12G\n\x06Lookup\x12\x1d.kvstore.v1.PeerLookupRequest\x1a\x1e.kvstore.v1.PeerLookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERLOOKUPRESPONSE']._serialized_start=113
   _globals['_PEERLOOKUPRESPONSE']._serialized_end=179
   _globals['_PULLREQUEST']._serialized_start=181
-  _globals['_PULLREQUEST']._serialized_end=264
-  _globals['_PULLRESPONSE']._serialized_start=266
-  _globals['_PULLRESPONSE']._serialized_end=381
-  _globals['_PUSHREQUEST']._serialized_start=384
-  _globals['_PUSHREQUEST']._serialized_end=519
-  _globals['_PUSHRESPONSE']._serialized_start=521
-  _globals['_PUSHRESPONSE']._serialized_end=566
-  _globals['_PEER']._serialized_start=569
-  _globals['_PEER']._serialized_end=766
+  _globals['_PULLREQUEST']._serialized_end=285
+  _globals['_PULLRESPONSE']._serialized_start=287
+  _globals['_PULLRESPONSE']._serialized_end=402
+  _globals['_PUSHREQUEST']._serialized_start=405
+  _globals['_PUSHREQUEST']._serialized_end=561
+  _globals['_PUSHRESPONSE']._serialized_start=563
+  _globals['_PUSHRESPONSE']._serialized_end=608
+  _globals['_PEER']._serialized_start=611
+  _globals['_PEER']._serialized_end=808
 # @@protoc_insertion_point(module_scope)

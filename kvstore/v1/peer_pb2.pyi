@@ -25,16 +25,18 @@ class PeerLookupResponse(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "holder", "deadline_s")
+    __slots__ = ("session_id", "keys", "holder", "deadline_s", "layer_major")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MAJOR_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     holder: str
     deadline_s: float
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., holder: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    layer_major: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., holder: _Optional[str] = ..., deadline_s: _Optional[float] = ..., layer_major: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("blocks", "pulled", "holder", "holder_epoch", "bytes", "detail")
@@ -53,20 +55,22 @@ class PullResponse(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., pulled: _Optional[int] = ..., holder: _Optional[str] = ..., holder_epoch: _Optional[int] = ..., bytes: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("requester", "requester_epoch", "holder_epoch", "namespace_id", "keys", "deadline_s")
+    __slots__ = ("requester", "requester_epoch", "holder_epoch", "namespace_id", "keys", "deadline_s", "layer_major")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOLDER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MAJOR_FIELD_NUMBER: _ClassVar[int]
     requester: str
     requester_epoch: int
     holder_epoch: int
     namespace_id: bytes
     keys: bytes
     deadline_s: float
-    def __init__(self, requester: _Optional[str] = ..., requester_epoch: _Optional[int] = ..., holder_epoch: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    layer_major: bool
+    def __init__(self, requester: _Optional[str] = ..., requester_epoch: _Optional[int] = ..., holder_epoch: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., deadline_s: _Optional[float] = ..., layer_major: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("blocks", "bytes")
