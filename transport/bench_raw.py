@@ -85,31 +85,36 @@ def _eof() -> int:
     raise ConnectionError("raw TCP sender went away")
 
 
-def _sources(size: int) -> list[memoryview]:
-    """``SOURCES`` distinct source buffers, cycled like the transport benchmark's."""
-    return [memoryview(np.full(size, 7, dtype=np.uint8)) for _ in range(SOURCES)]
+def _sources(size: int, footprint: int = 0) -> list[memoryview]:
+    """Distinct source buffers the sender cycles through: ``SOURCES`` of them, as the transport
+    benchmark's sender does, or as many as cover ``footprint`` bytes. A sender measured against
+    a daemon, which reads each block from its DRAM arena once, passes the transfer's size: 4
+    sources of 4 MiB stay in this host's 32 MiB L3, the daemon's blocks do not."""
+    n = max(SOURCES, footprint // size)
+    whole = np.full(n * size, 7, dtype=np.uint8)  # one allocation, every page touched
+    return [memoryview(whole[i * size:(i + 1) * size]) for i in range(n)]
 
 
-def raw_tcp(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20) -> dict:
+def raw_tcp(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, src_bytes: int = 0) -> dict:
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_tcp_rx, args=(child, size, n, n_lat, ring_bytes), daemon=True)
     p.start()
     try:
         s = socket.create_connection(("127.0.0.1", parent.recv()))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        src = _sources(size)
+        src = _sources(size, src_bytes)
         for i in range(_WARM):
-            s.sendall(src[i % SOURCES])
+            s.sendall(src[i % len(src)])
         _, rx0 = parent.recv()
         t0, tx0 = _mark()
         for i in range(n):
-            s.sendall(src[i % SOURCES])
+            s.sendall(src[i % len(src)])
         t1, rx1 = parent.recv()
         seconds, tx_cpu = t1 - t0, time.process_time() - tx0
         lat = []
         for i in range(n_lat):
             t = time.monotonic()
-            s.sendall(src[i % SOURCES])
+            s.sendall(src[i % len(src)])
             lat.append(parent.recv()[0] - t)
         s.close()
         return _result(size * n, seconds, lat, tx_cpu, rx1 - rx0)
@@ -156,7 +161,8 @@ def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int) ->
     conn.recv()  # hold the endpoint until the sender is done
 
 
-def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, depth: int = 4) -> dict:
+def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, depth: int = 4,
+             src_bytes: int = 0) -> dict:
     api, Array = ucx_env.load()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_ucx_rx, args=(child, size, n, n_lat, depth, ring_bytes), daemon=True)
@@ -166,14 +172,14 @@ def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, dep
         w = api.UCXWorker(uctx)
         w.init_blocking_progress_mode()
         ep = api.UCXEndpoint.create(w, "127.0.0.1", parent.recv(), True)
-        src, tag = [Array(m) for m in _sources(size)], api.UCXXTag(1)
+        src, tag = [Array(m) for m in _sources(size, src_bytes)], api.UCXXTag(1)
         data = src[0]
         rx0 = 0.0
         for count in (_WARM, n):
             t0, tx0 = _mark()
             reqs = []
             for i in range(count):
-                reqs.append(ep.tag_send(src[i % SOURCES], tag))
+                reqs.append(ep.tag_send(src[i % len(src)], tag))
                 if len(reqs) >= depth:
                     _wait(w, [reqs.pop(0)])
             _wait(w, reqs)

@@ -145,3 +145,22 @@ def test_a_run_header_whose_digests_do_not_match_its_checksum_is_a_protocol_erro
         s.run_digests(run, pack_digests([sums[0], sums[1] ^ 1]))
     with pytest.raises(TransferError, match="came with 8 bytes of digests"):
         s.run_digests(run, pack_digests(sums[:1]))
+
+
+def test_a_chunk_repeated_before_its_first_copy_was_verified_is_a_protocol_error():
+    """A backend that verifies after reading the next header (UCX's pool) must still refuse a
+    chunk sent twice in a row: a repeat standing in for a chunk never sent would otherwise
+    bring END's count out right and commit a block with a layer that never arrived."""
+    keys, data = make_payload(46, blocks=1, layers=2, chunk=CHUNK)
+    sink = MemorySink(slot_bytes=CHUNK, n_slots=8)
+    s = InboundSession(TransferConfig(), sink, "test")
+    s.authenticated(Peer("", "test"))
+    header = TransferHeader(8, tuple(keys), 2, CHUNK, 5.0)
+    s.on_control(Frame(FrameType.BEGIN, 8, length=len(header.encode())), header.encode())
+    first = Frame(FrameType.CHUNK, 8, 0, 0, 0, CHUNK, checksum(data[0, 0]), keys[0])
+    s.chunk_buffer(first)  # landed, not yet verified
+    with pytest.raises(TransferError, match=re.escape("layer 0) sent twice")) as ei:
+        s.chunk_buffer(Frame(FrameType.CHUNK, 8, 1, 0, 0, CHUNK, checksum(data[0, 0]), keys[0]))
+    assert ei.value.status is TransferStatus.PROTOCOL_ERROR
+    s.fail(ei.value)
+    assert sink.reserved_slots == 0
