@@ -238,6 +238,7 @@ class Daemon:
         self.membership = None
         self.pulls = None
         self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
+        self.reporter: Reporter | None = None  # Stats and the gauges: built in _start, after the directory
         self.cluster_advisor = None
         self._threads: list[threading.Thread] = []
 
