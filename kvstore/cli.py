@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("rest", nargs=argparse.REMAINDER)
     pl.set_defaults(fn=_delegate(DELEGATED[("plan",)]))
 
-    cl = sub.add_parser("cluster", help="the fleet in etcd: members, epochs, lease TTL left, etcd health", add_help=False)
+    cl = sub.add_parser("cluster", help="the fleet: members, epochs, lease TTL left, etcd health, event stream lag, "
+                       "directory size", add_help=False)
     cl.add_argument("rest", nargs=argparse.REMAINDER)
     cl.set_defaults(fn=_delegate(DELEGATED[("cluster",)]))
 

@@ -4,13 +4,14 @@ closed by a snapshot, nodes that leave or come back under a new epoch forgotten.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
-from kvstore.cluster.directory import Directory, PrefixHit
-from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig, PeerStream
+from kvstore.cluster.directory import BYTES_PER_ENTRY, Directory, PrefixHit
+from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig, PeerStream, SyncState
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, stored_events
 from kvstore.tiers.base import TierKind
 from wait_util import wait_for
@@ -180,7 +181,8 @@ def test_peers_streams_build_the_directory_and_membership_prunes_it(peers):
 
 def test_a_lost_batch_is_replayed_and_nothing_is_rebuilt(peers):
     a, ma = peers["a"]
-    cd = LossyDirectory(DirectoryConfig(), lambda: [ma])
+    wall = time.time() + 100.0  # one instant: lags then compare only the batches' publish times
+    cd = LossyDirectory(DirectoryConfig(), lambda: [ma], wall=lambda: wall)
     c = client(a)
     ns = c.namespace.root
     try:
@@ -190,8 +192,17 @@ def test_a_lost_batch_is_replayed_and_nothing_is_rebuilt(peers):
         LossyStream.lose = {stream.expected}  # the next live batch never arrives
         lost = put(c, list(range(9100, 9100 + BT)))
         after = put(c, list(range(9200, 9200 + BT)))
+        # Behind the gap: what came after it is held back, and the lag is the last applied batch's.
+        drive(cd, lambda: stream.state is SyncState.REPLAY, "the gap seen")
+        (behind,) = cd.status()
+        assert behind["state"] == "replay" and behind["held_batches"] >= 1
+        assert behind["lag_s"] == round(wall - stream.applied_ts, 3)
         drive(cd, lambda: cd.longest_prefix(ns, lost) and cd.longest_prefix(ns, after), "the lost batch replayed")
         assert (stream.resyncs["replay"], stream.resyncs["snapshot"], stream.resyncs["dropped"]) == (1, 1, 0)
+        (caught_up,) = cd.status()
+        assert caught_up["held_batches"] == 0 and caught_up["lag_s"] < behind["lag_s"]
+        held = sum(ns.blocks_by_tier["dram"] for ns in c.stats().namespaces)  # every block A holds, one tier each
+        assert cd.size() == {"entries": held, "blocks": held, "approx_bytes": held * BYTES_PER_ENTRY}
     finally:
         LossyStream.lose = set()
         cd.stop()

@@ -2,9 +2,16 @@
 daemons on a real etcd, each publishing its KV events; C reads A's and B's streams into its
 directory. A advertises the namespace but lacks the chain, B holds it. Membership alone (every
 peer advertising the namespace, in node-id order) would ask A first; the directory sends the
-Push to B at once, and A is never asked."""
+Push to B at once, and A is never asked. The same fleet shows ``kvstore cluster``'s daemon part:
+C's streams from A and B (live, their entries), its directory's size, and A's lag growing
+once A is frozen."""
 
 from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +28,7 @@ from tests.wait_util import wait_for  # noqa: E402
 
 LAYOUT = KVLayout(4, 2, 64, "fp16")
 NAMES = ("dir-a", "dir-b", "dir-c")
+HEARTBEAT_S = 0.2  # an idle publisher's empty batch: a live stream's lag stays about under it
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +43,19 @@ def spec(etcd, pki, name):
                 "--server-tls-cert-file", str(pki / f"{name}.crt"), "--server-tls-key-file", str(pki / f"{name}.key"),
                 "--server-tls-client-ca-file", str(pki / "ca.crt"), "--transport-timeout-s", "5",
                 "--events-publish", f"tcp://127.0.0.1:{free_port()}", "--events-replay", f"tcp://127.0.0.1:{free_port()}",
-                transfer_addr=f"127.0.0.1:{free_port()}")
+                "--events-heartbeat-s", str(HEARTBEAT_S), transfer_addr=f"127.0.0.1:{free_port()}")
 
 
 def kv(tokens, seed):
     return np.random.default_rng(seed).standard_normal(LAYOUT.tensor_shape(len(tokens))).astype(np.float16)
 
 
-def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd, tmp_path):
+def streams(client) -> dict[str, object]:
+    """The daemon's peer streams from its Stats, by node id."""
+    return {s.node_id: s for s in client.stats().streams}
+
+
+def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd, tmp_path, capsys):
     pki = fleet_certificates(tmp_path / "pki", NAMES)
     a, b, c = daemons.start(*(spec(etcd, pki, n) for n in NAMES))
     ca_, cb, cc = (KVStoreClient(d.socket_path, timeout_s=10) for d in (a, b, c))
@@ -64,3 +77,37 @@ def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd
     assert pull(c, cc, nowhere).pulled == 0
     assert scraped(a, 'kvstore_cluster_pushes_total{result="missing"}') == 0
     assert scraped(b, 'kvstore_cluster_pushes_total{result="missing"}') == 0
+
+    # `kvstore cluster --json` with C's socket: C reads A's and B's streams, live, with the
+    # blocks each stored (A's 4, B's 4: the chain C pulled is C's own, never in its directory).
+    wait_for(lambda: {n: (s.entries, s.state) for n, s in streams(cc).items()} == {"dir-a": (4, 0), "dir-b": (4, 0)},
+             what="C's directory holds A's and B's blocks")
+    out = subprocess.run([sys.executable, "-m", "kvstore", "cluster", "--etcd-endpoints", etcd.endpoint,
+                          "--socket", c.socket_path, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    assert {m["node_id"] for m in view["members"]} == set(NAMES)
+    got = {s["node_id"]: s for s in view["daemon"]["streams"]}
+    assert {n: (s["state"], s["entries"], s["held_batches"]) for n, s in got.items()} == \
+        {"dir-a": ("live", 4, 0), "dir-b": ("live", 4, 0)}
+    assert all(s["lag_s"] is not None and s["batches"] > 0 and s["snapshots"] == 1 for s in got.values())
+    assert view["daemon"]["directory"]["entries"] == 8 and view["daemon"]["directory"]["blocks"] == 8
+    assert view["daemon"]["directory"]["approx_bytes"] > 0
+    assert scraped(c, "kvstore_cluster_directory_entries") == 8
+    # A frozen: no heartbeat comes, so its lag grows past several heartbeats while B's stays
+    # short, until A's lease runs out and C drops its stream.
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        lagging = wait_for(lambda: (st := streams(cc)).get("dir-a") and st["dir-a"].lag_s > 5 * HEARTBEAT_S and st,
+                           what="A's lag past 5 heartbeats")
+        assert lagging["dir-b"].lag_s < lagging["dir-a"].lag_s
+        assert scraped(c, 'kvstore_cluster_stream_lag_seconds{peer="dir-a"}') > 0
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    # No daemon on the socket: the etcd part still answers, and one line says what is missing.
+    from kvstore.cluster.cli import main
+
+    capsys.readouterr()
+    assert main(["--etcd-endpoints", etcd.endpoint, "--socket", str(tmp_path / "none.sock")]) == 0
+    text = capsys.readouterr().out
+    assert "dir-b" in text and f"daemon at {tmp_path / 'none.sock'}: no answer (UNAVAILABLE" in text

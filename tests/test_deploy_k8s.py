@@ -220,7 +220,9 @@ HELM_VARIANTS = {
                                                      "limits": {"cpu": "4", "memory": "40Gi"}},
         "hbm": {"capacity": "16GiB", "device": "0", "exposeAllGpus": True},
         "transport": {"backend": "ucx", "port": 17470, "ucxProgress": "polling", "accept": "node-1=m1,m2;*=m3"},
-        "control": {"tls": {"enabled": True, "port": 17471, "secretName": "kvstore-tls", "mutual": True,
+        "control": {"tls": {"enabled": True, "port": 17471, "certMode": "csi", "mutual": True,
+                            "csi": {"issuerName": "kvstore-fleet-ca", "issuerKind": "ClusterIssuer",
+                                    "extraDnsNames": "${POD_NAME}.${POD_NAMESPACE}"},
                             "tokenSecret": {"name": "kvstore-token", "key": "token"}}},
         "metrics": {"port": 19464},
         "hugepages": {"enabled": True, "pageSize": "2Mi", "amount": "4Gi"},
@@ -233,6 +235,10 @@ HELM_VARIANTS = {
     "minimal": ({"nvme": {"enabled": False}, "serviceMonitor": {"enabled": False},
                  "prometheusRule": {"enabled": False}, "transport": {"allowUnauthenticated": True}}, "kvstore"),
     "nvme-local-pv": ({"nvme": {"volume": {"persistentVolumeClaim": {"claimName": "kvstore-nvme"}}}}, "kvstore"),
+    # One shared certificate: remote clients, and a fleet on etcd without pulls (mutual off).
+    "tls-shared-secret": ({"control": {"tls": {"enabled": True, "secretName": "kvstore-tls", "mutual": True}}}, "kvstore"),
+    "fleet-without-pulls": ({"cluster": {"etcdEndpoints": "etcd:2379"},
+                             "control": {"tls": {"enabled": True, "secretName": "kvstore-tls"}}}, "kvstore"),
 }
 
 
@@ -252,7 +258,9 @@ def test_chart_metadata_and_values_schema():
     for name, (values, _) in HELM_VARIANTS.items():
         jsonschema.validate(c.values(values), schema)
     for bad in ({"dram": {"capacity": 1000000}}, {"transport": {"backend": "rdma"}}, {"typo": 1},
-                {"control": {"tls": {"enabled": True}}}, {"nvme": {"highWatermark": 1.5}}):
+                {"control": {"tls": {"enabled": True}}}, {"nvme": {"highWatermark": 1.5}},
+                {"control": {"tls": {"enabled": True, "certMode": "csi"}}}, {"control": {"tls": {"certMode": "spiffe"}}},
+                {"control": {"tls": {"csi": {"issuerKind": "Vault"}}}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(c.values(bad), schema)
 
@@ -274,6 +282,69 @@ def test_chart_renders_and_validates(variant, tmp_path):
     if not v["nvme"]["enabled"]:
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
         assert tomllib.loads(cm["data"]["kvstore.toml"])["nvme"]["dir"] == ""
+
+
+def _pod(values: dict) -> tuple[dict, dict, dict]:
+    """(pod spec, the kvstore container's env by name, volumes by name) of the chart rendered with ``values``."""
+    docs = minihelm.manifests(minihelm.Chart(CHART).render(values))
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (main,) = [c for c in spec["containers"] if c["name"] == "kvstore"]
+    return spec, {e["name"]: e for e in main["env"]}, {v["name"]: v for v in spec["volumes"]}
+
+
+def test_chart_csi_certificates_name_the_node_id_the_daemon_registers_under():
+    """With certMode csi each pod's certificate (cert-manager's csi-driver) has CN and a DNS SAN
+    ``${POD_NAME}``, and the daemon's node id is ``$(POD_NAME)`` from the pod's own name: the
+    name a holder checks a Push's requester against (kvstore/daemon/pull.py check_caller)."""
+    values, _ = HELM_VARIANTS["everything-on"]
+    spec, env, volumes = _pod(values)
+    attrs = volumes["tls"]["csi"]["volumeAttributes"]
+    assert volumes["tls"]["csi"]["driver"] == "csi.cert-manager.io" and "secret" not in volumes["tls"]
+    assert attrs["csi.cert-manager.io/issuer-name"] == "kvstore-fleet-ca"
+    assert attrs["csi.cert-manager.io/issuer-kind"] == "ClusterIssuer"
+    assert attrs["csi.cert-manager.io/common-name"] == "${POD_NAME}"
+    assert attrs["csi.cert-manager.io/dns-names"].split(",") == ["${POD_NAME}", "${POD_NAME}.${POD_NAMESPACE}"]
+    assert {"server auth", "client auth"} <= set(attrs["csi.cert-manager.io/key-usages"].split(","))
+    assert attrs["csi.cert-manager.io/fs-group"] == str(spec["securityContext"]["fsGroup"])
+    # csi-driver's ${POD_NAME} is the pod's metadata.name; so is the daemon's node id.
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["KVSTORE_CLUSTER_NODE_ID"]["value"] == "$(POD_NAME)"
+    assert env["KVSTORE_TRANSPORT_NODE_NAME"]["value"] == "$(NODE_NAME)"  # transport.accept still names nodes
+    # Without csi the node id stays the node name, and the certificate a Secret.
+    _, env, volumes = _pod(HELM_VARIANTS["fleet-without-pulls"][0])
+    assert env["KVSTORE_CLUSTER_NODE_ID"]["value"] == "$(NODE_NAME)" and "POD_NAME" not in env
+    assert volumes["tls"]["secret"]["secretName"] == "kvstore-tls"
+
+
+def test_chart_refuses_pulls_with_one_shared_certificate(tmp_path):
+    """etcd + mutual TLS (what pulls need) with the shared Secret fails at render time, saying
+    what to set; helm's own `fail` when helm is on PATH."""
+    values = {"cluster": {"etcdEndpoints": "etcd:2379"},
+              "control": {"tls": {"enabled": True, "secretName": "kvstore-tls", "mutual": True}}}
+    with pytest.raises(minihelm.TemplateError, match="control.tls.certMode=csi") as e:
+        minihelm.Chart(CHART).render(values)
+    assert "PERMISSION_DENIED" in str(e.value)
+    with pytest.raises(minihelm.TemplateError, match="control.tls.csi.issuerName is required"):
+        minihelm.Chart(CHART).render({"control": {"tls": {"enabled": True, "certMode": "csi"}}})
+    if shutil.which("helm"):
+        vf = tmp_path / "values.yaml"
+        vf.write_text(yaml.safe_dump(values))
+        out = subprocess.run(["helm", "template", "kvstore", str(CHART), "-f", str(vf), "--kube-version", KUBE_VERSION],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "control.tls.certMode=csi" in out.stderr
+
+
+@pytest.mark.parametrize("doc", ["cluster.md", "deploy.md"])
+def test_the_fleet_values_in_the_docs_render(doc, tmp_path):
+    """The per-pod certificate values users paste from the docs pass the schema and render."""
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / doc).read_text(), re.S) if "certMode: csi" in b]
+    assert blocks, f"docs/{doc} shows no fleet values"
+    for b in blocks:
+        values = yaml.safe_load(b)
+        chart = minihelm.Chart(CHART)
+        jsonschema.validate(chart.values(values), chart_values_schema())
+        check_objects(minihelm.manifests(chart.render(values)), tmp_path)
 
 
 KUBE_VERSION = "1.30.0"  # within Chart.yaml's kubeVersion; older helm defaults to 1.20

@@ -10,7 +10,7 @@ everything else, so a template that leaves the subset fails loudly instead of re
 - pipelines with ``|`` and parentheses; operands ``.``, ``$``, ``.a.b``, ``$.a.b``, strings,
   numbers, ``true`` / ``false``;
 - functions: include, toYaml, indent, nindent, quote, default, printf (``%s`` of strings and
-  ``%v``), print, trunc, trimSuffix, eq, ne, not, and, or, sha256sum, required, and the method
+  ``%v``), print, trunc, trimSuffix, eq, ne, not, and, or, sha256sum, required, fail, and the method
   ``.Files.Get``.
 
 Helm's semantics are kept where they bite: numbers from values are float64, so ``{{ 1000000 }}``
@@ -267,6 +267,10 @@ def _required(msg, v=None):
     return v
 
 
+def _fail(msg):
+    raise TemplateError(f"execution error: {msg}")  # helm template's "Error: execution error at (...): msg"
+
+
 def _trunc(n, s):
     n = int(n)
     return s[:n] if n >= 0 else s[n:]
@@ -294,6 +298,7 @@ _FUNCS = {
     "or": lambda *vs: next((v for v in vs if truth(v)), vs[-1]),
     "sha256sum": lambda s: hashlib.sha256(s.encode()).hexdigest(),
     "required": _required,
+    "fail": _fail,
 }
 
 

@@ -32,6 +32,9 @@ _MEDIUM_BIT = {m: _BIT[t] for m, t in TIER_OF_MEDIUM.items()}
 _BEST = [next((r for r, t in enumerate(_SPEED) if bits & _BIT[t]), 0) for bits in range(1 << (max(_SPEED) + 1))]
 TUPLE_MAX = 8  # holders kept as a tuple; more as a set
 DEFAULT_LIMIT = 8  # nodes a lookup answers with
+# Memory per (node, block) entry, both dicts' share: 133-146 bytes measured with tracemalloc by
+# `kvstore bench cluster-sim` (docs/cluster.md); ops' size estimate, not a measurement.
+BYTES_PER_ENTRY = 140
 
 
 class PrefixHit(NamedTuple):

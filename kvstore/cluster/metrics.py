@@ -31,6 +31,15 @@ class ClusterMetrics:
                                     "(moving average, pulls' bytes over their time less a round trip)", ["peer"], registry=r)
         self.link_rtt = Gauge("kvstore_cluster_link_rtt_seconds", "A peer link's control round trip (moving average)",
                               ["peer"], registry=r)
+        self.stream_lag = Gauge("kvstore_cluster_stream_lag_seconds", "A peer's KV event stream: this node's wall "
+                                "clock less the publish time of the newest batch applied (heartbeats included; "
+                                "clock skew included)", ["peer"], registry=r)
+        self.stream_held = Gauge("kvstore_cluster_stream_held_batches", "A peer's KV event batches received but not "
+                                 "applied yet (behind a gap, a replay or a snapshot)", ["peer"], registry=r)
+        self.directory_entries = Gauge("kvstore_cluster_directory_entries", "(node, block) entries in the cluster "
+                                       "prefix directory, over every peer", registry=r)
+        self.directory_blocks = Gauge("kvstore_cluster_directory_blocks", "Distinct blocks in the cluster prefix "
+                                      "directory", registry=r)
         self.advice = Counter("kvstore_cluster_advice", "Lookup's advice in a cluster: load, pull, recompute",
                               ["advice"], registry=r)
         for advice in ("load", "pull", "recompute"):

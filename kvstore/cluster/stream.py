@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Callable, Iterable, Protocol
 
 from kvstore import kv_events as ev
-from kvstore.cluster.directory import Directory, Node, PrefixHit
+from kvstore.cluster.directory import BYTES_PER_ENTRY, Directory, Node, PrefixHit
 
 log = logging.getLogger("kvstore.cluster")
 HELD_BACK_MAX = 100_000  # live batches kept while a replay or snapshot is under way
@@ -83,7 +83,8 @@ class PeerStream:
         self.asked_at = 0.0
         self.applied = 0  # batches applied
         self.resyncs = {"replay": 0, "snapshot": 0, "dropped": 0}
-        self.last_batch_at = 0.0
+        self.last_batch_at = 0.0  # this clock's time the last live batch arrived (applied or not)
+        self.applied_ts: float | None = None  # the publisher's ``ts`` of the newest batch applied (its wall clock)
         if member.replay_addr:
             self._ask_snapshot()
 
@@ -192,6 +193,7 @@ class PeerStream:
                 for b in batches:
                     self.dir.apply(self.node, b.events)
             self.expected = answer[0][0]
+            self.applied_ts = batches[-1].ts
         self.state = SyncState.LIVE
         self._drain()
 
@@ -228,6 +230,7 @@ class PeerStream:
                 self.dir.apply(self.node, batch.events)
             self.expected += 1
             self.applied += 1
+            self.applied_ts = batch.ts
             i += 1
         held.clear()
 
@@ -248,12 +251,15 @@ class ClusterDirectory:
     stream_cls = PeerStream  # one peer's stream (a test subclass may lose batches)
 
     def __init__(self, cfg: DirectoryConfig, members: Callable[[], Iterable[Member]], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        """``clock`` times deadlines and ages; ``wall`` is compared with the publishers' batch
+        timestamps (their ``time.time()``) for each stream's lag."""
         import zmq  # the [events] extra
 
         self.cfg = cfg
         self.members = members
         self.clock = clock
+        self.wall = wall
         self.lock = threading.Lock()
         self.directory = Directory()
         self.streams: dict[str, PeerStream] = {}
@@ -282,12 +288,26 @@ class ClusterDirectory:
             return self.directory.longest_prefix(namespace, chain_hashes)
 
     def status(self) -> list[dict]:
-        """Per peer: epoch, sync state, next batch number, entries, resyncs (for ops)."""
+        """Per peer: epoch, sync state, next batch number, entries, batches applied, resyncs,
+        and how far behind it is (for ops): ``lag_s`` is this node's wall clock less the
+        publish time of the newest batch applied (heartbeats and snapshots count; None before
+        the first), ``held_batches`` the batches received but not applied yet (behind a gap, a
+        replay or a snapshot). An idle peer heartbeats every ``events.heartbeat_s``, so a live
+        stream's lag stays under about that; the two clocks' skew is in it too."""
+        now, wall = self.clock(), self.wall()
         with self.lock:
             return [{"node_id": s.member.node_id, "epoch": s.member.epoch, "state": s.state.value,
                      "next_seq": s.expected, "entries": len(s.node.held), "batches": s.applied,
-                     "last_batch_age_s": round(self.clock() - s.last_batch_at, 3) if s.last_batch_at else None,
-                     **s.resyncs} for s in self.streams.values()]
+                     "last_batch_age_s": round(now - s.last_batch_at, 3) if s.last_batch_at else None,
+                     "lag_s": round(wall - s.applied_ts, 3) if s.applied_ts is not None else None,
+                     "held_batches": len(s.held), **s.resyncs} for s in self.streams.values()]
+
+    def size(self) -> dict:
+        """``entries`` ((node, block) pairs), ``blocks`` (distinct keys) and ``approx_bytes``
+        (entries at the measured :data:`~kvstore.cluster.directory.BYTES_PER_ENTRY`)."""
+        with self.lock:
+            entries, blocks = self.directory.entries(), self.directory.blocks()
+        return {"entries": entries, "blocks": blocks, "approx_bytes": entries * BYTES_PER_ENTRY}
 
     # --- the thread -------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -226,8 +226,7 @@ class Daemon:
                 self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
             self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
             self.link_meter = LinkMeter(cfg.cluster, self.cluster_metrics) if cfg.cluster.etcd_endpoints else None
-            self.reporter = Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
-                                     nvme_wanted=bool(cfg.nvme.dir), nvme_error=nvme_error, links=self.link_meter)
+            self.nvme_error = nvme_error
             self.handout = ArenaHandout(self.arena_socket, cfg.server, self.arena, self.core, self.hbm_cache)
         except BaseException:  # a part that opened (NVMe's lock and LMDB, the pinned arena) is let go
             self._close_tiers()
@@ -239,6 +238,7 @@ class Daemon:
         self.membership = None
         self.pulls = None
         self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
+        self.reporter: Reporter | None = None  # Stats and the gauges: built in _start, after the directory
         self.cluster_advisor = None
         self._threads: list[threading.Thread] = []
 
@@ -367,6 +367,7 @@ class Daemon:
             self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.membership = self._membership()
         peer = self._peer_service()
+        self.reporter = self._reporter()  # after the peer service, which builds the prefix directory
         service = self._service()  # after the peer service: its Lookup asks peers through it
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -468,6 +469,16 @@ class Daemon:
             return AdvertisedHolders(self.membership)
         self.directory = ClusterDirectory(DirectoryConfig(self_id=self.membership.node_id), self.membership.peers)
         return DirectoryHolders(self.directory, self.membership)
+
+    def _reporter(self) -> Reporter:
+        directory = None
+        if self.directory is not None:
+            from kvstore.cluster.report import DirectoryReport
+
+            directory = DirectoryReport(self.directory, self.cluster_metrics)
+        return Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
+                        nvme_wanted=bool(self.cfg.nvme.dir), nvme_error=self.nvme_error, links=self.link_meter,
+                        directory=directory)
 
     def _peer_service(self):
         """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no

@@ -17,7 +17,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 class Reporter:
     def __init__(self, core: Core, *, metrics: Metrics, policy: LoadPolicy, hbm=None, nvme=None,
-                 nvme_wanted: bool = False, nvme_error: str = "", links=None) -> None:
+                 nvme_wanted: bool = False, nvme_error: str = "", links=None, directory=None) -> None:
         self.core = core
         self.metrics = metrics
         self.policy = policy
@@ -26,6 +26,7 @@ class Reporter:
         self.nvme_wanted = nvme_wanted  # nvme.dir is set (a missing tier is then reported, disabled)
         self.nvme_error = nvme_error  # why the NVMe tier could not start
         self.links = links  # kvstore.daemon.remote.LinkMeter in a cluster, else None
+        self.directory = directory  # kvstore.cluster.report.DirectoryReport with a prefix directory, else None
         self.started = time.monotonic()
 
     @property
@@ -63,6 +64,8 @@ class Reporter:
         m.hbm_emulated.set(1 if self.hbm_emulated else 0)
         for path, est in self.policy.bandwidth.snapshot().items():
             m.tier_bandwidth.labels(path=path).set(est.bytes_per_s)
+        if self.directory is not None:
+            self.directory.refresh_gauges()
 
     def stats_pb(self) -> pb.StatsResponse:
         core = self.core
@@ -82,12 +85,16 @@ class Reporter:
                 for sample in metric.samples:
                     if sample.name.endswith("_total"):
                         counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
-        return pb.StatsResponse(
+        resp = pb.StatsResponse(
             version=__version__, uptime_s=time.monotonic() - self.started, hbm_emulated=self.hbm_emulated,
             tiers=[pb.TierStats(tier=int(t.kind), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
                                 blocks=t.blocks, emulated=t.emulated, enabled=t.enabled,
                                 detail=json.dumps(t.extra) if t.extra else "") for t in tiers],
             namespaces=nss, counters=counters, links=self.links.links_pb() if self.links is not None else ())
+        if self.directory is not None:
+            resp.streams.extend(self.directory.streams_pb())
+            resp.directory.CopyFrom(self.directory.size_pb())
+        return resp
 
 
 def _ns_usage(st: NsState) -> dict[str, tuple[int, int]]:

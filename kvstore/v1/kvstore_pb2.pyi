@@ -41,6 +41,12 @@ class PrefetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFETCH_PARTIAL: _ClassVar[PrefetchState]
     PREFETCH_FAILED: _ClassVar[PrefetchState]
 
+class StreamState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_LIVE: _ClassVar[StreamState]
+    STREAM_SNAPSHOT: _ClassVar[StreamState]
+    STREAM_REPLAY: _ClassVar[StreamState]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_RUNNING: _ClassVar[TransferState]
@@ -66,6 +72,9 @@ PREFETCH_RUNNING: PrefetchState
 PREFETCH_DONE: PrefetchState
 PREFETCH_PARTIAL: PrefetchState
 PREFETCH_FAILED: PrefetchState
+STREAM_LIVE: StreamState
+STREAM_SNAPSHOT: StreamState
+STREAM_REPLAY: StreamState
 TRANSFER_RUNNING: TransferState
 TRANSFER_DONE: TransferState
 TRANSFER_FAILED: TransferState
@@ -418,7 +427,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., blocks_by_tier: _Optional[_Mapping[str, int]] = ..., bytes_by_tier: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "namespaces", "counters", "hbm_emulated", "links")
+    __slots__ = ("version", "uptime_s", "tiers", "namespaces", "counters", "hbm_emulated", "links", "streams", "directory")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +442,8 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     HBM_EMULATED_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -440,7 +451,47 @@ class StatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, float]
     hbm_emulated: bool
     links: _containers.RepeatedCompositeFieldContainer[PeerLink]
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., hbm_emulated: _Optional[bool] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ...) -> None: ...
+    streams: _containers.RepeatedCompositeFieldContainer[EventStream]
+    directory: DirectorySize
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., hbm_emulated: _Optional[bool] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[EventStream, _Mapping]]] = ..., directory: _Optional[_Union[DirectorySize, _Mapping]] = ...) -> None: ...
+
+class EventStream(_message.Message):
+    __slots__ = ("node_id", "epoch", "state", "next_seq", "entries", "batches", "last_batch_age_s", "lag_s", "held_batches", "replays", "snapshots", "drops")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_BATCH_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    state: StreamState
+    next_seq: int
+    entries: int
+    batches: int
+    last_batch_age_s: float
+    lag_s: float
+    held_batches: int
+    replays: int
+    snapshots: int
+    drops: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., next_seq: _Optional[int] = ..., entries: _Optional[int] = ..., batches: _Optional[int] = ..., last_batch_age_s: _Optional[float] = ..., lag_s: _Optional[float] = ..., held_batches: _Optional[int] = ..., replays: _Optional[int] = ..., snapshots: _Optional[int] = ..., drops: _Optional[int] = ...) -> None: ...
+
+class DirectorySize(_message.Message):
+    __slots__ = ("entries", "blocks", "approx_bytes")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    APPROX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    blocks: int
+    approx_bytes: int
+    def __init__(self, entries: _Optional[int] = ..., blocks: _Optional[int] = ..., approx_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "bytes_per_s", "rtt_s", "pulls", "round_trips")
