@@ -105,17 +105,22 @@ class PeerLinks:
                 self._creds = grpc.composite_channel_credentials(
                     self._creds, grpc.access_token_call_credentials(s.auth_token))
         self._lock = threading.Lock()
-        self._stubs: dict[str, tuple[grpc.Channel, peer_grpc.PeerStub]] = {}
+        self._stubs: dict[tuple[str, str], tuple[grpc.Channel, peer_grpc.PeerStub]] = {}
         self.closed = False
 
-    def stub(self, addr: str) -> peer_grpc.PeerStub:
+    def stub(self, addr: str, node_id: str = "") -> peer_grpc.PeerStub:
+        """A stub for the peer at ``addr``. With ``node_id`` the peer's server certificate
+        must name that node id (CN or DNS SAN) rather than ``addr``: a pod's certificate cannot
+        name the IP it is given after its volumes are mounted (cert-manager's csi-driver), and a
+        certificate naming the node proves more than one naming an address."""
         with self._lock:
             if self.closed:  # a pull still running while the daemon stops: no new channel
                 raise KVError(Code.UNAVAILABLE, "this daemon is stopping")
-            got = self._stubs.get(addr)
+            got = self._stubs.get((addr, node_id))
             if got is None:
-                ch = grpc.secure_channel(addr, self._creds)
-                got = self._stubs[addr] = (ch, peer_grpc.PeerStub(ch))
+                opts = [("grpc.ssl_target_name_override", node_id)] if node_id else []
+                ch = grpc.secure_channel(addr, self._creds, options=opts)
+                got = self._stubs[(addr, node_id)] = (ch, peer_grpc.PeerStub(ch))
             return got[1]
 
     def close(self) -> None:
@@ -199,7 +204,7 @@ class Pulls:
                 # The transfer's own deadline is a tenth earlier, so a late holder's
                 # transfer ends (and frees its slots here) before this call gives up.
                 t_push = time.monotonic()
-                r = self.links.stub(addr).Push(req, timeout=left)
+                r = self.links.stub(addr, m.node_id).Push(req, timeout=left)
             except grpc.RpcError as e:
                 why.append(f"{m.node_id}@{m.epoch}: {e.code().name}: {e.details()}")
                 continue

@@ -111,7 +111,7 @@ class AskedRemoteHits:
             if not addr or not m.transfer_addr:
                 continue
             try:
-                fut = self.links.stub(addr).Lookup.future(req, timeout=timeout)
+                fut = self.links.stub(addr, m.node_id).Lookup.future(req, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - a stopping daemon, a bad address: no hit from it
                 log.debug("peer lookup of %s not sent: %s", m.node_id, e)
                 continue
