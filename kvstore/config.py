@@ -36,6 +36,8 @@ MOVED = {("nvme", "high_watermark"): ("dram", "demote_high_watermark"),
 
 
 GB = 10**9
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108, with its NUL)
+ARENA_SUFFIX = ".arena"  # the arena handout's socket: server.socket_path + this
 _SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.I)
 # KiB = 2^10 bytes, KB = 10^3; a lone k/m/g/t (as in "4g") is binary.
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": GB, "tb": 1000**4,
@@ -221,6 +223,9 @@ class Config:
     def validate(self) -> "Config":
         s, d = self.server, self.dram
         _check(s.grpc_workers >= 1, "server.grpc_workers", "must be >= 1")
+        longest = len(os.fsencode(self.resolved_socket_path() + ARENA_SUFFIX))  # the arena's socket beside it
+        _check(longest <= UNIX_PATH_MAX, "server.socket_path", f"{self.resolved_socket_path()!r}: too long for a unix "
+               f"socket ({longest} bytes with its {ARENA_SUFFIX!r} twin, at most {UNIX_PATH_MAX}); choose a shorter path")
         _check(1 <= s.max_keys_per_request <= 1 << 22, "server.max_keys_per_request", "must be in [1, 4194304]")
         _check(s.lease_ttl_s > 0, "server.lease_ttl_s", "must be > 0 seconds")
         # Below a second an idle client's keep-alive (every third of the TTL) would have to win

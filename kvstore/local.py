@@ -3,17 +3,23 @@
 ``start_daemon(workdir, "name", *flags)`` runs ``python -m kvstore serve`` on a unix socket in
 ``workdir`` (metrics off, log in ``workdir/<name>.log``) and returns once it answers its health
 check; ``LocalDaemon.stop()`` sends SIGTERM (a graceful shutdown) and returns the exit status.
+A ``workdir`` too deep for a unix socket's path gets its sockets in a private directory under
+the system's temporary directory instead (removed at stop).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvstore.config import ARENA_SUFFIX, UNIX_PATH_MAX
 
 
 @dataclass
@@ -21,6 +27,7 @@ class LocalDaemon:
     proc: subprocess.Popen
     socket_path: str
     log_path: Path
+    socket_dir: str | None = None  # a private directory of its own for the sockets, removed at stop
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, wait up to ``timeout_s`` (then SIGKILL); the exit status."""
@@ -31,6 +38,8 @@ class LocalDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.proc.returncode
 
 
@@ -63,10 +72,18 @@ def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float =
     is not serving within ``timeout_s``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    sock = str(workdir / f"{name}.sock")
+    sock, sock_dir = str(workdir / f"{name}.sock"), None
+    if len(os.fsencode(sock + ARENA_SUFFIX)) > UNIX_PATH_MAX:
+        sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # 0700
+        sock = os.path.join(sock_dir, f"{name}.sock")
     log_path = workdir / f"{name}.log"
     args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock, "--metrics-port", "0", *flags]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wait_serving(sock, proc, log_path, timeout_s)
-    return LocalDaemon(proc, sock, log_path)
+    try:
+        wait_serving(sock, proc, log_path, timeout_s)
+    except BaseException:
+        if sock_dir is not None:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
+    return LocalDaemon(proc, sock, log_path, sock_dir)

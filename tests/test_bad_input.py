@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.local import start_daemon
 from kvstore.v1 import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(4, 2, 64, "fp16")
@@ -154,7 +155,8 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
                       (["--transport-backend", "carrier-pigeon"], "transport.backend"),
                       (["--transport-ucx-progress", "spin"], "transport.ucx_progress"),
                       (["--transport-verify-threads", "-2"], "transport.verify_threads"),
-                      (["--server-tcp-listen", "0.0.0.0:7000"], "requires TLS")):
+                      (["--server-tcp-listen", "0.0.0.0:7000"], "requires TLS"),
+                      (["--server-socket-path", f"{tmp_path}/{'s' * 100}.sock"], "too long for a unix socket")):
         p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--server-socket-path", str(sock), *args],
                            capture_output=True, text=True, timeout=30)
         assert p.returncode == 2, p.stderr
@@ -167,6 +169,21 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
     env = {**os.environ, "KVSTORE_METRICS_PORT": "99999"}
     p = subprocess.run([sys.executable, "-m", "kvstore", "serve"], capture_output=True, text=True, timeout=30, env=env)
     assert p.returncode == 2 and "metrics.port" in p.stderr
+
+
+def test_a_local_daemon_in_a_directory_too_deep_for_a_socket_path_still_starts(tmp_path):
+    """``kvstore.local.start_daemon`` (the benchmarks' daemons, ``--dir`` anywhere): a work
+    directory whose socket path would pass the 107-byte limit gets its sockets in a private
+    directory of their own, removed at stop; the log stays in the work directory."""
+    deep = tmp_path / ("d" * 100)
+    d = start_daemon(deep, "deep", "--dram-capacity-bytes", "16MiB", "--dram-extent-bytes", "4MiB", "--dram-prefault", "false")
+    try:
+        sock_dir = os.path.dirname(d.socket_path)
+        assert not d.socket_path.startswith(str(deep)) and os.stat(sock_dir).st_mode & 0o777 == 0o700
+        assert KVStoreClient(d.socket_path).stats().version
+    finally:
+        assert d.stop() == 0
+    assert not os.path.exists(sock_dir) and (deep / "deep.log").exists()
 
 
 def test_prefetch_into_an_unknown_tier(setup):

@@ -34,7 +34,7 @@ from kvstore import __version__
 from kvstore import doorbell
 from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.daemon.advice import Advisor
-from kvstore.config import Config
+from kvstore.config import ARENA_SUFFIX, Config
 from kvstore.daemon.core import Core, CoreConfig, TierCopies
 from kvstore.daemon.handout import ArenaHandout
 from kvstore.daemon.metrics import Metrics
@@ -188,7 +188,7 @@ class Daemon:
         self.metrics = Metrics()
         self.cluster_metrics = ClusterMetrics(self.metrics.registry)
         self.socket_path = cfg.resolved_socket_path()
-        self.arena_socket = self.socket_path + ".arena"
+        self.arena_socket = self.socket_path + ARENA_SUFFIX
         self.stopping = threading.Event()
         # Every path and port conflict before the arena: building it can take minutes.
         _prepare_socket_path(self.socket_path)
