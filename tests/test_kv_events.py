@@ -228,6 +228,18 @@ def test_blocks_that_arrive_by_transfer_carry_the_senders_token_ids(pair):
     e = cpu_store(b, keys[2])
     assert e.block_hashes == keys[2:] and e.parent_block_hash == keys[1] and e.token_ids == tokens[2 * BT:]
     assert e.extra_keys == [("tenant-t",)] * 3
+    # Pipelined (the vLLM connector's transfers): the reserved blocks' tokens travel the same way.
+    cb = client(b, "shipped", salt="tenant-t")
+    more = list(range(5_100_000, 5_100_000 + 2 * BT))
+    w = ca.reserve(ca.keys(more), doorbell=True, token_ids=more)
+    fut = ca.transfer(ca.keys(more), b.transfer_addr, deadline_s=20, lease=w, wait=False)
+    inc = cb.await_transfer(ca.keys(more), wait_s=10)  # B has reserved them: it is pipelined
+    w.ring(LAYOUT.num_layers)
+    w.commit()
+    assert fut.result().blocks == 2
+    inc.release()
+    assert cpu_store(b, ca.keys(more)[0]).token_ids == more
+    cb.close()
     # Token ids past the header's 64 KiB (17 blocks of 1,024 tokens: 68 KiB) stay behind: the
     # blocks arrive and are announced without them.
     big = KVLayout(1, 1, 16, "fp16", block_tokens=1024)
