@@ -12,7 +12,9 @@ from events_util import Live, ask, events_of, replay
 from kvstore.clients import KVStoreClient
 from kvstore.clients.leases import KVStoreError
 from kvstore.daemon import transfer_meta
+from kvstore.daemon.index import Block
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from wait_util import wait_for
@@ -259,7 +261,8 @@ def test_a_peers_token_ids_that_do_not_hash_to_the_keys_are_refused(pair):
     c = client(b, "forged")
     tokens = list(range(6_000_000, 6_000_000 + 2 * BT))
     keys = c.keys(tokens)
-    forged = transfer_meta.encode(c.namespace, None, [bytes(4 * BT)] * len(keys), 1 << 16)
+    blocks = [Block(k, b"", TierKind.DRAM, 0, parent_key=p, tokens=bytes(4 * BT)) for k, p in zip(keys, [None, *keys])]
+    forged = transfer_meta.encode(c.namespace, blocks, 1 << 16)
     with Sender(TransferConfig(backend="tcp")) as s, pytest.raises(TransferError) as e:
         s.open(b.transfer_addr, keys, LAYOUT.num_layers, LAYOUT.layer_chunk_bytes, meta=forged, deadline_s=5)
     assert e.value.status is TransferStatus.PROTOCOL_ERROR and "do not hash to key 0" in e.value.detail, e.value

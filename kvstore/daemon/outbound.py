@@ -47,9 +47,8 @@ def failure_reason(status: TransferStatus) -> str:
 
 def _ns_meta(ns: Namespace, blocks: list, limit: int) -> bytes:
     """The transfer header's meta: the namespace, and the blocks' token ids when they fit
-    ``limit`` bytes (:mod:`kvstore.daemon.transfer_meta`). A block's tokens and parent never
-    change, so they are read without the core lock."""
-    return transfer_meta.encode(ns, blocks[0].parent_key if blocks else None, [b.tokens for b in blocks], limit)
+    ``limit`` bytes (:mod:`kvstore.daemon.transfer_meta`)."""
+    return transfer_meta.encode(ns, blocks, limit)
 
 
 class Outbound:

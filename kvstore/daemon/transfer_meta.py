@@ -5,11 +5,12 @@ their token ids and the chain parent of the first, for the receiver's KV events.
 The form: the namespace as JSON (:meth:`Namespace.to_dict`) alone; or followed by a NUL byte
 (JSON text never holds one), one byte giving the parent key's length (0: the first block is a
 chain root, or 32), that key, and every block's token ids (int32 little-endian,
-``block_tokens`` a block). The sender writes them only when it holds every block's tokens and
-they fit the bound: about 16,000 tokens a transfer (64 KiB of int32 less the namespace), which
-is 1,000 blocks of 16 tokens. A larger transfer, or one from a daemon that publishes no events
-(so keeps no tokens), carries the namespace alone, and its blocks are announced on the
-receiver without token ids (docs/cluster.md, "KV events").
+``block_tokens`` a block). The sender writes them only when it holds every block's tokens, the
+blocks are one run of a chain, and they fit the bound: about 16,000 tokens a transfer (64 KiB
+of int32 less the namespace), which is 1,000 blocks of 16 tokens. Any other transfer (a longer
+one, keys from several chains, blocks from a daemon that publishes no events and so keeps no
+tokens) carries the namespace alone, and its blocks are announced on the receiver without
+token ids (docs/cluster.md, "KV events").
 
 A receiver trusts none of it unchecked: the tokens must chain, after the parent, to the keys
 (:func:`kvstore.keys.check_tokens`), which also vouches for the parent.
@@ -21,6 +22,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.daemon.index import Block
 from kvstore.keys import KEY_BYTES, Namespace
 
 _SEP = b"\0"
@@ -33,17 +35,19 @@ class TransferMeta:
     tokens: bytes = b""  # every block's token ids, int32 LE (b"": not sent)
 
 
-def encode(ns: Namespace, parent: bytes | None, tokens: Sequence[bytes | None], limit: int) -> bytes:
-    """The meta of a transfer of blocks of ``ns``: ``tokens`` holds each block's token ids
-    (None: not known), ``parent`` the first block's chain parent (None: a root). At most
-    ``limit`` bytes: the tokens are left out when any is unknown or they would pass it."""
+def encode(ns: Namespace, blocks: Sequence[Block], limit: int) -> bytes:
+    """The meta of a transfer of ``blocks`` of ``ns``, at most ``limit`` bytes. The token ids
+    go only when every block has them, the blocks are one run of a chain (each the child of the
+    one before: the receiver checks them as one) and they fit; else the namespace goes alone.
+    A block's key, parent and tokens never change, so this reads them without the core lock."""
     meta = json.dumps(ns.to_dict()).encode()
-    if not tokens or None in tokens:
+    if not blocks or any(b.tokens is None for b in blocks) or \
+            any(b.parent_key != a.key for a, b in zip(blocks, blocks[1:])):
         return meta
-    parent = parent or b""
-    if len(meta) + 2 + len(parent) + sum(map(len, tokens)) > limit:
+    parent = blocks[0].parent_key or b""
+    if len(meta) + 2 + len(parent) + sum(len(b.tokens) for b in blocks) > limit:
         return meta
-    return b"".join((meta, _SEP, bytes((len(parent),)), parent, *tokens))
+    return b"".join((meta, _SEP, bytes((len(parent),)), parent, *(b.tokens for b in blocks)))
 
 
 def decode(meta: bytes) -> TransferMeta:
