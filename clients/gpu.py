@@ -239,10 +239,12 @@ class GpuKVPath:
         written elsewhere are skipped. Copy with ``store_layer`` / ``store_all``."""
         keys, rows = self._plan(token_ids, block_table)
         leases, offsets = [], []
-        step = self.client.max_batch_blocks()
+        step, bt = self.client.max_batch_blocks(), self.layout.block_tokens
         try:
             for start in range(0, len(keys), step):
-                w = self.client.reserve(keys[start:start + step], parent=keys[start - 1] if start else b"")
+                chunk = keys[start:start + step]
+                w = self.client.reserve(chunk, parent=keys[start - 1] if start else b"",
+                                        token_ids=token_ids[start * bt:(start + len(chunk)) * bt])
                 leases.append(w)
                 offsets += [o if s == RESERVED else None for s, o in zip(w.states, w.offsets)]
         except BaseException:

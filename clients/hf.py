@@ -345,9 +345,11 @@ class _PromptStore:
         client = cache.adapter.client
 
         def reserve() -> None:
-            step = client.max_batch_blocks()
+            step, bt = client.max_batch_blocks(), cache.adapter.layout.block_tokens
             for start in range(first, len(keys), step):
-                w = client.reserve(keys[start:start + step], parent=keys[start - 1] if start else b"")
+                chunk = keys[start:start + step]
+                w = client.reserve(chunk, parent=keys[start - 1] if start else b"",
+                                   token_ids=cache.token_ids[start * bt:(start + len(chunk)) * bt])
                 self.leases.append(w)
                 self.offsets += [o if s == RESERVED else None for s, o in zip(w.states, w.offsets)]
 

@@ -117,6 +117,14 @@ def engine_keys(root: bytes, engine_keys: Sequence[bytes]) -> list[BlockKey]:
     return [BlockKey(hashlib.sha256(root + b"\0engine\0" + bytes(k)).digest()) for k in engine_keys]
 
 
+def check_token_count(n_keys: int, tokens: bytes, block_tokens: int) -> None:
+    """Raise ValueError unless ``tokens`` is ``block_tokens`` int32 token ids for each of
+    ``n_keys`` keys (no hashing: :func:`check_tokens` checks what they stand for)."""
+    if len(tokens) != n_keys * 4 * block_tokens:
+        raise ValueError(f"token_ids: {len(tokens)} bytes, but {n_keys} keys of {block_tokens} tokens need "
+                         f"{n_keys * 4 * block_tokens} (int32 little-endian, or empty)")
+
+
 def check_tokens(root: bytes, parent: bytes, packed_keys: bytes, tokens: bytes, block_tokens: int) -> None:
     """Check that ``tokens`` (int32 LE, ``block_tokens`` per key) are the token ids the packed
     32-byte ``packed_keys`` were chained from, after ``parent`` (or ``root``); raises ValueError
@@ -124,9 +132,7 @@ def check_tokens(root: bytes, parent: bytes, packed_keys: bytes, tokens: bytes, 
     so they must be the ones its keys stand for."""
     step = 4 * block_tokens
     n = len(packed_keys) // KEY_BYTES
-    if len(tokens) != n * step:
-        raise ValueError(f"token_ids: {len(tokens)} bytes, but {n} keys of {block_tokens} tokens need {n * step} "
-                         "(int32 little-endian, or empty)")
+    check_token_count(n, tokens, block_tokens)
     prev = parent or root
     for i in range(n):
         prev = hashlib.sha256(prev + tokens[i * step:(i + 1) * step]).digest()

@@ -77,6 +77,19 @@ def test_malformed_and_wrong_length_keys(setup):
     assert c.lookup_keys([b"\x00" * 32, k]).hit_blocks == 0  # unknown key: a miss, not an error
 
 
+def test_token_ids_on_a_daemon_without_kv_events_are_size_checked_not_hashed(setup):
+    """Nothing reads token ids without [events] publish: a list of the wrong size is refused (a
+    free check that catches a wrong dtype), one of the right size is neither hashed nor kept
+    (tests/test_kv_events.py: with events on, the same list is refused)."""
+    c, _, _ = setup
+    keys = c.keys(range(900_000, 900_000 + 32))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.reserve(keys, token_ids=np.zeros(32, np.int64).view("<i4")),
+           "token_ids: 256 bytes", "need 128")
+    w = c.reserve(keys, token_ids=list(range(1, 33)))  # not the keys' tokens: ignored, not refused
+    assert list(w.states) == [pb.SLOT_RESERVED] * 2
+    w.abort()
+
+
 def test_counts_over_the_limit(daemons):
     d = daemons("--server-max-keys-per-request", "8")
     c = KVStoreClient(d.socket_path)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+import pytest
+
 from kvstore.daemon.core import Core, CoreConfig
+from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.arena import Arena
@@ -66,3 +70,23 @@ def test_no_events_collaborator_costs_nothing_and_announces_nothing():
         assert all(s.ns.blocks[k].announced == 0 for k in keys)
     finally:
         arena.close()
+
+
+def test_token_ids_are_kept_only_by_a_core_with_an_event_stream():
+    """Only the KV events read a block's token ids: without a stream the core keeps none (and
+    the service hashes none), though a list of the wrong size is still refused."""
+    toks = np.arange(32, dtype="<i4")
+    for events, kept in ((Recorder(), [toks[:16].tobytes(), toks[16:].tobytes()]), (None, [None, None])):
+        arena = Arena(EXTENT, prefault=False)
+        try:
+            core = Core(DramTier(arena, EXTENT), CoreConfig(max_keys=64), events=events)
+            assert core.keeps_tokens is (events is not None)
+            s = core.register(Namespace("m", LAYOUT))
+            keys = chain_keys(s.ns.id, toks, 16)
+            lease, _, _ = core.reserve(s, b"".join(keys), b"", tokens=toks.tobytes())
+            assert [s.ns.blocks[k].tokens for k in keys] == kept
+            with pytest.raises(KVError) as e:
+                core.reserve(s, b"".join(chain_keys(s.ns.id, toks + 1, 16)), b"", tokens=toks[:20].tobytes())
+            assert e.value.code is Code.INVALID_ARGUMENT and "token_ids: 80 bytes" in e.value.message
+        finally:
+            arena.close()

@@ -7,10 +7,15 @@ import grpc
 import numpy as np
 import pytest
 
+from daemon_util import DaemonSpec
 from events_util import Live, ask, events_of, replay
 from kvstore.clients import KVStoreClient
 from kvstore.clients.leases import KVStoreError
+from kvstore.daemon import transfer_meta
+from kvstore.daemon.index import Block
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import TierKind
+from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from wait_util import wait_for
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
@@ -20,14 +25,24 @@ BT = LAYOUT.block_tokens
 
 
 @pytest.fixture(scope="module")
-def daemon(module_daemons, tmp_path_factory):
+def pair(module_daemons, tmp_path_factory):
+    """Daemon B, the one read (events, replay, durable NVMe, a transfer listener), and daemon A
+    (events on, so it keeps token ids), which ships blocks to B; started together."""
     d = tmp_path_factory.mktemp("ev")
     pub, rep = f"ipc://{d}/pub", f"ipc://{d}/replay"
-    proc = module_daemons("--events-publish", pub, "--events-replay", rep, "--dram-prefault", "false",
-                          "--nvme-dir", str(d / "nvme"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "64MiB",
-                          "--nvme-durable-commit", "true", dram="8MiB")
-    proc.pub, proc.replay = pub, rep
-    return proc
+    b_flags = ("--events-publish", pub, "--events-replay", rep, "--dram-prefault", "false",
+               "--nvme-dir", str(d / "nvme"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "64MiB",
+               "--nvme-durable-commit", "true")
+    a_flags = ("--events-publish", f"ipc://{d}/a-pub", "--dram-prefault", "false")
+    a, b = module_daemons.start(DaemonSpec(a_flags, name="a", dram="8MiB", transfer="tcp"),
+                                DaemonSpec(b_flags, name="b", dram="8MiB", transfer="tcp"))
+    b.pub, b.replay = pub, rep
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def daemon(pair):
+    return pair[1]
 
 
 def client(daemon, model: str, salt: str = "") -> KVStoreClient:
@@ -72,6 +87,15 @@ def test_a_put_is_announced_with_its_token_ids_and_tenant_salt(daemon):
     c.close()
 
 
+def cpu_store(daemon, first_key: bytes) -> BlockStored:
+    """The DRAM ``BlockStored`` of the run that starts at ``first_key``, once announced."""
+    def find():
+        return [e for e in events_of(replay(daemon.replay))
+                if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU and e.block_hashes[0] == first_key]
+
+    return wait_for(find, what="the store announced")[0]
+
+
 def test_token_ids_that_do_not_hash_to_the_keys_are_refused(daemon):
     c = client(daemon, "liar")
     keys = c.keys(range(2 * BT))
@@ -90,14 +114,16 @@ def test_evictions_promotions_and_deletes_are_announced_per_tier(daemon):
     keys = c.keys(tokens)
     for end in range(50 * BT, len(tokens) + 1, 50 * BT):  # a growing prefix, as a conversation grows
         c.put(tokens[:end], kv(end))  # the first blocks leave DRAM to make room
-    held = wait_for(lambda: (h := where(events_of(replay(daemon.replay)))) and MEDIUM_STORAGE in h.get(keys[-1], ())
-                    and h, what="the last block announced on NVMe")
-    assert all(MEDIUM_STORAGE in held[k] for k in keys)
-    gone = [k for k in keys if MEDIUM_CPU not in held[k]]
-    assert gone and gone[0] == keys[0]
-    out = kv(2 * BT)
-    assert c.get(tokens[:2 * BT], out) == 2 * BT  # promoted back into DRAM
-    wait_for(lambda: {MEDIUM_CPU, MEDIUM_STORAGE} == where(events_of(replay(daemon.replay))).get(keys[1], set()),
+    # Pieces of a put commit in any order, so the last block may be announced on NVMe first.
+    held = wait_for(lambda: (h := where(events_of(replay(daemon.replay)))) and
+                    all(MEDIUM_STORAGE in h.get(k, ()) for k in keys) and h, what="every block announced on NVMe")
+    # Which copies left DRAM depends on who made room first: the demoter drops the oldest
+    # (already on NVMe), a Reserve that finds DRAM full evicts the chain's tail (leaves first).
+    gone = [i for i, k in enumerate(keys) if MEDIUM_CPU not in held[k]]
+    assert gone
+    n = gone[0] + 1
+    assert c.get(tokens[:n * BT], kv(n * BT)) == n * BT  # block gone[0] promoted back into DRAM
+    wait_for(lambda: {MEDIUM_CPU, MEDIUM_STORAGE} == where(events_of(replay(daemon.replay))).get(keys[n - 1], set()),
              what="a promotion announced")
 
     def all_gone():
@@ -151,4 +177,94 @@ def test_a_snapshot_is_exactly_the_state_after_the_batches_numbered_before_it(da
     assert where(events_of(snap)) == where(events_of(history))
     keys = c.keys(tokens)
     assert where(events_of(snap))[keys[0]] == {MEDIUM_CPU, MEDIUM_STORAGE} and keys[3] not in where(events_of(snap))
+    c.close()
+
+
+def test_the_hf_adapters_stores_carry_their_token_ids(daemon):
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    from kvstore.clients.hf import HFAdapter, HFAdapterConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from common import build_llama, random_tokens
+
+    a = HFAdapter(KVStoreClient(daemon.socket_path, timeout_s=10), build_llama("tiny", "fp32", seed=0),
+                  HFAdapterConfig("events-hf", block_tokens=BT))
+    try:
+        prompt = random_tokens(3 * BT + 4, seed=21, vocab=512)
+        _, cache = a.prefill(prompt)
+        assert cache.wait_stored() == 3
+        e = cpu_store(daemon, cache.block_keys[0])
+        assert e.block_hashes == cache.block_keys and e.token_ids == prompt[:3 * BT]
+    finally:
+        a.close()
+        a.client.close()
+
+
+def test_a_gpu_path_store_carries_its_token_ids(daemon):
+    torch = pytest.importorskip("torch")
+    from kvstore.clients.gpu import GpuKVPath
+
+    c = client(daemon, "events-gpu")
+    ids = list(range(40_000, 40_000 + 2 * BT + 3))
+    caches = [torch.zeros(2, 8, BT, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.float16)
+              for _ in range(LAYOUT.num_layers)]
+    with GpuKVPath(c, caches) as path:
+        assert path.emulated
+        assert path.store(ids, [5, 2, 7]).commit(30) == 2
+    keys = c.keys(ids)
+    e = cpu_store(daemon, keys[0])
+    assert e.block_hashes == keys and e.token_ids == ids[:2 * BT]
+    c.close()
+
+
+def test_blocks_that_arrive_by_transfer_carry_the_senders_token_ids(pair):
+    a, b = pair
+    ca = client(a, "shipped", salt="tenant-t")
+    tokens = list(range(5_000_000, 5_000_000 + 5 * BT))
+    keys = ca.keys(tokens)
+    ca.put(tokens, kv(len(tokens)))
+    assert ca.transfer(keys[2:], b.transfer_addr, deadline_s=20).blocks == 3  # the middle of a chain
+    e = cpu_store(b, keys[2])
+    assert e.block_hashes == keys[2:] and e.parent_block_hash == keys[1] and e.token_ids == tokens[2 * BT:]
+    assert e.extra_keys == [("tenant-t",)] * 3
+    # Pipelined (the vLLM connector's transfers): the reserved blocks' tokens travel the same way.
+    cb = client(b, "shipped", salt="tenant-t")
+    more = list(range(5_100_000, 5_100_000 + 2 * BT))
+    w = ca.reserve(ca.keys(more), doorbell=True, token_ids=more)
+    fut = ca.transfer(ca.keys(more), b.transfer_addr, deadline_s=20, lease=w, wait=False)
+    inc = cb.await_transfer(ca.keys(more), wait_s=10)  # B has reserved them: it is pipelined
+    w.ring(LAYOUT.num_layers)
+    w.commit()
+    assert fut.result().blocks == 2
+    inc.release()
+    assert cpu_store(b, ca.keys(more)[0]).token_ids == more
+    cb.close()
+    # Token ids past the header's 64 KiB (17 blocks of 1,024 tokens: 68 KiB) stay behind: the
+    # blocks arrive and are announced without them.
+    big = KVLayout(1, 1, 16, "fp16", block_tokens=1024)
+    cl = KVStoreClient(a.socket_path, timeout_s=10)
+    cl.register(big, "shipped-long")
+    long = list(range(17 * 1024))
+    cl.put(long, np.zeros(big.tensor_shape(len(long)), np.float16))
+    assert cl.transfer(cl.keys(long), b.transfer_addr, deadline_s=20).blocks == 17
+    e = cpu_store(b, cl.keys(long)[0])
+    assert len(e.block_hashes) == 17 and e.token_ids == []
+    cl.close()
+    ca.close()
+
+
+def test_a_peers_token_ids_that_do_not_hash_to_the_keys_are_refused(pair):
+    a, b = pair
+    c = client(b, "forged")
+    tokens = list(range(6_000_000, 6_000_000 + 2 * BT))
+    keys = c.keys(tokens)
+    blocks = [Block(k, b"", TierKind.DRAM, 0, parent_key=p, tokens=bytes(4 * BT)) for k, p in zip(keys, [None, *keys])]
+    forged = transfer_meta.encode(c.namespace, blocks, 1 << 16)
+    with Sender(TransferConfig(backend="tcp")) as s, pytest.raises(TransferError) as e:
+        s.open(b.transfer_addr, keys, LAYOUT.num_layers, LAYOUT.layer_chunk_bytes, meta=forged, deadline_s=5)
+    assert e.value.status is TransferStatus.PROTOCOL_ERROR and "do not hash to key 0" in e.value.detail, e.value
+    assert c.lookup(tokens) == 0  # nothing reserved, nothing stored
     c.close()

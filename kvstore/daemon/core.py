@@ -29,7 +29,7 @@ from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
 from kvstore.daemon.index import Block, BlockState, Lru, TierLrus
-from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.keys import KEY_BYTES, Namespace, check_token_count
 from kvstore.daemon.sessions import Session, SessionEnd, SessionTable
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DramTier
@@ -224,6 +224,9 @@ class Core:
         self.metrics = metrics
         self.events: BlockEvents = events if events is not None else NoEvents()
         self._quiet = events is None  # no stream: announce() costs nothing on the commit path
+        # Token ids are for the KV events alone: a daemon without them neither hashes a
+        # writer's token ids against its keys nor keeps them (about 100 bytes a block).
+        self.keeps_tokens = events is not None
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
         self.sessions = SessionTable(cfg.session_ttl_s, clock)
@@ -357,8 +360,9 @@ class Core:
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False, tokens: bytes = b""
                 ) -> tuple[Lease | None, list[int], bytes]:
         """Slots for the new keys of ``packed``. ``tokens``: the keys' token ids (int32 LE,
-        ``block_tokens`` per key, already checked against the keys by the caller) or empty; kept
-        with each block for the KV events."""
+        ``block_tokens`` per key) or empty; kept with each block for the KV events when
+        :attr:`keeps_tokens` (the caller has then checked them against the keys), else only
+        their size is checked."""
         self.sessions.check_open(s)
         if self.writes_refused:
             raise KVError(Code.UNAVAILABLE, self.writes_refused)
@@ -366,6 +370,13 @@ class Core:
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
         ns = s.ns
+        if tokens:
+            try:
+                check_token_count(len(keys), tokens, ns.ns.layout.block_tokens)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            if not self.keeps_tokens:
+                tokens = b""
         states = bytearray([pb.SLOT_RESERVED] * len(keys))
         todo = []
         seen = set()

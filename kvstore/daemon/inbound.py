@@ -11,7 +11,6 @@ reader lets go). Sending is :mod:`kvstore.daemon.outbound`.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -22,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from kvstore import doorbell
 from kvstore.config import TransportConfig, is_loopback
+from kvstore.daemon import transfer_meta
 from kvstore.daemon.core import Core, Lease, LeaseKind, Session
 from kvstore.daemon.index import BlockState
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.outbound import failure_reason
 from kvstore.errors import KVError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, check_tokens
 from kvstore.tiers.base import TierKind
 from kvstore.transport import Listener, TransferConfig, TransferError, TransferHeader, TransferStatus
 from kvstore.transport.auth import Peer
@@ -64,9 +64,10 @@ class DaemonSink:
 
     def begin(self, h: TransferHeader, peer: Peer) -> "_Target":
         try:
-            ns = Namespace.from_dict(json.loads(h.meta))
-        except ValueError as e:  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not a namespace
-            raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: not a namespace: {e}") from None
+            meta = transfer_meta.decode(h.meta)
+        except ValueError as e:
+            raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: {e}") from None
+        ns = meta.ns
         if not self.svc.accepts(peer, ns):  # before anything is reserved or a namespace created
             self.svc.metrics.transfer_failures.labels(reason="forbidden").inc()
             who = repr(peer.name) if peer.name else "an unauthenticated peer"
@@ -79,11 +80,19 @@ class DaemonSink:
             raise TransferError(TransferStatus.PROTOCOL_ERROR,
                                 f"chunks of {h.chunk_bytes} bytes x {h.n_layers} layers do not match the layout")
         core = self.core
+        packed = b"".join(h.keys)
+        parent = tokens = b""
+        if meta.tokens and core.keeps_tokens:  # for the KV events; checked as Reserve checks a writer's
+            try:
+                check_tokens(ns.root, meta.parent, packed, meta.tokens, lay.block_tokens)
+            except ValueError as e:
+                raise TransferError(TransferStatus.PROTOCOL_ERROR, f"transfer metadata: {e}") from None
+            parent, tokens = meta.parent, meta.tokens  # the tokens chaining to the keys vouch for the parent
         with core.lock:
             st = core.ns_state(ns)
             s = core.own_session(st)
             try:
-                lease, offsets, states = core.reserve(s, b"".join(h.keys), b"")
+                lease, offsets, states = core.reserve(s, packed, parent, tokens=tokens)
             except KVError as e:
                 raise TransferError(TransferStatus.REFUSED, e.message) from None
             scratch = []

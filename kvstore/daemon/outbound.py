@@ -9,11 +9,11 @@ worker has announced it, while the worker computes layer ``l + 1``. Receiving is
 
 from __future__ import annotations
 
-import json
 import time
 from array import array
 
 from kvstore.config import TransportConfig
+from kvstore.daemon import transfer_meta
 from kvstore.daemon.core import Core, LeaseKind, Session
 from kvstore.daemon.index import BlockState
 from kvstore.daemon.metrics import Metrics
@@ -45,8 +45,10 @@ def failure_reason(status: TransferStatus) -> str:
             TransferStatus.FORBIDDEN: "forbidden"}.get(status, "other")
 
 
-def _ns_meta(ns: Namespace) -> bytes:
-    return json.dumps(ns.to_dict()).encode()
+def _ns_meta(ns: Namespace, blocks: list, limit: int) -> bytes:
+    """The transfer header's meta: the namespace, and the blocks' token ids when they fit
+    ``limit`` bytes (:mod:`kvstore.daemon.transfer_meta`)."""
+    return transfer_meta.encode(ns, blocks, limit)
 
 
 class Outbound:
@@ -145,7 +147,7 @@ class Outbound:
         fresh: dict[int, array] = {}
         t0 = time.monotonic()
         try:
-            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=_ns_meta(st.ns))
+            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=_ns_meta(st.ns, blocks, self.config.max_meta_bytes))
             try:
                 if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
                     for layer in range(lay.num_layers):
