@@ -9,7 +9,11 @@ Tested against vLLM 0.32 (``KVConnectorBase_V1``). Enable it in vLLM (see docs/v
 
 Scheduler side (one process): ``get_num_new_matched_tokens`` looks the prompt's block keys up
 in the daemon and answers with the tokens the daemon's load-or-recompute policy says to load,
-beyond what vLLM's own prefix cache holds; loads are synchronous (inside the next forward).
+beyond what vLLM's own prefix cache holds; local loads are synchronous (inside the next
+forward). In a cluster, when the daemon advises a pull (a peer holds the blocks after the local
+hits), the answer is asynchronous (vLLM's ``load_kv_async``): vLLM parks the request, the
+workers pull the blocks into this node's daemon off vLLM's threads and load them, and
+``get_finished`` reports the request (:mod:`kvstore.clients.vllm_pull`, docs/vllm.md "Pulls").
 ``build_connector_meta`` turns the step's scheduled requests into load and save work (load: the
 external blocks of new or resumed requests; save: prompt blocks that become full in this step,
 so chunked prefill saves chunk by chunk). ``request_finished`` forgets the request (and, with
@@ -36,7 +40,8 @@ Keys and block sizes: kvstore keys full blocks of ``block_tokens`` tokens (defau
 ``block_size``); loads start at a kvstore block boundary. The scheduler looks keys up in TP rank
 0's namespace; every rank stores the same token blocks in its own namespace.
 
-Not thread-safe; vLLM calls each side from one thread.
+Not thread-safe; vLLM calls each side from one thread (a pull's calls to the daemon run on the
+fetcher's threads, which touch none of the connector's state).
 """
 
 from __future__ import annotations
@@ -204,7 +209,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         except KVStoreError as e:
             self.link.lost(e)
             return 0, False
-        remote = r.remote_blocks if s.pull and (r.advice == "pull" or not s.follow_policy) else 0
+        # A request back here after its pull (a whole miss leaves it nothing computed) is not
+        # pulled again: a holder that just missed (stopped, cut off) would miss again until its
+        # lease ends, and the request would wait out a deadline each time.
+        again = request.request_id in self._pulled
+        remote = r.remote_blocks if s.pull and not again and (r.advice == "pull" or not s.follow_policy) else 0
         ext = (r.hit_blocks + remote) * self.bt - num_computed_tokens
         if remote and ext > 0:
             tiers = bytes(r.tiers[:r.hit_blocks]) + bytes([TierKind.REMOTE]) * remote
@@ -479,24 +488,22 @@ class KVStoreConnector(KVConnectorBase_V1):
             span = self._pulling[f.req_id]
             self._stats.data["pulled_blocks"] += f.pulled
             h, why = None, f.detail
-            try:
-                if f.lease is None:
-                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f.detail)
-                if path is None or f.client is not path.client:  # the session was lost meanwhile
-                    _quietly(f.lease.release)
-                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "the session with the daemon ended during the pull")
-                h = self._load_pinned(path, span, f.lease)
-            except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
-                why = f"{why}; {e}" if why else str(e)
-                if isinstance(e, KVStoreError):
-                    self.link.lost(e)
-            got = h.blocks if h is not None else 0
+            if f.lease is not None and (path is None or f.client is not path.client):
+                _quietly(f.lease.release)  # the session was lost meanwhile: its offsets are not this path's
+                why = "the session with the daemon ended during the pull"
+            elif f.lease is not None:
+                try:
+                    h = self._load_pinned(path, span, f.lease)
+                except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
+                    why = f"{why}; {e}" if why else str(e)
+                    if isinstance(e, KVStoreError):
+                        self.link.lost(e)
             if h is None:
                 self._end_pull(span, span.start, why)
-            else:
-                if got < span.end - span.start:
-                    self._end_pull(span, span.start + got, why, done=False)
-                self._pull_loads.append((span, h, time.monotonic() + self.settings.load_wait_s))
+                continue
+            if h.blocks < span.end - span.start:
+                self._end_pull(span, span.start + h.blocks, why, done=False)
+            self._pull_loads.append((span, h, time.monotonic() + self.settings.load_wait_s))
 
     def _end_pull(self, span: BlockSpan, first_block: int, why: str, done: bool = True) -> None:
         """Blocks ``[first_block, span.end)`` of a pulled span did not load: load errors, so
@@ -504,7 +511,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         request's pull is over (reported finished at the next ``get_finished``)."""
         if first_block < span.end:
             log.warning("kvstore pull of %s: blocks %d-%d not loaded, vLLM recomputes them: %s", span.req_id,
-                     first_block, span.end, why or "not here")
+                        first_block, span.end, why or "not here")
             self._load_errors |= self._vllm_blocks(span, first_block)
             self._stats.data["pull_failed_blocks"] += span.end - first_block
         if done:
