@@ -400,14 +400,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Pin this step's load blocks and issue their copies, layer 0 first. Blocks that
         cannot be pinned are load errors (vLLM recomputes them). Then the pulls: this step's
         start on the fetcher's threads; those fetched since the last step have their copies
-        issued (vLLM calls this after the forward on steps without synchronous loads, so those
-        copies never delay a forward)."""
+        issued, behind this step's loads on the copy stream (the forward waits for those only;
+        on steps without synchronous loads vLLM calls this after the forward)."""
         meta = self._get_connector_metadata()
-        if meta.pulls or self._pulling:
-            self._advance_pulls(meta.pulls)
-        if not meta.loads:
-            return
-        path = self._ensure_path()
+        path = self._ensure_path() if meta.loads else None
         for span in meta.loads:
             got = 0
             try:
@@ -424,6 +420,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if got < span.end - span.start:
                 # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks.
                 self._fail_load(span, span.start + got, removed=True)
+        if meta.pulls or self._pulling:
+            self._advance_pulls(meta.pulls)
 
     def _start_load(self, path: GpuKVPath, span: BlockSpan) -> LoadHandle | None:
         """Pin the span's blocks (as many leading ones as are still there) and issue every
