@@ -509,7 +509,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         request's pull is over (reported finished at the next ``get_finished``)."""
         if first_block < span.end:
             log.warning("kvstore pull of %s: blocks %d-%d not loaded, vLLM recomputes them: %s", span.req_id,
-                        first_block, span.end, why or "not here")
+                        first_block, span.end - 1, why or "not here")
             self._load_errors |= self._vllm_blocks(span, first_block)
             self._stats.data["pull_failed_blocks"] += span.end - first_block
         if done:
