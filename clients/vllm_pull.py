@@ -22,7 +22,6 @@ its request recomputes).
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,8 +30,6 @@ import grpc
 from kvstore.clients.client import KVStoreClient, KVStoreError, pack
 from kvstore.clients.leases import ReadLease
 from kvstore.v1 import kvstore_pb2 as pb
-
-log = logging.getLogger("kvstore.vllm")
 
 PULL_THREADS = 4  # pulls of this many requests at once; each thread mostly waits on its daemon
 
@@ -57,23 +54,25 @@ class PullFetcher:
     def __init__(self, pull_timeout_s: float, load_wait_s: float, rpc_timeout_s: float) -> None:
         self.pull_timeout_s, self.load_wait_s, self.rpc_timeout_s = pull_timeout_s, load_wait_s, rpc_timeout_s
         self._pool: ThreadPoolExecutor | None = None
-        self._jobs: dict[str, Future] = {}
-
-    def __len__(self) -> int:
-        return len(self._jobs)
+        self._jobs: dict[str, tuple[Future, KVStoreClient]] = {}
 
     def submit(self, req_id: str, client: KVStoreClient, keys: list[bytes], start: int, holder: str) -> None:
         """Pull ``keys`` (a chain from its first block) from ``holder`` and pin ``keys[start:]``."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvstore-pull")
-        self._jobs[req_id] = self._pool.submit(self._fetch, req_id, client, client.session_id, keys, start, holder)
+        job = self._pool.submit(self._fetch, req_id, client, client.session_id, keys, start, holder)
+        self._jobs[req_id] = (job, client)
 
     def done(self) -> list[Fetched]:
         out = []
-        for req_id, f in list(self._jobs.items()):
-            if f.done():
-                del self._jobs[req_id]
-                out.append(f.result())  # _fetch answers every failure
+        for req_id, (job, client) in list(self._jobs.items()):
+            if not job.done():
+                continue
+            del self._jobs[req_id]
+            try:
+                out.append(job.result())
+            except Exception as e:  # noqa: BLE001 - whatever went wrong is a miss, never vLLM's step failing
+                out.append(Fetched(req_id, client, None, 0, f"pull job failed: {type(e).__name__}: {e}"))
         return out
 
     def _fetch(self, req_id: str, client: KVStoreClient, session: bytes, keys: list[bytes], start: int,
