@@ -213,7 +213,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # pulled again: a holder that just missed (stopped, cut off) would miss again until its
         # lease ends, and the request would wait out a deadline each time.
         again = request.request_id in self._pulled
-        remote = r.remote_blocks if s.pull and not again and (r.advice == "pull" or not s.follow_policy) else 0
+        wanted = r.advice == "pull" or not s.follow_policy
+        remote = r.remote_blocks if s.pull and wanted and not again and r.remote_node_id else 0
         ext = (r.hit_blocks + remote) * self.bt - num_computed_tokens
         if remote and ext > 0:
             tiers = bytes(r.tiers[:r.hit_blocks]) + bytes([TierKind.REMOTE]) * remote
