@@ -9,7 +9,11 @@ Tested against vLLM 0.32 (``KVConnectorBase_V1``). Enable it in vLLM (see docs/v
 
 Scheduler side (one process): ``get_num_new_matched_tokens`` looks the prompt's block keys up
 in the daemon and answers with the tokens the daemon's load-or-recompute policy says to load,
-beyond what vLLM's own prefix cache holds; loads are synchronous (inside the next forward).
+beyond what vLLM's own prefix cache holds; local loads are synchronous (inside the next
+forward). In a cluster, when the daemon advises a pull (a peer holds the blocks after the local
+hits), the answer is asynchronous (vLLM's ``load_kv_async``): vLLM parks the request, the
+workers pull the blocks into this node's daemon off vLLM's threads and load them, and
+``get_finished`` reports the request (:mod:`kvstore.clients.vllm_pull`, docs/vllm.md "Pulls").
 ``build_connector_meta`` turns the step's scheduled requests into load and save work (load: the
 external blocks of new or resumed requests; save: prompt blocks that become full in this step,
 so chunked prefill saves chunk by chunk). ``request_finished`` forgets the request (and, with
@@ -36,7 +40,8 @@ Keys and block sizes: kvstore keys full blocks of ``block_tokens`` tokens (defau
 ``block_size``); loads start at a kvstore block boundary. The scheduler looks keys up in TP rank
 0's namespace; every rank stores the same token blocks in its own namespace.
 
-Not thread-safe; vLLM calls each side from one thread.
+Not thread-safe; vLLM calls each side from one thread (a pull's calls to the daemon run on the
+fetcher's threads, which touch none of the connector's state).
 """
 
 from __future__ import annotations
@@ -57,11 +62,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreError, pack
 from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
-from kvstore.clients.leases import RESERVED
+from kvstore.clients.leases import RESERVED, ReadLease
 from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
+from kvstore.clients.vllm_pull import PullFetcher
 from kvstore.clients.vllm_setup import (HIT_SOURCES, ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents,
                                         _Link, _tp_rank, kv_layout)
 from kvstore.keys import Namespace, chain_keys
+from kvstore.tiers.base import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
@@ -78,12 +85,14 @@ class BlockSpan:
     start: int
     end: int
     block_table: list[int]
+    holder: str = ""         # pulls: the peer (node id) the scheduler's Lookup named
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockSpan] = field(default_factory=list)
     saves: list[BlockSpan] = field(default_factory=list)
+    pulls: list[BlockSpan] = field(default_factory=list)  # asynchronous: pulled, then loaded
 
 
 @dataclass(slots=True)
@@ -97,7 +106,8 @@ class _ReqState:
 class _Match:
     local: int     # tokens vLLM's own prefix cache holds
     external: int  # tokens to load from kvstore
-    tiers: bytes   # tier of each hit block (kvstore.v1.Tier)
+    tiers: bytes   # tier of each hit block (kvstore.v1.Tier; TIER_REMOTE: to be pulled)
+    holder: str = ""  # a pull: the peer holding the blocks after the local hits
 
 
 # --- the connector ----------------------------------------------------------------------------
@@ -136,6 +146,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._matched: dict[str, _Match] = {}
         self._to_load: dict[str, int] = {}
+        self._to_pull: dict[str, BlockSpan] = {}  # allocated, not yet in a step's metadata
+        self._pulled: dict[str, int] = {}         # pulled, not yet scheduled: the span's end block
         self._reqs: dict[str, _ReqState] = {}
         self._events: KVStoreKVEvents | None = None
         # worker side
@@ -155,6 +167,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._bad_blocks_before: set[int] = set()
         self._stats = KVStoreConnectorStats()
         self._worker_events: list[KVCacheEvent] = []
+        # worker side, pulls: fetching on the fetcher's threads, then copying, then reported
+        self._fetcher = PullFetcher(s.pull_timeout_s, s.load_wait_s, s.rpc_timeout_s)
+        self._pulling: dict[str, BlockSpan] = {}
+        self._pull_loads: list[tuple[BlockSpan, LoadHandle, float]] = []  # and the copies' deadline
+        self._recved: set[str] = set()  # pulls ended (loaded or not) since the last get_finished
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -173,21 +190,37 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== scheduler side =========================================================================
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` to load from kvstore: the leading blocks the
-        policy says to load, leaving at least one prompt token to compute. Loads are
-        synchronous (inside the next forward), so the second element is always False."""
+        """Tokens beyond ``num_computed_tokens`` to load from kvstore, leaving at least one
+        prompt token to compute. Local hits: the leading blocks the policy says to load,
+        loaded synchronously (inside the next forward): ``(tokens, False)``. When the daemon
+        advises a pull (a peer holds the blocks after the local hits, and fetching them beats
+        recomputing them): the local and the remote blocks, ``(tokens, True)``, vLLM's
+        asynchronous load: the workers pull and load them while vLLM schedules other requests
+        (:mod:`kvstore.clients.vllm_pull`). The Lookup costs no network unless ``ask_peers``."""
         self._matched.pop(request.request_id, None)
         client = self.link.get() if self.can_load else None
         prompt = list(request.prompt_token_ids or [])
         cap = (len(prompt) - 1) // self.bt
         if client is None or cap <= 0 or num_computed_tokens % self.bt:
             return 0, False
+        s = self.settings
         try:
-            r = client.lookup_keys(client.keys(prompt[:cap * self.bt]))
+            r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=s.ask_peers)
         except KVStoreError as e:
             self.link.lost(e)
             return 0, False
-        blocks = min(r.load_blocks if self.settings.follow_policy else r.hit_blocks, r.hit_blocks)
+        # A request back here after its pull (a whole miss leaves it nothing computed) is not
+        # pulled again: a holder that just missed (stopped, cut off) would miss again until its
+        # lease ends, and the request would wait out a deadline each time.
+        again = request.request_id in self._pulled
+        wanted = r.advice == "pull" or not s.follow_policy
+        remote = r.remote_blocks if s.pull and wanted and not again and r.remote_node_id else 0
+        ext = (r.hit_blocks + remote) * self.bt - num_computed_tokens
+        if remote and ext > 0:
+            tiers = bytes(r.tiers[:r.hit_blocks]) + bytes([TierKind.REMOTE]) * remote
+            self._matched[request.request_id] = _Match(num_computed_tokens, ext, tiers, r.remote_node_id)
+            return ext, True
+        blocks = min(r.load_blocks if s.follow_policy else r.hit_blocks, r.hit_blocks)
         ext = max(0, blocks * self.bt - num_computed_tokens)
         if ext:
             self._matched[request.request_id] = _Match(num_computed_tokens, ext, bytes(r.tiers[:blocks]))
@@ -209,17 +242,30 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Remember a request whose external tokens got blocks; its load goes into the next
-        ``build_connector_meta`` (the block ids come from the scheduler output there)."""
-        if num_external_tokens > 0:
+        ``build_connector_meta`` (the block ids come from the scheduler output there; a pull's
+        from ``blocks``: its request is in no step's output until the pull has ended)."""
+        if num_external_tokens <= 0:
+            return
+        m = self._matched.get(request.request_id)
+        if m is not None and m.holder:
+            end = (m.local + num_external_tokens) // self.bt
+            self._to_pull[request.request_id] = BlockSpan(
+                request.request_id, list(request.prompt_token_ids or [])[:end * self.bt], m.local // self.bt, end,
+                list(blocks.get_block_ids()[0]), m.holder)
+        else:
             self._to_load[request.request_id] = num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
-        """This step's loads (new and resumed requests with external tokens) and saves (prompt
-        blocks that are full once this step's tokens are computed). Clears the pending loads."""
+        """This step's loads (new and resumed requests with external tokens), pulls (requests
+        waiting for remote KV since this step) and saves (prompt blocks that are full once this
+        step's tokens are computed). Clears the pending loads and pulls."""
         meta = KVStoreConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            pulled = self._pulled.pop(new.req_id, None)
+            if pulled is not None:  # what the pull loaded is in kvstore; what vLLM recomputes is not
+                st.saved_blocks = min(pulled, new.num_computed_tokens // self.bt)
             self._add_load(meta, new.req_id, st, new.num_computed_tokens)
             self._add_save(meta, new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -233,9 +279,15 @@ class KVStoreConnector(KVConnectorBase_V1):
                 # A request resumed after preemption gets its whole block table anew.
                 st.block_table = list(new_ids[0]) if resumed else st.block_table + list(new_ids[0])
             if resumed:  # its KV was dropped at preemption; reload the external part
+                self._pulled.pop(req_id, None)  # (or a pull did, and saved_blocks already covers it)
                 self._add_load(meta, req_id, st, cached.num_computed_tokens[i])
             self._add_save(meta, req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id, span in self._to_pull.items():
+            self._matched.pop(req_id, None)
+            meta.pulls.append(span)
+            self._pulled[req_id] = span.end
         self._to_load.clear()
+        self._to_pull.clear()
         return meta
 
     def _add_load(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, computed: int) -> None:
@@ -281,8 +333,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         its blocks now (False). With ``transfer_peer`` set, the daemon is asked (without
         waiting) to ship the prompt's committed blocks to that peer; the returned params say so."""
         st = self._reqs.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)
+        for pending in (self._matched, self._to_load, self._to_pull, self._pulled):
+            pending.pop(request.request_id, None)
         peer = self.settings.transfer_peer
         client = self.link.get() if peer and st is not None and st.saved_blocks else None
         if client is None:
@@ -347,11 +399,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Pin this step's load blocks and issue their copies, layer 0 first. Blocks that
-        cannot be pinned are load errors (vLLM recomputes them)."""
+        cannot be pinned are load errors (vLLM recomputes them). Then the pulls: this step's
+        start on the fetcher's threads; those fetched since the last step have their copies
+        issued, behind this step's loads on the copy stream (the forward waits for those only;
+        on steps without synchronous loads vLLM calls this after the forward)."""
         meta = self._get_connector_metadata()
-        if not meta.loads:
-            return
-        path = self._ensure_path()
+        path = self._ensure_path() if meta.loads else None
         for span in meta.loads:
             got = 0
             try:
@@ -368,13 +421,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             if got < span.end - span.start:
                 # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks.
                 self._fail_load(span, span.start + got, removed=True)
+        if meta.pulls or self._pulling:
+            self._advance_pulls(meta.pulls)
 
     def _start_load(self, path: GpuKVPath, span: BlockSpan) -> LoadHandle | None:
         """Pin the span's blocks (as many leading ones as are still there) and issue every
         layer's copy; None when none is left."""
         client = path.client
         keys = client.keys(span.token_ids)[span.start:span.end]
-        lease = client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
+        return self._load_pinned(path, span, client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s))
+
+    def _load_pinned(self, path: GpuKVPath, span: BlockSpan, lease: ReadLease) -> LoadHandle | None:
+        """Issue every layer's copy of the span's leading blocks that ``lease`` pins; None
+        (the lease ended) when it pins none."""
         path.check_arena([lease])  # the client re-registered with a restarted daemon: offsets are not ours
         if lease.count == 0:
             lease.release()
@@ -412,6 +471,70 @@ class KVStoreConnector(KVConnectorBase_V1):
         if removed:
             self._worker_events.append(BlockRemoved(block_hashes=self._event_keys(span)[first_block - span.start:],
                                                     medium=MEDIUM_CPU))
+
+    # --- pulls (vLLM's asynchronous load) ----------------------------------------------------
+    def _advance_pulls(self, new: list[BlockSpan]) -> None:
+        """Start ``new``'s pulls; issue the copies of the pulls fetched since the last step.
+        Nothing here waits for a daemon or a peer."""
+        path = self._ensure_path()
+        for span in new:
+            self._pulling[span.req_id] = span
+            if path is None:
+                self._end_pull(span, span.start, "kvstore daemon not reachable")
+                continue
+            self._fetcher.submit(span.req_id, path.client, path.client.keys(span.token_ids), span.start, span.holder)
+        for f in self._fetcher.done():
+            span = self._pulling[f.req_id]
+            self._stats.data["pulled_blocks"] += f.pulled
+            h, why = None, f.detail
+            if f.lease is not None and (path is None or f.client is not path.client):
+                _quietly(f.lease.release)  # the session was lost meanwhile: its offsets are not this path's
+                why = "the session with the daemon ended during the pull"
+            elif f.lease is not None:
+                try:
+                    h = self._load_pinned(path, span, f.lease)
+                except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
+                    why = f"{why}; {e}" if why else str(e)
+                    if isinstance(e, KVStoreError):
+                        self.link.lost(e)
+            if h is None:
+                self._end_pull(span, span.start, why)
+                continue
+            if h.blocks < span.end - span.start:
+                self._end_pull(span, span.start + h.blocks, why, done=False)
+            self._pull_loads.append((span, h, time.monotonic() + self.settings.load_wait_s))
+
+    def _end_pull(self, span: BlockSpan, first_block: int, why: str, done: bool = True) -> None:
+        """Blocks ``[first_block, span.end)`` of a pulled span did not load: load errors, so
+        vLLM recomputes them (reported in the pass the request is, or before). ``done``: the
+        request's pull is over (reported finished at the next ``get_finished``)."""
+        if first_block < span.end:
+            log.warning("kvstore pull of %s: blocks %d-%d not loaded, vLLM recomputes them: %s", span.req_id,
+                        first_block, span.end - 1, why or "not here")
+            self._load_errors |= self._vllm_blocks(span, first_block)
+            self._stats.data["pull_failed_blocks"] += span.end - first_block
+        if done:
+            self._recved.add(span.req_id)
+            self._pulling.pop(span.req_id, None)
+
+    def _land_pulls(self) -> None:
+        """Pulled spans whose copies have landed (or failed, or passed ``load_wait_s``) end."""
+        now, left = time.monotonic(), []
+        for span, h, deadline in self._pull_loads:
+            try:
+                landed, why = h.wait(0), f"copies not done within {self.settings.load_wait_s} s"
+            except Exception as e:  # noqa: BLE001 - a failed copy is a load error
+                landed, why = None, f"copy failed: {e}"
+            if landed is False and now < deadline:
+                left.append((span, h, deadline))
+                continue
+            _quietly(h.release)
+            if landed:
+                self._stats.data["loaded_blocks"] += h.blocks
+                self._end_pull(span, span.end, "")
+            else:
+                self._end_pull(span, span.start, why)
+        self._pull_loads = left
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait (at most ``load_wait_s``) for this layer's load copies; on a GPU, order the
@@ -518,7 +641,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             lora_id=None, medium=MEDIUM_CPU, lora_name=None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves finish inside their step
+        """The requests whose pull ended since the last call (vLLM schedules them now): loaded,
+        or with the blocks that did not load among this pass's load errors. Synchronous loads
+        and saves finish inside their step."""
+        if self._pull_loads:
+            self._land_pulls()
+        done, self._recved = self._recved, set()
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -539,11 +668,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         return ev
 
     def shutdown(self) -> None:
+        self._fetcher.close()
         for _, h in self._saves or ():
             _quietly(h.abort)
-        for _, h in self._loads:
+        for _, h in [*self._loads, *((span, h) for span, h, _ in self._pull_loads)]:
             _quietly(h.release)
-        self._saves, self._loads = None, []
+        self._saves, self._loads, self._pull_loads = None, [], []
         if self._path is not None:
             _quietly(self._path.close)
             self._path = None

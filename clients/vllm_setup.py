@@ -47,12 +47,16 @@ class ConnectorSettings:
     transfer_peer: str = ""              # "transfer_peer": host:port of a decode daemon's transfer listener
     tp_rank: int | None = None           # "tp_rank"; None = vLLM's tensor-parallel rank
     copy_path: str = DEFAULT_COPY_PATH.value  # "copy_path": zerocopy | staged | legacy (docs/gpu.md)
+    pull: bool = True                    # "pull": act on a PULL advice (a peer holds more of the prefix)
+    pull_timeout_s: float = 5.0          # "pull_timeout_s": deadline of one pull; past it, a miss
+    ask_peers: bool = False              # "ask_peers": Lookup asks the peers too (a round trip, see docs)
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
              "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
-             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path"}
+             "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path", "pull": "pull",
+             "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -61,10 +65,13 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(cls.NAMES))}")
         s = cls(**{cls.NAMES[k]: v for k, v in extra.items()})
-        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s"):
+        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s", "pull_timeout_s"):
             if not isinstance(getattr(s, name), (int, float)) or getattr(s, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config: {name} must be a positive number of seconds, "
                                  f"got {getattr(s, name)!r}")
+        for name in ("follow_policy", "pull", "ask_peers"):
+            if not isinstance(getattr(s, name), bool):
+                raise ValueError(f"kv_connector_extra_config: {name} must be true or false, got {getattr(s, name)!r}")
         if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
             raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
         try:
@@ -103,7 +110,8 @@ def _tp_rank(settings: ConnectorSettings) -> int:
 
 # --- worker -> scheduler: stats and events ----------------------------------------------------
 
-STAT_KEYS = ("loaded_blocks", "load_failed_blocks", "saved_blocks", "save_failed_blocks", "load_s", "save_s")
+STAT_KEYS = ("loaded_blocks", "load_failed_blocks", "saved_blocks", "save_failed_blocks", "load_s", "save_s",
+             "pulled_blocks", "pull_failed_blocks")
 
 
 @dataclass

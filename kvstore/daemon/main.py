@@ -491,8 +491,12 @@ class Daemon:
             self.pulls = Pulls(self.core, self.membership, self.outbound, links, self.cfg.transport,
                                holders=holders, tiering=self.tiering, metrics=self.cluster_metrics,
                                meter=self.link_meter)
-            remote = AskedRemoteHits(self.membership, holders, links, self.link_meter, self.cfg.cluster)
-            self.cluster_advisor = ClusterAdvisor(self.core, self.policy, remote, self.link_meter, self.cluster_metrics)
+            sources = [AskedRemoteHits(self.membership, holders, links, self.link_meter, self.cfg.cluster)]
+            if self.directory is not None:  # answers from memory: first, and on every Lookup
+                from kvstore.cluster.holders import DirectoryRemoteHits
+                sources.insert(0, DirectoryRemoteHits(self.directory, self.membership))
+            self.cluster_advisor = ClusterAdvisor(self.core, self.policy, sources, self.link_meter,
+                                                  self.cluster_metrics)
         return PeerService(self.core, self.pulls, metrics=self.metrics)
 
     def _start_tcp(self, service: KVStoreService, peer) -> grpc.Server:

@@ -3,13 +3,16 @@ measured link to it, and the choice among loading the local prefix, pulling the 
 recomputing (:func:`kvstore.policy.choose_source`). docs/cluster.md, "Choosing: load, pull or
 recompute".
 
-Where remote hits come from is a seam (:class:`RemoteHits`). Today's source,
+Where remote hits come from is a seam (:class:`RemoteHits`). One source,
 :class:`AskedRemoteHits`, asks the peers advertising the namespace (membership knows
 namespaces, not chains) for their leading blocks, in parallel, with a short deadline
 (``cluster.peer_lookup_timeout_s``). That costs one round trip on a Lookup that misses locally,
 but its answer is exact (no stale directory entry points at an evicted block), and every answer
 times a round trip for the link estimate. The event-fed cluster prefix directory answers the same
-question from memory, with no round trip, and replaces it once merged.
+question from memory, with no round trip (:class:`kvstore.cluster.holders.DirectoryRemoteHits`):
+where the daemon has a directory it is consulted first, on every Lookup, and the peers are asked
+only for a Lookup with ``ask_peers`` that the directory had no holder for (a peer that
+publishes no events is in no directory).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import grpc
 
@@ -137,11 +140,13 @@ class ClusterAdvisor:
     """A cluster daemon's Lookup fields beyond the local advice (kvstore.proto, LookupResponse
     7-15): the best remote extension and the choice among load, pull and recompute."""
 
-    def __init__(self, core: Core, policy: LoadPolicy, remote: RemoteHits, meter: LinkMeter,
+    def __init__(self, core: Core, policy: LoadPolicy, sources: Sequence[RemoteHits], meter: LinkMeter,
                  metrics: ClusterMetrics) -> None:
+        """``sources``: where remote hits come from, in order (the directory, from memory, then
+        the peers asked); the first that offers any answers."""
         self.core = core
         self.policy = policy  # its tier estimates: DRAM to GPU, and NVMe standing for a holder's disk
-        self.remote = remote
+        self.sources = list(sources)
         self.meter = meter
         self.metrics = metrics
 
@@ -149,8 +154,13 @@ class ClusterAdvisor:
         """Called outside the core lock: asking peers is a round trip, taken only for a
         request that asks for it (``ask_peers``) or from a source that costs none."""
         hit = local.matched_tokens // st.ns.layout.block_tokens
-        ask = hit < len(keys) and (ask_peers or not getattr(self.remote, "round_trip", False))
-        offers = self.remote.remote_prefix(st.id.hex(), keys[hit:]) if ask else []
+        offers = []
+        for src in self.sources if hit < len(keys) else ():
+            # A round trip only when the caller can act on a pull and memory knew of no holder.
+            if ask_peers or not getattr(src, "round_trip", False):
+                offers = src.remote_prefix(st.id.hex(), keys[hit:])
+            if offers:
+                break
         remotes = [RemoteHit(m.node_id, m.epoch, n, t.name.lower()) for m, n, t in offers]
         with self.core.lock:  # the tier estimator is not thread-safe
             d = choose_source(local, remotes, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes,
