@@ -181,6 +181,7 @@ class ClusterConfig:
     link_alpha: float = field(default=0.3, metadata={"help": "weight of the newest pull or round trip in a link's moving averages, in (0, 1]"})
     peer_lookup_timeout_s: float = field(default=0.05, metadata={"help": "deadline of asking peers, in parallel, for the blocks after a Lookup's local hits (seconds; 0 = ask no one)"})
     peer_lookup_max_peers: int = field(default=8, metadata={"help": "at most this many peers advertising the namespace are asked per Lookup"})
+    peer_cooldown_s: float = field(default=10.0, metadata={"help": "a peer whose Push failed on the wire (unreachable, late) is not advised or asked to push for this long, unless named (seconds; 0 = never set aside)"})
 
     def endpoints(self) -> list[str]:
         return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
@@ -280,6 +281,7 @@ class Config:
         _check(c.link_prior_bytes_per_s > 0 and c.link_prior_rtt_s >= 0, "cluster.link_prior_*",
                "need bandwidth > 0 and round trip >= 0")
         _check(0 < c.link_alpha <= 1, "cluster.link_alpha", "must be in (0, 1]")
+        _check(0 <= c.peer_cooldown_s <= 3600, "cluster.peer_cooldown_s", "must be in [0, 3600] seconds")
         _check(0 <= c.peer_lookup_timeout_s <= 5 and c.peer_lookup_max_peers >= 1, "cluster.peer_lookup_*",
                "timeout in [0, 5] seconds (it is on every Lookup's path), at least 1 peer")
         _check(c.lease_ttl_s >= 2, "cluster.lease_ttl_s", "must be >= 2 seconds (etcd's shortest lease)")

@@ -245,6 +245,10 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     a.kill()
     r = pull(c, cc, third, holder="pull-a", deadline_s=2.0)
     assert (r.blocks, r.pulled) == (0, 0) and r.detail
+    # ...and, its push having failed on the wire, A is set aside (cluster.peer_cooldown_s): a
+    # pull naming no holder asks only B, which lacks the blocks, instead of waiting on A again.
+    r = pull(c, cc, third, deadline_s=2.0)
+    assert (r.blocks, r.pulled) == (0, 0) and "pull-b" in r.detail and "pull-a" not in r.detail, r.detail
     wait_for(lambda: "not a registered peer" in pull(c, cc, third, holder="pull-a").detail, what="C drops A")
 
     # A back: a new epoch and an empty DRAM, so nothing of the old A is served; new blocks are.

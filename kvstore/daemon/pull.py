@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from kvstore.daemon.tiering import Tiering
 
 log = logging.getLogger("kvstore.daemon.pull")
+# A Push that ended so failed on the wire or in the holder's transfer: the holder is set aside
+# (LinkMeter.failed). NOT_FOUND (evicted), FAILED_PRECONDITION (fenced) and PERMISSION_DENIED
+# are answers with a reason from a live peer.
+WIRE_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS})
 PROMOTE_SHARE = 0.5  # of a push's deadline, what promoting NVMe-only blocks may use; the rest ships them
 
 
@@ -187,6 +192,12 @@ class Pulls:
             candidates = self.holders.candidates(ns_hex, keys[have:])
             if not candidates:
                 return miss("no registered peer holds this namespace")
+            # Set aside after a failed push: unless named, not asked again for a while.
+            aside = [m for m in candidates if self.meter.set_aside(m.node_id, m.epoch)]
+            candidates = [m for m in candidates if m not in aside]
+            if not candidates:
+                return miss(f"every holder is set aside after a failed push: {', '.join(m.node_id for m in aside)} "
+                            f"(cluster.peer_cooldown_s)")
         why, got, first = [], ppb.PullResponse(blocks=have), None
         for m in candidates:
             left = deadline - time.monotonic()
@@ -207,8 +218,11 @@ class Pulls:
                 r = self.links.stub(addr, m.node_id).Push(req, timeout=left)
             except grpc.RpcError as e:
                 why.append(f"{m.node_id}@{m.epoch}: {e.code().name}: {e.details()}")
+                if e.code() in WIRE_FAILURES:  # not a refusal with a reason: the peer or its link failed
+                    self.meter.failed(m.node_id, m.epoch)
                 continue
             self.meter.pull(m.node_id, r.bytes, time.monotonic() - t_push)
+            self.meter.answered(m.node_id, m.epoch)
             with self.core.lock:
                 now = leading(s.ns, keys)
             first = first or m

@@ -55,10 +55,39 @@ class LinkMeter:
     """The per-peer link estimates (:class:`kvstore.policy.LinkEstimator`) behind a lock, fed by
     pulls and peer lookups from gRPC threads, mirrored into the link gauges."""
 
-    def __init__(self, c: ClusterConfig, metrics: ClusterMetrics) -> None:
+    def __init__(self, c: ClusterConfig, metrics: ClusterMetrics, clock=time.monotonic) -> None:
         self.estimator = LinkEstimator(c.link_prior_bytes_per_s, c.link_prior_rtt_s, c.link_alpha)
         self.metrics = metrics
+        self.cooldown_s = c.peer_cooldown_s
+        self.clock = clock
         self._lock = threading.Lock()
+        self._set_aside: dict[tuple[str, int], float] = {}  # (peer, epoch) -> until when
+
+    def failed(self, peer: str, epoch: int) -> None:
+        """A Push to ``peer`` at ``epoch`` failed on the wire (unreachable, or late): advising it
+        or asking it again would cost every request that meets it a deadline until its lease
+        runs out, so it is set aside for ``cluster.peer_cooldown_s``. A new epoch is a new
+        registration, not set aside."""
+        if self.cooldown_s > 0:
+            with self._lock:
+                self._set_aside[(peer, epoch)] = self.clock() + self.cooldown_s
+            log.info("peer %s@%d set aside for %.1f s: its push failed on the wire", peer, epoch, self.cooldown_s)
+
+    def answered(self, peer: str, epoch: int) -> None:
+        """``peer`` answered (a Push that shipped, a peer Lookup): no longer set aside."""
+        if self._set_aside:
+            with self._lock:
+                self._set_aside.pop((peer, epoch), None)
+
+    def set_aside(self, peer: str, epoch: int) -> bool:
+        if not self._set_aside:
+            return False
+        with self._lock:
+            until = self._set_aside.get((peer, epoch))
+            if until is not None and until <= self.clock():
+                del self._set_aside[(peer, epoch)]
+                until = None
+        return until is not None
 
     def rtt(self, peer: str, seconds: float) -> None:
         with self._lock:
@@ -130,6 +159,7 @@ class AskedRemoteHits:
                 log.debug("peer lookup of %s: %s", m.node_id, e.code().name)
                 continue
             self.meter.rtt(m.node_id, (done[0] if done else time.monotonic()) - t0)
+            self.meter.answered(m.node_id, m.epoch)
             if r.blocks and r.epoch == m.epoch:  # another epoch: a Push would be fenced
                 tier = TierKind.NVME if TierKind.NVME in r.tiers[:r.blocks] else TierKind.DRAM
                 out.append((m, r.blocks, tier))
@@ -161,7 +191,8 @@ class ClusterAdvisor:
                 offers = src.remote_prefix(st.id.hex(), keys[hit:])
             if offers:
                 break
-        remotes = [RemoteHit(m.node_id, m.epoch, n, t.name.lower()) for m, n, t in offers]
+        remotes = [RemoteHit(m.node_id, m.epoch, n, t.name.lower()) for m, n, t in offers
+                   if not self.meter.set_aside(m.node_id, m.epoch)]
         with self.core.lock:  # the tier estimator is not thread-safe
             d = choose_source(local, remotes, block_tokens=st.ns.layout.block_tokens, block_bytes=st.block_bytes,
                               cost=st.cost, link=self.meter.estimate, tier=self.policy.bandwidth.estimate,
