@@ -40,8 +40,11 @@ sysdeps:
 serve: $(STAMP)
 	$(VENV)/bin/kvstore serve $(ARGS)
 
+# Two workers, each taking whole modules (a module's daemons, etcd or vLLM engine are started
+# once, in one worker): about half of a serial run's time waits on processes, not on a CPU.
+TEST_WORKERS ?= 2
 test: $(TSTAMP) sysdeps
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 proto: $(TSTAMP)
 	./scripts/gen_proto.sh
