@@ -4,14 +4,16 @@
 ``workdir`` (metrics off, log in ``workdir/<name>.log``) and returns once it answers its health
 check; ``LocalDaemon.stop()`` sends SIGTERM (a graceful shutdown) and returns the exit status.
 A ``workdir`` too deep for a unix socket's path gets its sockets in a private directory under
-the system's temporary directory instead (removed at stop).
+the system's temporary directory instead, named after the work directory (removed at stop).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -67,6 +69,20 @@ def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeo
     raise RuntimeError(f"daemon not serving after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
 
 
+def _socket_dir(workdir: Path) -> str:
+    """A private directory for the sockets of daemons run in ``workdir``: the same one for every
+    start in that work directory, so a daemon restarted there (a benchmark's NVMe phase) is on
+    the socket path its clients were given. Refused if something else already holds the name."""
+    d = os.path.join(tempfile.gettempdir(), "kvstore-" + hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:16])
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise RuntimeError(f"{d}: exists and is not a private directory of this user; remove it") from None
+    return d
+
+
 def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float = 120.0) -> LocalDaemon:
     """Start ``kvstore serve`` with ``flags``; raises RuntimeError (with the log) if it exits or
     is not serving within ``timeout_s``."""
@@ -74,7 +90,7 @@ def start_daemon(workdir: str | Path, name: str, *flags: str, timeout_s: float =
     workdir.mkdir(parents=True, exist_ok=True)
     sock, sock_dir = str(workdir / f"{name}.sock"), None
     if len(os.fsencode(sock + ARENA_SUFFIX)) > UNIX_PATH_MAX:
-        sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # 0700
+        sock_dir = _socket_dir(workdir)
         sock = os.path.join(sock_dir, f"{name}.sock")
     log_path = workdir / f"{name}.log"
     args = [sys.executable, "-m", "kvstore", "serve", "--server-socket-path", sock, "--metrics-port", "0", *flags]

@@ -197,6 +197,10 @@ def test_a_local_daemon_in_a_directory_too_deep_for_a_socket_path_still_starts(t
     finally:
         assert d.stop() == 0
     assert not os.path.exists(sock_dir) and (deep / "deep.log").exists()
+    again = start_daemon(deep, "deep", "--dram-capacity-bytes", "16MiB", "--dram-extent-bytes", "4MiB",
+                         "--dram-prefault", "false")
+    assert again.socket_path == d.socket_path  # restarted there: where its clients look for it
+    assert again.stop() == 0
 
 
 def test_prefetch_into_an_unknown_tier(setup):

@@ -279,11 +279,11 @@ def test_connector_stats_go_through_vllms_own_logging():
                                                    kv_connector_module_path="kvstore.clients.vllm_connector"))
     a, b = KVStoreConnectorStats(), KVStoreConnectorStats()
     a.data.update(loaded_blocks=9, load_s=0.25)
-    b.data.update(loaded_blocks=3, saved_blocks=7, load_failed_blocks=2)
+    b.data.update(loaded_blocks=3, saved_blocks=7, load_failed_blocks=2, pulled_blocks=4)
     assert KVStoreConnectorStats().is_empty() and not a.is_empty()
     for s in (a, b):
         logging_.observe(s.to_dict())
     lines = []
     logging_.log(lambda fmt, *args: lines.append(fmt % args))
     assert lines == ["KV Transfer metrics: loaded_blocks=12, load_failed_blocks=2, saved_blocks=7, "
-                     "save_failed_blocks=0, load_s=0.25, save_s=0"]
+                     "save_failed_blocks=0, load_s=0.25, save_s=0, pulled_blocks=4, pull_failed_blocks=0"]
