@@ -7,18 +7,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_util import Daemons  # noqa: E402
 
-# The longest modules (a vLLM or SGLang engine, many daemons), run first: `make test` hands
-# whole modules to two workers as they free up, and one of these started last would leave the
-# other worker idle for minutes at the end.
-LONGEST_FIRST = ("test_vllm_connector.py", "test_bench_vllm.py", "test_sglang_hicache.py", "test_gpu_runner.py",
-                 "test_vllm_pull.py", "test_vllm_tier.py", "test_tiering.py", "test_cluster_pull.py", "test_daemon.py",
-                 "test_hf.py", "test_transfer.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests stay in order
-
 
 @pytest.fixture
 def daemons(tmp_path):
