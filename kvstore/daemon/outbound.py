@@ -18,7 +18,6 @@ from kvstore.daemon.core import Core, LeaseKind, Session
 from kvstore.daemon.index import BlockState
 from kvstore.daemon.metrics import Metrics
 from kvstore.errors import Code, KVError
-from kvstore.keys import Namespace
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, parse_peer
@@ -43,12 +42,6 @@ def failure_reason(status: TransferStatus) -> str:
     return {TransferStatus.CHECKSUM_MISMATCH: "checksum", TransferStatus.DEADLINE_EXCEEDED: "timeout",
             TransferStatus.PEER_LOST: "peer", TransferStatus.UNAUTHENTICATED: "auth",
             TransferStatus.FORBIDDEN: "forbidden"}.get(status, "other")
-
-
-def _ns_meta(ns: Namespace, blocks: list, limit: int) -> bytes:
-    """The transfer header's meta: the namespace, and the blocks' token ids when they fit
-    ``limit`` bytes (:mod:`kvstore.daemon.transfer_meta`)."""
-    return transfer_meta.encode(ns, blocks, limit)
 
 
 class Outbound:
@@ -147,7 +140,9 @@ class Outbound:
         fresh: dict[int, array] = {}
         t0 = time.monotonic()
         try:
-            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=_ns_meta(st.ns, blocks, self.config.max_meta_bytes))
+            # the namespace, and the blocks' token ids where they fit the header
+            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s,
+                                  meta=transfer_meta.encode(st.ns, blocks, self.config.max_meta_bytes))
             try:
                 if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
                     for layer in range(lay.num_layers):
@@ -156,9 +151,9 @@ class Outbound:
                                               for b in blocks])
                 elif layer_major:  # the receiver's doorbell counts layer l once every block has it
                     for layer in range(lay.num_layers):
-                        for i, b in enumerate(blocks):
-                            tx.send(i, layer, buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk],
-                                    None if b.digests is None else b.digests[layer])
+                        tx.send_layer(layer, [buf[b.offset + layer * chunk: b.offset + (layer + 1) * chunk]
+                                              for b in blocks],
+                                      [None if b.digests is None else b.digests[layer] for b in blocks])
                 else:  # committed: a block's layers lie back to back in its slot; runs of them
                     k = run_layers(chunk, lay.num_layers)
                     for i, b in enumerate(blocks):
