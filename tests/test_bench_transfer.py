@@ -14,7 +14,9 @@ def test_bench_transfer_through_daemons_small():
     assert r["backend"] == "tcp" and r["reference"] == "raw TCP socket"
     (row,) = r["rows"]
     assert row["chunk_bytes"] == 65536 and row["bytes"] == 8 << 20 and row["verified"] is True
-    assert row["daemon_GBps"] > 0 and row["raw_GBps"] > 0
+    assert row["daemon_GBps"] > 0 and row["raw_GBps"] > 0 and row["raw_verified_GBps"] > 0
+    # raw again with its receiver hashing every message: the ratio against it is reported apart
+    assert abs(row["ratio_verified"] - row["daemon_GBps"] / row["raw_verified_GBps"]) < 0.01
     assert abs(row["ratio"] - row["daemon_GBps"] / row["raw_GBps"]) < 0.01  # one round: the pair's ratio
     assert len(row["ratio_runs"]) == 1
     cpu = row["cpu_s_per_gb"]  # each daemon's CPU per GB beside raw's sender and receiver

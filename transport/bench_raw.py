@@ -5,6 +5,10 @@ protocol (no frames, no checksums, no sink), measured the same way as the transp
 * raw ucxx: tagged send/recv on the low-level ucxx API, blocking progress, receives posted ahead;
 * ``ucx_perftest -t tag_bw`` from the libucx wheel, when its binary is there.
 
+``verify``: the receiver also takes the xxh3 of every message as the transport's receiver does
+(TCP: in 512 KiB pieces as they arrive, tcp.recv_hashed; UCX: each message once it has landed),
+so what the integrity check alone costs is measured apart from what the transport adds.
+
 Throughput: ``n`` messages back to back, bytes / (first send .. receiver's last arrival). The
 memory touched matches the transport benchmark (4 source buffers, a receive ring of the sink's
 size), so cache effects do not favour either side.
@@ -29,8 +33,10 @@ import sys
 import time
 
 import numpy as np
+import xxhash
 
 from . import ucx_env
+from .protocol import checksum
 
 
 def percentiles(samples_s: list[float]) -> tuple[float, float]:
@@ -84,17 +90,25 @@ def _ring(ring_bytes: int, size: int, shared: bool = False) -> list[memoryview]:
     return [memoryview(ring[i * size:(i + 1) * size]) for i in range(ring.nbytes // size)]
 
 
-def _tcp_rx(conn, size: int, n: int, n_lat: int, ring_bytes: int, shared: bool = False) -> None:
+def _tcp_rx(conn, size: int, n: int, n_lat: int, ring_bytes: int, shared: bool = False,
+            verify: bool = False) -> None:
+    from .tcp import _HASH_PIECE
+
     ls = socket.create_server(("127.0.0.1", 0))
     conn.send(ls.getsockname()[1])
     s, _ = ls.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     slots = _ring(ring_bytes, size, shared)
+    step = _HASH_PIECE if verify else size
     for i in range(_WARM + n + n_lat):
         buf = slots[i % len(slots)]
-        got = 0
-        while got < size:
-            got += s.recv_into(buf[got:], size - got, socket.MSG_WAITALL) or _eof()
+        h = xxhash.xxh3_64() if verify else None
+        for off in range(0, size, step):
+            piece, got = buf[off:off + step], 0
+            while got < piece.nbytes:
+                got += s.recv_into(piece[got:], piece.nbytes - got, socket.MSG_WAITALL) or _eof()
+            if h is not None:
+                h.update(piece)
         if i == _WARM - 1 or i == _WARM + n - 1 or i >= _WARM + n:
             conn.send(_mark())
     s.close()
@@ -115,10 +129,10 @@ def _sources(size: int, footprint: int = 0, shared: bool = False) -> list[memory
 
 
 def raw_tcp(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, src_bytes: int = 0,
-            shared: bool = False) -> dict:
+            shared: bool = False, verify: bool = False) -> dict:
     """``shared``: send from and receive into shared memory, as a daemon does (:func:`_memory`)."""
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_tcp_rx, args=(child, size, n, n_lat, ring_bytes, shared), daemon=True)
+    p = ctx.Process(target=_tcp_rx, args=(child, size, n, n_lat, ring_bytes, shared, verify), daemon=True)
     p.start()
     try:
         s = socket.create_connection(("127.0.0.1", parent.recv()))
@@ -153,7 +167,8 @@ def _wait(worker, reqs) -> None:
         r.check_error()
 
 
-def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int, shared: bool = False) -> None:
+def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int, shared: bool = False,
+            verify: bool = False) -> None:
     api, Array = ucx_env.load()
     ctx = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
     w = api.UCXWorker(ctx)
@@ -165,7 +180,8 @@ def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int, sh
     while not eps:
         w.progress_worker_event(100)
     ep = eps[0]
-    ring = [Array(m) for m in _ring(ring_bytes, size, shared)]
+    slots = _ring(ring_bytes, size, shared)
+    ring = [Array(m) for m in slots]
     depth = min(depth, len(ring))
     tag = api.UCXXTag(1)
     for count in (_WARM, n):
@@ -175,6 +191,8 @@ def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int, sh
             posted.pop(0)
             if i + depth < count:
                 posted.append(ep.tag_recv(ring[(i + depth) % len(ring)], tag))
+            if verify:  # as the transport's receiver does inline: once the whole message landed
+                checksum(slots[i % len(slots)])
         conn.send(_mark())
     for _ in range(n_lat):
         _wait(w, [ep.tag_recv(ring[0], tag)])
@@ -183,10 +201,10 @@ def _ucx_rx(conn, size: int, n: int, n_lat: int, depth: int, ring_bytes: int, sh
 
 
 def raw_ucxx(ctx, size: int, n: int, n_lat: int, ring_bytes: int = 64 << 20, depth: int = 4,
-             src_bytes: int = 0, shared: bool = False) -> dict:
+             src_bytes: int = 0, shared: bool = False, verify: bool = False) -> dict:
     api, Array = ucx_env.load()
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_ucx_rx, args=(child, size, n, n_lat, depth, ring_bytes, shared), daemon=True)
+    p = ctx.Process(target=_ucx_rx, args=(child, size, n, n_lat, depth, ring_bytes, shared, verify), daemon=True)
     p.start()
     try:
         uctx = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
