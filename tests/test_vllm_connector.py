@@ -315,29 +315,24 @@ def test_daemon_killed_while_vllm_serves(restart_engines, daemons, ref):
 # --- two daemons: prefill on one, decode on the other ------------------------------------------
 
 @pytest.fixture(scope="module")
-def disaggregated(model, workdir, module_daemons) -> dict:
-    """Per backend (UCX where ucxx imports): daemons A and B, a prefill engine on A that ships
-    to B, and a decode engine on B; every backend's engines started at once."""
-    backends = [be for be in ("tcp", "ucx") if be == "tcp" or importlib.util.find_spec("ucxx")]
-    daemons, specs = {}, []
-    for be in backends:
-        a, b = daemons[be] = module_daemons.start(
-            DaemonSpec(dram="64MiB", transfer=be, name=f"a-{be}"),
-            DaemonSpec(("--server-session-ttl-s", "3"), dram="64MiB", transfer=be, name=f"b-{be}"))
-        prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
-        specs += [(EngineSpec(model, kv_transfer=prefill), workdir / f"prefill-{be}.log"),
-                  (EngineSpec(model, kv_transfer=connector(b.socket_path, role="kv_consumer")),
-                   workdir / f"decode-{be}.log")]
-    es = EngineProc.start_all(specs)
-    yield {be: (*daemons[be], *es[2 * i:2 * i + 2]) for i, be in enumerate(backends)}
+def disaggregated(model, workdir, module_daemons) -> tuple:
+    """Daemons A and B on UCX (TCP where ucxx does not import), a prefill engine on A that ships
+    to B, and a decode engine on B, started at once. One backend: the connector's calls are the
+    same over both, and test_transfer.py runs both transports through the daemons."""
+    be = "ucx" if importlib.util.find_spec("ucxx") else "tcp"
+    a, b = module_daemons.start(
+        DaemonSpec(dram="64MiB", transfer=be, name=f"a-{be}"),
+        DaemonSpec(("--server-session-ttl-s", "3"), dram="64MiB", transfer=be, name=f"b-{be}"))
+    prefill = connector(a.socket_path, role="kv_producer", transfer_peer=b.transfer_addr)
+    es = EngineProc.start_all([(EngineSpec(model, kv_transfer=prefill), workdir / f"prefill-{be}.log"),
+                               (EngineSpec(model, kv_transfer=connector(b.socket_path, role="kv_consumer")),
+                                workdir / f"decode-{be}.log")])
+    yield (a, b, *es)
     EngineProc.stop_all(es)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "ucx"])
-def test_prefill_on_daemon_a_decode_on_daemon_b(disaggregated, ref, backend):
-    if backend == "ucx":
-        pytest.importorskip("ucxx")
-    _, b, p, d = disaggregated[backend]
+def test_prefill_on_daemon_a_decode_on_daemon_b(disaggregated, ref):
+    _, b, p, d = disaggregated
     try:
         p.generate([P1], max_tokens=1)
         wait_for(lambda: blocks_in(b.socket_path) >= loadable(P1) // BT, 60, "the prompt's blocks on daemon B")
