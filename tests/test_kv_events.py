@@ -242,8 +242,27 @@ def test_blocks_that_arrive_by_transfer_carry_the_senders_token_ids(pair):
     inc.release()
     assert cpu_store(b, ca.keys(more)[0]).token_ids == more
     cb.close()
-    # Token ids past the header's 64 KiB (17 blocks of 1,024 tokens: 68 KiB) stay behind: the
-    # blocks arrive and are announced without them.
+    # A long transfer of 16-token blocks: 1,100 blocks, 70 KiB of token ids, past the header's
+    # 64 KiB but within its 64 bytes per key: they travel, parent included.
+    small = KVLayout(1, 1, 16, "fp16", block_tokens=16)
+    cs = KVStoreClient(a.socket_path, timeout_s=20)
+    cs.register(small, "shipped-many")
+    many = list(range(7_000_000, 7_000_000 + 1101 * 16))
+    cs.put(many, np.zeros(small.tensor_shape(len(many)), np.float16))
+    keys_many = cs.keys(many)
+    assert cs.transfer(keys_many[1:], b.transfer_addr, deadline_s=30).blocks == 1100
+    wanted = set(keys_many[1:])
+
+    def stored():  # announced in several BlockStored events: gathered in order
+        evs = [e for e in events_of(replay(b.replay))
+               if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU and e.block_hashes[0] in wanted]
+        return evs if sum(len(e.block_hashes) for e in evs) >= 1100 else None
+    evs = wait_for(stored, what="the 1,100 blocks announced")
+    assert [h for e in evs for h in e.block_hashes] == keys_many[1:]
+    assert [t for e in evs for t in e.token_ids] == many[16:] and evs[0].parent_block_hash == keys_many[0]
+    cs.close()
+    # Token ids past that (17 blocks of 1,024 tokens: 68 KiB, beyond 64 KiB + 17 x 64 bytes)
+    # stay behind: the blocks arrive and are announced without them.
     big = KVLayout(1, 1, 16, "fp16", block_tokens=1024)
     cl = KVStoreClient(a.socket_path, timeout_s=10)
     cl.register(big, "shipped-long")

@@ -40,6 +40,10 @@ MAX_BATCH = 64  # CHUNK headers one BATCH frame may carry
 BATCH_BYTES = 64 << 10  # ... and at most this many bytes of headers and run digests
 MAX_RUN_LAYERS = 1024  # layers one run may carry
 KEY_BYTES = 32
+# Room a manifest's meta gets per key on top of ``max_meta_bytes``: 16 int32 token ids, one block
+# of vLLM's default size, so a transfer of any length can carry its blocks' token ids for the
+# receiver's KV events (the daemon's use of meta, kvstore/daemon/transfer_meta.py).
+META_BYTES_PER_KEY = 64
 
 # magic, version, type, flags, status, seq, transfer_id, block, layer, length, checksum, key:
 # every field naturally aligned, 80 bytes
@@ -269,8 +273,9 @@ class TransferHeader:
         if not 0 < chunk_bytes <= max_chunk_bytes:
             raise ProtocolError(f"manifest: chunk of {chunk_bytes} bytes, allowed 1..{max_chunk_bytes}",
                                 transfer_id)
-        if meta_len > max_meta_bytes:
-            raise ProtocolError(f"manifest: {meta_len} bytes of meta, allowed {max_meta_bytes}", transfer_id)
+        if meta_len > meta_limit(max_meta_bytes, n_blocks):
+            raise ProtocolError(f"manifest: {meta_len} bytes of meta, allowed {meta_limit(max_meta_bytes, n_blocks)} "
+                                f"({max_meta_bytes} + {META_BYTES_PER_KEY} per key)", transfer_id)
         if len(raw) != _MANIFEST.size + n_blocks * KEY_BYTES + meta_len:
             raise ProtocolError("manifest: length does not match its key count", transfer_id)
         if not deadline_s > 0:
@@ -281,5 +286,10 @@ class TransferHeader:
         return cls(transfer_id, keys, n_layers, chunk_bytes, deadline_s, bytes(meta))
 
 
+def meta_limit(max_meta_bytes: int, n_keys: int) -> int:
+    """The most meta a manifest of ``n_keys`` keys may carry."""
+    return max_meta_bytes + n_keys * META_BYTES_PER_KEY
+
+
 def max_manifest_bytes(max_blocks: int, max_meta_bytes: int) -> int:
-    return _MANIFEST.size + max_blocks * KEY_BYTES + max_meta_bytes
+    return _MANIFEST.size + max_blocks * KEY_BYTES + meta_limit(max_meta_bytes, max_blocks)

@@ -22,7 +22,7 @@ from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, parse_peer
 from kvstore.transport.auth import TlsFiles, default_node_name, read_secret
-from kvstore.transport.protocol import layer_digests
+from kvstore.transport.protocol import layer_digests, meta_limit
 
 
 def wire_config(t: TransportConfig) -> TransferConfig:
@@ -142,7 +142,7 @@ class Outbound:
         try:
             # the namespace, and the blocks' token ids where they fit the header
             tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s,
-                                  meta=transfer_meta.encode(st.ns, blocks, self.config.max_meta_bytes))
+                                  meta=transfer_meta.encode(st.ns, blocks, meta_limit(self.config.max_meta_bytes, len(blocks))))
             try:
                 if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
                     for layer in range(lay.num_layers):

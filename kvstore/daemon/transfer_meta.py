@@ -1,16 +1,18 @@
 """What a daemon-to-daemon transfer says about its blocks, in the transport header's opaque
-``meta`` (at most ``max_meta_bytes``, 64 KiB): their namespace and, when the sender knows them,
-their token ids and the chain parent of the first, for the receiver's KV events.
+``meta`` (at most ``max_meta_bytes``, 64 KiB, plus 64 bytes per key: ``protocol.meta_limit``):
+their namespace and, when the sender knows them, their token ids and the chain parent of the
+first, for the receiver's KV events.
 
 The form: the namespace as JSON (:meth:`Namespace.to_dict`) alone; or followed by a NUL byte
 (JSON text never holds one), one byte giving the parent key's length (0: the first block is a
 chain root, or 32), that key, and every block's token ids (int32 little-endian,
 ``block_tokens`` a block). The sender writes them only when it holds every block's tokens, the
-blocks are one run of a chain, and they fit the bound: about 16,000 tokens a transfer (64 KiB
-of int32 less the namespace), which is 1,000 blocks of 16 tokens. Any other transfer (a longer
-one, keys from several chains, blocks from a daemon that publishes no events and so keeps no
-tokens) carries the namespace alone, and its blocks are announced on the receiver without
-token ids (docs/cluster.md, "KV events").
+blocks are one run of a chain, and they fit the bound: blocks of up to 16 tokens (vLLM's
+default) always fit, whatever the transfer's length; larger blocks while their tokens beyond 16
+a block fit the 64 KiB (e.g. about 1,000 blocks of 32 tokens, 16 of 1,024). Any other transfer
+(keys from several chains, blocks from a daemon that publishes no events and so keeps no tokens,
+larger blocks past that) carries the namespace alone, and its blocks are announced on the
+receiver without token ids (docs/cluster.md, "KV events").
 
 A receiver trusts none of it unchecked: the tokens must chain, after the parent, to the keys
 (:func:`kvstore.keys.check_tokens`), which also vouches for the parent.

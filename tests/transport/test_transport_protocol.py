@@ -43,8 +43,11 @@ def test_manifest_roundtrip_and_bounds():
         TransferHeader.decode(9, h.encode(), 16, 4096, 64)
     with pytest.raises(ProtocolError, match="length does not match"):
         TransferHeader.decode(9, h.encode() + b"x", 16, 1 << 20, 64)
-    with pytest.raises(ProtocolError, match="2 bytes of meta, allowed 1"):
-        TransferHeader.decode(9, h.encode(), 16, 1 << 20, 1)
+    # meta: max_meta_bytes plus 64 bytes (16 token ids) per key
+    big = TransferHeader(9, keys, n_layers=4, chunk_bytes=65536, deadline_s=2.5, meta=bytes(1 + 3 * 64))
+    assert TransferHeader.decode(9, big.encode(), 16, 1 << 20, 1) == big
+    with pytest.raises(ProtocolError, match=r"194 bytes of meta, allowed 193 \(1 \+ 64 per key\)"):
+        TransferHeader.decode(9, TransferHeader(9, keys, 4, 65536, 2.5, bytes(2 + 3 * 64)).encode(), 16, 1 << 20, 1)
 
 
 def test_status_frames_carry_status_and_reason():
