@@ -282,6 +282,7 @@ class _Inbound(_Conn):
                     reply = self.session.on_control(frame, obj)
                     if reply is not None:
                         self.send_ctrl(*reply)
+                    self.server.refresh_open()  # BEGIN opened a transfer, END or ABORT closed it
         except TransferError as err:
             self.lost(err)
 
@@ -314,6 +315,7 @@ class _Inbound(_Conn):
         self.teardown()
         self.session.fail(err)
         self.server.conns.discard(self)
+        self.server.refresh_open()
 
 
 class UcxServer:
@@ -344,6 +346,11 @@ class UcxServer:
     def _tick(self, now: float) -> None:
         for conn in list(self.conns):
             conn.tick(now)
+        self.refresh_open()
+
+    def refresh_open(self) -> None:
+        """Whether a transfer is open on a connection: at every tick, and at once when one begins
+        or ends (as ``UcxConnector.refresh_open``)."""
         self.engine.transfers_open = any(c.session.active is not None for c in self.conns)
 
     def stop(self, timeout_s: float = 5.0) -> None:

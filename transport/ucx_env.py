@@ -11,18 +11,21 @@ In blocking mode an idle engine sleeps inside ucxx's ``progress_worker_event`` (
 epoll_wait, all in C++ with the GIL released once), and ``call_soon`` wakes it through an eventfd
 added to ucxx's own epoll set; it writes that eventfd only while the engine sleeps. A large
 rendezvous wakes the engine many times per chunk, so what one wake costs in Python (GIL hand-offs,
-syscalls) is what the transport costs over raw UCX. After a round that did work the engine keeps
-polling for ``SPIN_S`` before it sleeps again: in layer-pipelined transfers a layer's first chunk
+syscalls) is what the transport costs over raw UCX. After a round that did work a blocking engine
+keeps polling for ``SPIN_S`` before it sleeps again: in layer-pipelined transfers a layer's first chunk
 then finds the engine awake (layer-ready lag p50 1.3-1.5 ms against 1.7-4 ms, and up to 21 ms in
 bad runs, when it slept between layers; 32 layers of 8 MiB, compute = transfer). While a transfer
-is open (``transfers_open``, kept by the listener's and the connector's tickers) a sleep lasts at
+is open (``transfers_open``, kept by the listener and the connector at each tick and as a transfer
+begins or ends) a sleep lasts at
 most ``OPEN_NAP_MS``, so a wake-up UCX does not deliver (a sender whose shared-memory FIFO was
 full is not signalled when it drains) costs a millisecond, not a 20 ms tick. In polling mode the
 engine spins always; in adaptive mode (the default) it spins while a transfer is open and none of
 its payloads is in flight (waiting for the peer's next frame or the caller's next layer, where a
 wake-up's latency shows: on this 2-core VM a blocking engine let the pipelined overlap fall to
-medians of 0.79-0.93, single runs down to 0), and waits on UCX's events like raw ucxx while
-payloads are in flight (spinning through a bulk transfer cost ~3x raw's CPU per GB per side).
+medians of 0.79-0.93, single runs down to 0), waits on UCX's events like raw ucxx while
+payloads are in flight (spinning through a bulk transfer cost ~3x raw's CPU per GB per side), and
+sleeps when no transfer is open, with no ``SPIN_S`` window (that polling took a core from the
+daemon's RPC threads on 2 cores: a one-block Transfer RPC, 7.3-7.9 ms with it, 6.4-6.5 without).
 """
 
 from __future__ import annotations
@@ -240,9 +243,10 @@ class Engine:
         whose latency polling saves; while payloads are in flight UCX's own events wake us as
         they progress, as raw ucxx waits. Spinning through a bulk transfer instead cost about
         3x raw's CPU per GB on each side on a 2-core host, and the spinning sender took the
-        core the receiver's copy needed. Otherwise: for ``SPIN_S`` after the last busy round."""
-        if self._adaptive and self.transfers_open:
-            return not any(self._lanes)
+        core the receiver's copy needed. No transfer open: sleep (see the module's docstring).
+        Blocking mode: for ``SPIN_S`` after the last busy round."""
+        if self._adaptive:
+            return self.transfers_open and not any(self._lanes)
         return now < spin_until
 
     def _run(self) -> None:

@@ -74,7 +74,8 @@ class UcxChannel(_Conn):
             return False
 
     def set_deadline(self, deadline: float | None) -> None:
-        self.deadline = deadline
+        self.deadline = deadline  # set at open, cleared when the transfer is over
+        self.engine.call_soon(self.connector.refresh_open)  # before the next tick: see refresh_open
 
     def close(self) -> None:
         if not self.closed:
@@ -182,6 +183,11 @@ class UcxConnector:
     def _tick(self, now: float) -> None:
         for ch in list(self.channels):
             ch.tick(now)
+        self.refresh_open()
+
+    def refresh_open(self) -> None:
+        """Whether a transfer is open on a channel (engine thread): at every tick, and at once
+        when one opens or ends, since an adaptive engine polls exactly while one is open."""
         self.engine.transfers_open = any(ch.deadline is not None for ch in self.channels)
 
     def connect(self, host: str, port: int, timeout_s: float) -> UcxChannel:
