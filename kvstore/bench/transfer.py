@@ -103,6 +103,9 @@ def daemons(a) -> dict:
             times, raws, privs, checked, cpu = [], [], [], [], []
             nbytes = n * layout.block_bytes
             message = run_layers(chunk, layout.num_layers) * chunk  # what the daemon puts in one message
+
+            def run_raw(**kw) -> dict:  # the raw path moving the same bytes in messages of that size
+                return raw_fn(ctx, message, max(8, nbytes // message), 5, ring_bytes=nbytes, src_bytes=nbytes, **kw)
             for r in range(a.repeat + 1):  # the first round warms the connection up
                 toks = tokens + r * 10_000_000  # fresh keys every round: nothing recorded for them yet
                 ca.put(toks, kv)
@@ -123,14 +126,11 @@ def daemons(a) -> dict:
                     # the same footprint as the daemons': each of A's blocks is read from its
                     # arena once and each lands in a slot of B's, none of them in the L3 cache;
                     # and the same kind of memory (shared, as an arena is), then private memory
-                    raw = raw_fn(ctx, message, max(8, nbytes // message), 5, ring_bytes=nbytes, src_bytes=nbytes,
-                                 shared=True)
+                    raw = run_raw(shared=True)
                     raws.append(raw["gbps"])
-                    privs.append(raw_fn(ctx, message, max(8, nbytes // message), 5, ring_bytes=nbytes,
-                                        src_bytes=nbytes)["gbps"])
+                    privs.append(run_raw()["gbps"])
                     # ... and with its receiver taking every message's xxh3 as the daemon's does
-                    rawv = raw_fn(ctx, message, max(8, nbytes // message), 5, ring_bytes=nbytes,
-                                  src_bytes=nbytes, shared=True, verify=True)
+                    rawv = run_raw(shared=True, verify=True)
                     checked.append(rawv["gbps"])
                     gb = nbytes / 1e9  # CPU s per GB: (daemon A, daemon B, raw sender, raw receiver)
                     cpu.append(((c1[0] - c0[0]) / gb, (c1[1] - c0[1]) / gb, raw["cpu_tx_s_per_gb"], raw["cpu_rx_s_per_gb"],
@@ -142,9 +142,8 @@ def daemons(a) -> dict:
                 hidden = dict(tries[len(tries) // 2], hidden_runs=[t["hidden_fraction"] for t in tries])
             ca.close()
             cb.close()
-            ratios = [nbytes / t / 1e9 / g for t, g in zip(times, raws)]
-            ratios_priv = [nbytes / t / 1e9 / g for t, g in zip(times, privs)]
-            ratios_checked = [nbytes / t / 1e9 / g for t, g in zip(times, checked)]
+            ratios, ratios_priv, ratios_checked = ([nbytes / t / 1e9 / g for t, g in zip(times, ref)]
+                                                   for ref in (raws, privs, checked))
             rows.append({"chunk_bytes": chunk, "message_bytes": message, "blocks": n, "bytes": nbytes,
                          "daemon_GBps": round(nbytes / statistics.median(times) / 1e9, 3),
                          "raw_GBps": round(statistics.median(raws), 3), "ratio": round(statistics.median(ratios), 3),

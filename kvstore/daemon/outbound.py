@@ -141,8 +141,8 @@ class Outbound:
         t0 = time.monotonic()
         try:
             # the namespace, and the blocks' token ids where they fit the header
-            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s,
-                                  meta=transfer_meta.encode(st.ns, blocks, meta_limit(self.config.max_meta_bytes, len(blocks))))
+            meta = transfer_meta.encode(st.ns, blocks, meta_limit(self.config.max_meta_bytes, len(blocks)))
+            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=meta)
             try:
                 if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
                     for layer in range(lay.num_layers):

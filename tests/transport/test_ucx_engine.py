@@ -103,13 +103,10 @@ def test_a_polling_engine_spins_and_still_serves_calls(engine_cls):
         assert engine.call(lambda: 7) == 7
 
 
-class LongSpin:
-    SPIN_S = 1.0
-
-
 def test_after_work_a_blocking_engine_polls_for_its_spin_window_then_sleeps(engine_cls):
-    cfg = TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING)
-    with running(type("LongSpinEngine", (LongSpin, engine_cls), {})(cfg, "test")) as engine:
+    class LongSpin(engine_cls):
+        SPIN_S = 1.0
+    with running(LongSpin(TransferConfig(backend="ucx", ucx_progress=UcxProgress.BLOCKING), "test")) as engine:
         engine.call(lambda: None)
         assert_polling(engine, 0.1)  # still inside the window
         time.sleep(1.0)
@@ -120,7 +117,9 @@ def test_after_work_a_blocking_engine_polls_for_its_spin_window_then_sleeps(engi
 def test_after_work_an_adaptive_engine_with_no_transfer_open_sleeps_at_once(engine_cls):
     """No spin window in adaptive mode: it polls only while a transfer is open (below); polling
     after every piece of work took a core from the daemon's RPC threads on 2 cores."""
-    with running(type("LongSpinEngine", (LongSpin, engine_cls), {})(TransferConfig(backend="ucx"), "test")) as engine:
+    class LongSpin(engine_cls):
+        SPIN_S = 1.0
+    with running(LongSpin(TransferConfig(backend="ucx"), "test")) as engine:
         engine.call(lambda: None)
         assert_asleep(engine, 0.3)  # inside what would be the 1 s window
         assert engine.call(lambda: 5) == 5
