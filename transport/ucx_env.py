@@ -24,8 +24,8 @@ its payloads is in flight (waiting for the peer's next frame or the caller's nex
 wake-up's latency shows: on this 2-core VM a blocking engine let the pipelined overlap fall to
 medians of 0.79-0.93, single runs down to 0), waits on UCX's events like raw ucxx while
 payloads are in flight (spinning through a bulk transfer cost ~3x raw's CPU per GB per side), and
-sleeps when no transfer is open, with no ``SPIN_S`` window (that polling took a core from the
-daemon's RPC threads on 2 cores: a one-block Transfer RPC, 7.3-7.9 ms with it, 6.4-6.5 without).
+sleeps when no transfer is open, with no ``SPIN_S`` window (that polling takes a core from the
+daemon's RPC threads on 2 cores; docs/transport.md, "UCX" section, says what it measured).
 """
 
 from __future__ import annotations
