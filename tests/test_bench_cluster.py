@@ -1,4 +1,6 @@
-"""`kvstore bench cluster --policy` runs end to end on a tiny workload (figures go in docs/cluster.md)."""
+"""`kvstore bench cluster --policy` runs end to end on a tiny workload, pulls asking the peers
+advertising the namespace and pulls directed by the cluster prefix directory (figures go in
+docs/cluster.md)."""
 
 import json
 import shutil
@@ -25,6 +27,12 @@ def test_bench_cluster_tiny():
     assert pulls["mean_recompute_s"] == pytest.approx(alone["mean_recompute_s"] / 2)
     assert r["time_to_kv_ratio"] == round(pulls["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
     assert "rows" not in alone
+    # The second fleet publishes KV events: its pulls go where the cluster prefix directory
+    # says the chain is, and find what the first fleet's pulls found by asking every peer.
+    directed = r["with_directory"]
+    assert (directed["requests"], directed["prompt_tokens"]) == (12, 768)
+    assert (directed["local_hit_tokens"], directed["pulled_tokens"], directed["hit_rate"]) == (0, 4 * (32 + 64), 0.5)
+    assert r["directory_time_to_kv_ratio"] == round(directed["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
     # By policy: Lookup's advice taken per request; the first turns (nothing anywhere) recompute,
     # and what was pulled is what the advice said to pull (the split depends on measured links).
     advised = r["with_policy"]

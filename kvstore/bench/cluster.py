@@ -1,10 +1,13 @@
-"""``kvstore bench cluster``: one multi-turn workload over three daemons in one fleet, routed
-round-robin, once with each daemon alone (a miss is recomputed) and once with pulls (a miss
-asks the daemon to pull the prefix from the peer that holds it): hit rate and mean
-time-to-KV per request. With ``--policy``, a third run acts on each Lookup's advice (load,
-pull or recompute) instead of always pulling, and counts how often each was advised.
+"""``kvstore bench cluster``: one multi-turn workload over a fleet of three daemons, routed
+round-robin, once with each daemon alone (a miss is recomputed) and with pulls (a miss asks the
+daemon to pull the prefix from the peer that holds it): hit rate and mean time-to-KV per
+request. Pulls run on two fleets sharing the etcd: one without KV events, whose daemons ask
+every peer advertising the namespace, in turn, and one whose daemons publish their KV events,
+so a pull asks the peer the cluster prefix directory says holds the chain (and none when nobody
+does). With ``--policy``, a further run acts on each Lookup's advice (load, pull or recompute)
+instead of always pulling, and counts how often each was advised.
 
-The fleet: a private etcd (Debian's ``etcd-server``), three ``kvstore serve`` processes on
+A fleet: a private etcd (Debian's ``etcd-server``), three ``kvstore serve`` processes on
 loopback, each with its transfer listener and a mutual-TLS control listener (a throwaway CA and
 one certificate per node, its CN the node id, made here). The workload: ``--conversations``
 conversations of ``--turns`` turns; turn ``t`` of a conversation sends its whole history
@@ -13,17 +16,16 @@ the one before. Requests go turn by turn, conversation by conversation, to daemo
 ``i mod 3``: a conversation's next turn lands on another daemon than its last one.
 
 Per request, as an engine's connector would: Lookup on the daemon the request was routed to;
-with pulls, a Pull of the blocks it lacks (the daemon asks the peers its holder source names:
-today every peer advertising the namespace in etcd, in turn; the cluster prefix directory once
-it is there); then Get of every block now local into the worker's buffer (checked bit-exact);
+with pulls, a Pull of the blocks it lacks (the daemon asks the peers its holder source names);
+then Get of every block now local into the worker's buffer (checked bit-exact);
 the rest of the prompt is recomputed; then the whole prompt's KV is Put, as the engine writes
 it after prefill (not timed: it overlaps decoding). Time-to-KV = the measured Lookup + Pull +
 Get (into one worker buffer, faulted in beforehand as an engine's KV cache is; the daemons'
 arenas are pre-faulted, as in production), plus the recompute, modelled as
 ``tokens / --prefill-tokens-per-s`` (linear: a model whose prefill runs at that rate; there is
-no model here). Both runs use the same daemons, in two
-namespaces (two model ids), so neither sees the other's blocks; the ratio of their mean
-time-to-KV is the figure (this host is noisy: absolute times mean little).
+no model here). The runs on the first fleet use its daemons in namespaces of their own (one
+model id each), so none sees another's blocks; the ratios of each run's mean time-to-KV to
+alone's are the figures (this host is noisy: absolute times mean little).
 """
 
 from __future__ import annotations
@@ -136,8 +138,14 @@ class _Etcd:
                 self.proc.wait()
 
 
-def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int) -> tuple[str, ...]:
-    return ("--cluster-etcd-endpoints", etcd, "--cluster-node-id", name, "--cluster-lease-ttl-s", "6",
+def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int, prefix: str = "/kvstore",
+                  events: bool = False) -> tuple[str, ...]:
+    """``prefix``: the fleet's etcd key prefix (two fleets share the bench's etcd); ``events``:
+    the daemon publishes its KV events, so its peers' directories know what it holds."""
+    pub = ("--events-publish", f"tcp://127.0.0.1:{_free_port()}",
+           "--events-replay", f"tcp://127.0.0.1:{_free_port()}") if events else ()
+    return (*pub, "--cluster-prefix", prefix,
+            "--cluster-etcd-endpoints", etcd, "--cluster-node-id", name, "--cluster-lease-ttl-s", "6",
             "--cluster-etcd-timeout-s", "1", "--server-reaper-interval-s", "0.2",
             "--server-tcp-listen", f"127.0.0.1:{_free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
             "--server-tls-key-file", str(pki / f"{name}.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
@@ -147,9 +155,9 @@ def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int) -> tuple[str, .
             "--policy-prefill-tokens-per-s", str(a.prefill_tokens_per_s))
 
 
-def _wait_advertised(etcd: str, names, n_namespaces: int, timeout_s: float = 30.0) -> None:
-    """Until every daemon's record in etcd lists ``n_namespaces`` namespaces (their workers
-    registered): a pull asks only peers that advertise the namespace."""
+def _wait_advertised(etcd: str, names, n_namespaces: int, prefix: str = "/kvstore", timeout_s: float = 30.0) -> None:
+    """Until every daemon's record in etcd (under ``prefix``) lists ``n_namespaces`` namespaces
+    (their workers registered): a pull asks only peers that advertise the namespace."""
     from kvstore.cluster.cli import collect
     from kvstore.cluster.etcd import Etcd
 
@@ -157,7 +165,7 @@ def _wait_advertised(etcd: str, names, n_namespaces: int, timeout_s: float = 30.
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = {m["node_id"]: m["namespaces"] for m in collect(c, "/kvstore", 2.0)["members"]}
+            seen = {m["node_id"]: m["namespaces"] for m in collect(c, prefix, 2.0)["members"]}
             if all(seen.get(n, 0) >= n_namespaces for n in names):
                 return
             if time.monotonic() > deadline:
@@ -165,6 +173,27 @@ def _wait_advertised(etcd: str, names, n_namespaces: int, timeout_s: float = 30.
             time.sleep(0.1)
     finally:
         c.close()
+
+
+def _wait_streams(sockets: list[str], timeout_s: float = 30.0) -> None:
+    """Until every daemon's directory reads each of its peers' event streams live (its first
+    snapshot applied): before that a Lookup or a pull would not know what the peers hold."""
+    from kvstore.clients import KVStoreClient
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    clients = [KVStoreClient(s) for s in sockets]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = [sum(x.state == pb.STREAM_LIVE and x.lag_s >= 0 for x in c.stats().streams) for c in clients]
+            if all(n == len(sockets) - 1 for n in live):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"kvstore bench cluster: the directories do not read every peer's events: {live}")
+            time.sleep(0.1)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def workload(a) -> list[tuple[int, int]]:
@@ -238,6 +267,7 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
     local = sum(r["local_tokens"] for r in rows)
     pulled = sum(r["pulled_tokens"] for r in rows)
     pull_rows = [r for r in rows if r["pulled_tokens"]]
+    missed = [r["pull_s"] for r in rows if r["pull_s"] and not r["pulled_tokens"]]  # asked, nothing anywhere
     return {"mode": mode, **({"choices": choices} if mode == "policy" else {}), "requests": len(rows), "prompt_tokens": total, "local_hit_tokens": local,
             "pulled_tokens": pulled, "recomputed_tokens": total - local - pulled,
             "hit_rate": round((local + pulled) / total, 4), "local_hit_rate": round(local / total, 4),
@@ -245,6 +275,8 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
             "mean_measured_s": statistics.fmean(r["measured_s"] for r in rows),
             "mean_recompute_s": statistics.fmean(r["recompute_s"] for r in rows),
             "pull_GBps": (pulled * layout.block_bytes / bt / sum(r["pull_s"] for r in pull_rows) / 1e9) if pull_rows else None,
+            # what a pull that found nothing cost: asking every peer, or (directory) none
+            "missed_pulls": len(missed), "mean_missed_pull_s": statistics.fmean(missed) if missed else None,
             "rows": rows}
 
 
@@ -262,50 +294,65 @@ def bench(a) -> dict:
           for _ in range(a.conversations)]
     # Every conversation's longest prompt, in every run's namespace, fits each daemon's DRAM (with
     # an extent of slack per namespace): nothing is evicted, so the hit rates are the routing's alone.
-    need = (3 if a.policy else 2) * a.conversations * longest * layout.block_bytes // layout.block_tokens
-    dram = max(64 << 20, (-(-need // (4 << 20)) + 4) * (4 << 20))
+    per_ns = a.conversations * longest * layout.block_bytes // layout.block_tokens
+
+    def dram(namespaces: int) -> int:
+        return max(64 << 20, (-(-namespaces * per_ns // (4 << 20)) + 4) * (4 << 20))
+    models = ("bench-cluster-alone", "bench-cluster-pulls", "bench-cluster-policy")[:3 if a.policy else 2]
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
     etcd, daemons = None, []
     try:
         pki = fleet_certificates(work / "pki", NODES)
         etcd = _Etcd(work)
-        with ThreadPoolExecutor(len(NODES)) as ex:
-            futs = [ex.submit(start_daemon, work, n, *_daemon_flags(a, etcd.endpoint, pki, n, dram)) for n in NODES]
+        # Two fleets in the one etcd (their own key prefixes): the first without KV events (a
+        # pull asks each peer advertising the namespace), the second publishing them, so each
+        # daemon's cluster prefix directory names the peer holding a chain (and no peer at all
+        # for a chain nobody holds).
+        fleets = [(work, "/kvstore", False, dram(len(models))), (work / "directory", "/kvstore-directory", True, dram(1))]
+        with ThreadPoolExecutor(2 * len(NODES)) as ex:
+            futs = [ex.submit(start_daemon, where, n, *_daemon_flags(a, etcd.endpoint, pki, n, size, prefix, events))
+                    for where, prefix, events, size in fleets for n in NODES]
             for f in futs:
                 try:
                     daemons.append(f.result())
                 except RuntimeError as e:
                     raise SystemExit(f"kvstore bench cluster: a daemon did not start: {e}") from None
-        sockets = [d.socket_path for d in daemons]
-        # Both namespaces registered on every daemon before anything is timed, so each is advertised.
+        sockets = [d.socket_path for d in daemons[:len(NODES)]]
+        dir_sockets = [d.socket_path for d in daemons[len(NODES):]]
+        # Every namespace registered on every daemon before anything is timed, so each is advertised.
         from kvstore.clients import KVStoreClient
 
         holders = []
-        for s in sockets:
-            for model in ("bench-cluster-alone", "bench-cluster-pulls", "bench-cluster-policy")[:3 if a.policy else 2]:
-                c = KVStoreClient(s)
-                c.register(layout, model)
-                holders.append(c)
-        _wait_advertised(etcd.endpoint, NODES, 3 if a.policy else 2)
+        for fleet, names in ((sockets, models), (dir_sockets, ("bench-cluster-directory",))):
+            for s in fleet:
+                for model in names:
+                    c = KVStoreClient(s)
+                    c.register(layout, model)
+                    holders.append(c)
+        _wait_advertised(etcd.endpoint, NODES, len(models))
+        _wait_advertised(etcd.endpoint, NODES, 1, prefix="/kvstore-directory")
+        _wait_streams(dir_sockets)
         alone = _run(a, layout, "bench-cluster-alone", sockets, "alone", kv, tokens)
         pulled = _run(a, layout, "bench-cluster-pulls", sockets, "pulls", kv, tokens)
         advised = _run(a, layout, "bench-cluster-policy", sockets, "policy", kv, tokens) if a.policy else None
+        directed = _run(a, layout, "bench-cluster-directory", dir_sockets, "pulls", kv, tokens)
         for c in holders:
             c.close()
     finally:
-        with ThreadPoolExecutor(len(NODES)) as ex:  # their shutdowns overlap
+        with ThreadPoolExecutor(2 * len(NODES)) as ex:  # their shutdowns overlap
             list(ex.map(lambda d: d.stop(30), daemons))
         if etcd is not None:
             etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
     if not a.rows:
-        for r in (alone, pulled, advised):
+        for r in (alone, pulled, advised, directed):
             if r is not None:
                 r.pop("rows")
     extra = {} if advised is None else {
         "with_policy": advised, "policy_time_to_kv_ratio": round(advised["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)}
     return {"bench": "cluster", "daemons": len(NODES), "routing": "round-robin",
             "holder_source": "peers advertising the namespace in etcd (membership)",
+            "directory_holder_source": "the cluster prefix directory, from the peers' KV events",
             "conversations": a.conversations, "turns": a.turns, "first_tokens": a.first_tokens,
             "turn_tokens": a.turn_tokens, "block_bytes": layout.block_bytes,
             "layout": {"layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": "fp16"},
@@ -313,7 +360,9 @@ def bench(a) -> dict:
             # a pull beats recomputing when it moves a token's KV faster than prefill makes it
             "break_even_pull_GBps": round(a.prefill_tokens_per_s * layout.block_bytes / 16 / 1e9, 3),
             "transport": "tcp over loopback", "cpus": os.cpu_count(), "alone": alone, "with_pulls": pulled,
-            "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4), **extra}
+            "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4),
+            "with_directory": directed,
+            "directory_time_to_kv_ratio": round(directed["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4), **extra}
 
 
 def table(r: dict) -> str:
@@ -323,14 +372,19 @@ def table(r: dict) -> str:
            f"recompute modelled at {r['prefill_tokens_per_s']:,.0f} tokens/s",
            f"{'':<12} {'hit rate':>9} {'local':>7} {'pulled':>7} {'recomputed':>11} {'time-to-KV':>11} "
            f"{'measured':>9} {'modelled':>9} {'pull GB/s':>10}"]
-    runs = [("alone", r["alone"]), ("with pulls", r["with_pulls"])] + ([("by policy", r["with_policy"])] if "with_policy" in r else [])
+    runs = [("alone", r["alone"]), ("with pulls", r["with_pulls"]), ("w/ directory", r["with_directory"])] + \
+        ([("by policy", r["with_policy"])] if "with_policy" in r else [])
     for label, x in runs:
         gbps = f"{x['pull_GBps']:.2f}" if x["pull_GBps"] else "-"
         out.append(f"{label:<12} {x['hit_rate']:>9.1%} {x['local_hit_tokens']:>7} {x['pulled_tokens']:>7} "
                    f"{x['recomputed_tokens']:>11} {x['mean_time_to_kv_s'] * 1e3:>8.1f} ms {x['mean_measured_s'] * 1e3:>6.1f} ms "
                    f"{x['mean_recompute_s'] * 1e3:>6.1f} ms {gbps:>10}")
-    out.append(f"mean time-to-KV with pulls / alone: {r['time_to_kv_ratio']:.2f} (a pull pays off above "
-               f"{r['break_even_pull_GBps']:.2f} GB/s: the modelled prefill rate x KV bytes per token)")
+    out.extend([f"mean time-to-KV with pulls / alone: {r['time_to_kv_ratio']:.2f} (a pull pays off above "
+               f"{r['break_even_pull_GBps']:.2f} GB/s: the modelled prefill rate x KV bytes per token)",
+               f"mean time-to-KV with pulls directed by the cluster prefix directory / alone: {r['directory_time_to_kv_ratio']:.2f}"])
+    for label, x in (("with pulls", r["with_pulls"]), ("w/ directory", r["with_directory"])):
+        if x["missed_pulls"]:
+            out.append(f"{label}: {x['missed_pulls']} pulls found the prefix nowhere, {x['mean_missed_pull_s'] * 1e3:.1f} ms each")
     if "with_policy" in r:
         ch = r["with_policy"]["choices"]
         out.append(f"by policy / alone: {r['policy_time_to_kv_ratio']:.2f}; Lookup advised load {ch['load']}, "
