@@ -4,7 +4,8 @@ import hashlib
 
 import pytest
 
-from kvstore.daemon.core import Core, CoreConfig, DramOnly, SessionEnd
+from kvstore.daemon.core import Core, CoreConfig, SessionEnd
+from kvstore.daemon.seams import DramOnly
 from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout

@@ -6,10 +6,11 @@ metadata step) and by each background worker (tier movement, HBM copies, transfe
 for its short metadata steps, with the lock released while data moves. See
 docs/architecture.md.
 
-What the core needs from the tiers around DRAM is :class:`LowerTiers`, passed to its
-constructor: whether an NVMe copy exists, whether a block must reach NVMe before DRAM drops it,
-and notices when a copy or a DRAM slot goes. The core never calls tier movement back; tier
-movement calls the core's public methods.
+What the core needs from the tiers around DRAM is :class:`~kvstore.daemon.seams.LowerTiers`,
+passed to its constructor: whether an NVMe copy exists, whether a block must reach NVMe before
+DRAM drops it, and notices when a copy or a DRAM slot goes; and it reports each block entering
+or leaving a tier to :class:`~kvstore.daemon.seams.BlockEvents`. The core never calls tier
+movement back; tier movement calls the core's public methods.
 
 Eviction is leaves-first LRU: the least recently used unpinned block that has no cached
 children in its tier goes first. A miss is a normal answer; failures are :class:`KVError`.
@@ -23,12 +24,13 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
 from kvstore.daemon.index import Block, BlockState, Lru, TierLrus
+from kvstore.daemon.seams import BlockEvents, DramOnly, LowerTiers, NoEvents
 from kvstore.keys import KEY_BYTES, Namespace, check_token_count
 from kvstore.daemon.sessions import Session, SessionEnd, SessionTable
 from kvstore.tiers.base import TierKind
@@ -52,86 +54,6 @@ class CoreConfig:
         return cls(lease_ttl_s=s.lease_ttl_s, session_ttl_s=s.session_ttl_s, max_keys=s.max_keys_per_request,
                    ns_quota_bytes=cfg.dram.namespace_quota_bytes,
                    hot_after_reads=cfg.hbm.admit_reads if cfg.hbm.capacity_bytes else 0)
-
-
-class LowerTiers(Protocol):
-    """What the core asks of the tiers below and beside DRAM (:class:`kvstore.daemon.tiering.NvmeCopies`,
-    :class:`kvstore.daemon.hbm_cache.HbmCopies`; :class:`DramOnly` when there are none). Called under
-    the core lock; none of them calls the core."""
-
-    def holds_copy(self, b: Block) -> bool:
-        """``b`` (``on_nvme``) is being evicted from DRAM: True if its NVMe copy is usable, so
-        the block stays, on NVMe."""
-
-    def must_demote(self, b: Block) -> bool:
-        """True if ``b``'s data exists only in DRAM and must reach NVMe before DRAM drops it;
-        the answer True also asks the demoter to move it (back-pressure, not loss)."""
-
-    def delete_copy(self, b: Block) -> None:
-        """``b`` is deleted: drop its NVMe copy."""
-
-    def dram_freed(self, b: Block, reason: str) -> None:
-        """``b``'s DRAM slot is about to be freed (``reason``: capacity, delete, abort, dropped):
-        copies that live only as long as it (HBM) go with it."""
-
-
-class DramOnly:
-    """:class:`LowerTiers` of a daemon with nothing below DRAM."""
-
-    def holds_copy(self, b: Block) -> bool:
-        return False
-
-    def must_demote(self, b: Block) -> bool:
-        return False
-
-    def delete_copy(self, b: Block) -> None:
-        pass
-
-    def dram_freed(self, b: Block, reason: str) -> None:
-        pass
-
-
-class TierCopies:
-    """:class:`LowerTiers` over an NVMe side and an HBM side, either of which may be absent."""
-
-    def __init__(self, nvme: LowerTiers | None = None, hbm: LowerTiers | None = None) -> None:
-        self.nvme = nvme or DramOnly()
-        self.hbm = hbm or DramOnly()
-
-    def holds_copy(self, b: Block) -> bool:
-        return self.nvme.holds_copy(b)
-
-    def must_demote(self, b: Block) -> bool:
-        return self.nvme.must_demote(b)
-
-    def delete_copy(self, b: Block) -> None:
-        self.nvme.delete_copy(b)
-
-    def dram_freed(self, b: Block, reason: str) -> None:
-        self.hbm.dram_freed(b, reason)
-
-
-class BlockEvents(Protocol):
-    """Where the core reports each committed block entering or leaving a tier, for the KV event
-    stream (:class:`kvstore.daemon.events.EventPublisher`; :class:`NoEvents` when off). Called
-    under the core lock, in the order the changes happen; it only queues (never blocks, never
-    calls the core)."""
-
-    def stored(self, b: Block, ns: Namespace, tier: TierKind) -> None:
-        """``b`` (of ``ns``) is now held in ``tier``."""
-
-    def removed(self, b: Block, tier: TierKind) -> None:
-        """``b`` is no longer held in ``tier``."""
-
-
-class NoEvents:
-    """:class:`BlockEvents` of a daemon that publishes none."""
-
-    def stored(self, b: Block, ns: Namespace, tier: TierKind) -> None:
-        pass
-
-    def removed(self, b: Block, tier: TierKind) -> None:
-        pass
 
 
 _TIER_BITS = tuple((t, 1 << t) for t in (TierKind.HBM, DRAM, NVME))

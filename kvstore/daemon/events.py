@@ -2,7 +2,7 @@
 KV-event format (:mod:`kvstore.kv_events` has the wire) for routers and for peers' cluster
 directories.
 
-The core reports changes (:class:`kvstore.daemon.core.BlockEvents`) under its lock; this module
+The core reports changes (:class:`kvstore.daemon.seams.BlockEvents`) under its lock; this module
 only appends them to a bounded list there. The ``kv-events`` thread sends what has gathered every
 ``events.batch_interval_s``, as one numbered batch (more when it is long), and answers replay
 and snapshot requests. Nothing on the request path waits for a subscriber: ZMQ's PUB drops for

@@ -15,7 +15,8 @@ import logging
 import socket
 import threading
 
-from kvstore.daemon.core import Core, DramOnly
+from kvstore.daemon.core import Core
+from kvstore.daemon.seams import DramOnly
 from kvstore.daemon.index import Block, BlockState, Lru
 from kvstore.daemon.metrics import Metrics
 from kvstore.tiers.arena import send_fd
@@ -26,7 +27,7 @@ log = logging.getLogger("kvstore.hbm")
 
 
 class HbmCopies(DramOnly):
-    """The HBM side of :class:`kvstore.daemon.core.LowerTiers`: the blocks with an HBM copy, which go
+    """The HBM side of :class:`kvstore.daemon.seams.LowerTiers`: the blocks with an HBM copy, which go
     when their DRAM copy goes. Built before the core (under whose lock it is called)."""
 
     def __init__(self, hbm: HbmTier) -> None:

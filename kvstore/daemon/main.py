@@ -35,10 +35,11 @@ from kvstore import doorbell
 from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.daemon.advice import Advisor
 from kvstore.config import ARENA_SUFFIX, Config
-from kvstore.daemon.core import Core, CoreConfig, TierCopies
+from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.handout import ArenaHandout
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.remote import LinkMeter
+from kvstore.daemon.seams import TierCopies
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter

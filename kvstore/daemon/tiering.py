@@ -23,7 +23,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from kvstore.config import DramConfig, NvmeConfig
-from kvstore.daemon.core import Core, DramOnly, NsState
+from kvstore.daemon.core import Core, NsState
+from kvstore.daemon.seams import DramOnly
 from kvstore.errors import Code, KVError
 from kvstore.daemon.index import Block, BlockState
 from kvstore.keys import Namespace
@@ -53,7 +54,7 @@ class Prefetch:
 
 
 class NvmeCopies(DramOnly):
-    """The NVMe side of :class:`kvstore.daemon.core.LowerTiers`: what the core asks about NVMe copies
+    """The NVMe side of :class:`kvstore.daemon.seams.LowerTiers`: what the core asks about NVMe copies
     when it evicts or deletes (under the core lock). Built before the core; wakes the demoter
     through ``kick`` and never calls the core."""
 
