@@ -38,6 +38,7 @@ from kvstore.config import ARENA_SUFFIX, Config
 from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.handout import ArenaHandout
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
 from kvstore.daemon.remote import LinkMeter
 from kvstore.daemon.seams import TierCopies
 from kvstore.policy import LoadPolicy
@@ -54,90 +55,8 @@ log = logging.getLogger("kvstore.daemon")
 SERVICE_NAME = "kvstore.v1.KVStore"
 PEER_SERVICE = "kvstore.v1.Peer"
 CLUSTER_HEALTH = "kvstore.v1.Cluster"  # SERVING while registered in etcd; the daemon serves locally either way
-SESSION_EXPIRY_BATCH = 64
-RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM  # sessions ended per hold of the core lock by the reaper
-
-
-class StartupError(RuntimeError):
-    """The daemon cannot start; the message says why and what to change. ``kvstore serve``
-    exits 2, as for a config error: something must change before it can start."""
-
-    exit_code = 2
-
-
-class PreconditionError(StartupError):
-    """What the daemon was given cannot be used as it is (a path in the way, a directory others
-    could write into); like a config error, ``kvstore serve`` exits 2."""
-
-    exit_code = 2
-
-
-def _check_own_dir(d: str, key: str) -> None:
-    """Refuse a directory another user could plant or swap files in: one owned by another user,
-    or writable by group or others (a sticky /tmp included: names in it can be taken first)."""
-    st = os.stat(d)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PreconditionError(f"{key}: {d} is not a directory")
-    if st.st_uid != os.getuid():
-        raise PreconditionError(f"{key}: directory {d} belongs to uid {st.st_uid}, not to this daemon's user "
-                                f"(uid {os.getuid()}); chown it or choose another path")
-    who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit)
-    if who:
-        raise PreconditionError(f"{key}: directory {d} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                f"chmod go-w {d} (e.g. 0700, or 0750 to share the socket with a group) "
-                                "or choose another path")
-
-
-def _check_data_dir(d: str) -> None:
-    """nvme.dir, when it exists already (else the tier creates it 0700; a path it cannot create
-    leaves the daemon serving from DRAM, as any NVMe failure does)."""
-    if os.path.isdir(d):
-        _check_own_dir(d, "nvme.dir")
-
-
-def _prepare_socket_path(path: str) -> None:
-    d = os.path.dirname(path) or "."
-    if not os.path.isdir(d):
-        old_umask = os.umask(0o077)  # parents too: 0700 whatever the umask (start-up is single-threaded)
-        try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
-        finally:
-            os.umask(old_umask)
-    _check_own_dir(d, "server.socket_path")
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise PreconditionError(f"server.socket_path: {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale socket of a dead daemon
-        else:
-            raise PreconditionError(f"server.socket_path: another daemon is serving on {path}")
-        finally:
-            probe.close()
-
-
-def _check_port_free(key: str, host: str, port: int, what: str) -> None:
-    """Bind ``host:port`` for a moment: a port another process holds is found before the arena
-    is built (minutes of pre-fault on a large node) rather than after. The listener itself binds
-    later; a port taken in between is still reported, then."""
-    if not port:
-        return
-    host = host.strip("[]")
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
-            probe.bind(addr)
-    except OSError as e:
-        raise StartupError(f"{key}: cannot {what} on {host}:{port}: {e.strerror or e}") from None
-
-
-def _split_host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")  # config validation checked the shape
-    return host, int(port)
+SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the reaper
+RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -192,9 +111,9 @@ class Daemon:
         self.arena_socket = self.socket_path + ARENA_SUFFIX
         self.stopping = threading.Event()
         # Every path and port conflict before the arena: building it can take minutes.
-        _prepare_socket_path(self.socket_path)
+        prepare_socket_path(self.socket_path)
         if cfg.nvme.dir:
-            _check_data_dir(cfg.nvme.dir)
+            check_data_dir(cfg.nvme.dir)
         self._check_ports()
         dram_bytes = cfg.resolved_dram_bytes()
         thp = shmem_thp_mode()
@@ -248,17 +167,17 @@ class Daemon:
         """Each listener's port, with the message its own failure to bind would give."""
         cfg = self.cfg
         if cfg.metrics.port:
-            _check_port_free("metrics.port", cfg.metrics.host, cfg.metrics.port, "listen")
+            check_port_free("metrics.port", cfg.metrics.host, cfg.metrics.port, "listen")
         if cfg.transport.listen:
-            _check_port_free("transport.listen", *_split_host_port(cfg.transport.listen),
+            check_port_free("transport.listen", *split_host_port(cfg.transport.listen),
                              f"start the {cfg.transport.backend} listener")
             self.transfer_wire = _transfer_credentials(cfg.transport)
         for key in ("publish", "replay"):
             url = getattr(cfg.events, key)
             if url.startswith("tcp://"):
-                _check_port_free(f"events.{key}", *_split_host_port(url[len("tcp://"):]), "bind")
+                check_port_free(f"events.{key}", *split_host_port(url[len("tcp://"):]), "bind")
         if cfg.server.tcp_listen:
-            _check_port_free("server.tcp_listen", *_split_host_port(cfg.server.tcp_listen), "listen")
+            check_port_free("server.tcp_listen", *split_host_port(cfg.server.tcp_listen), "listen")
             s = cfg.server
             for f in (s.tls_key_file, s.tls_cert_file, s.tls_client_ca_file):
                 if f and not os.access(f, os.R_OK):
@@ -644,10 +563,10 @@ def _reachable_url(url: str, advertised: str) -> str:
     node's only and is not advertised."""
     if not url.startswith("tcp://"):
         return ""
-    host, port = _split_host_port(url[len("tcp://"):])
+    host, port = split_host_port(url[len("tcp://"):])
     host = host.strip("[]")
     if host in ("0.0.0.0", "::", "*", "") and advertised:
-        host = _split_host_port(advertised)[0].strip("[]")
+        host = split_host_port(advertised)[0].strip("[]")
     return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
 
 
