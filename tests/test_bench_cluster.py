@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kvstore.bench.cluster import table
+
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make sysdeps installs etcd-server)")
 def test_bench_cluster_tiny():
@@ -33,6 +35,11 @@ def test_bench_cluster_tiny():
     assert (directed["requests"], directed["prompt_tokens"]) == (12, 768)
     assert (directed["local_hit_tokens"], directed["pulled_tokens"], directed["hit_rate"]) == (0, 4 * (32 + 64), 0.5)
     assert r["directory_time_to_kv_ratio"] == round(directed["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
+    assert r["directory_skipped"] == "" and "w/ directory" in table(r)
+    # Where pyzmq or msgspec is missing the bench runs without the second fleet and says why.
+    without = dict(r, with_directory=None, directory_skipped="zmq not installed", directory_time_to_kv_ratio=None)
+    assert "no run with the cluster prefix directory: zmq not installed" in table(without)
+    assert "w/ directory" not in table(without)
     # By policy: Lookup's advice taken per request; the first turns (nothing anywhere) recompute,
     # and what was pulled is what the advice said to pull (the split depends on measured links).
     advised = r["with_policy"]

@@ -196,6 +196,15 @@ def _wait_streams(sockets: list[str], timeout_s: float = 30.0) -> None:
             c.close()
 
 
+def _events_missing() -> str:
+    """Why the second fleet's daemons could not publish KV events here ("" if they can)."""
+    import importlib.util
+
+    missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+    return f"{' and '.join(missing)} not installed (the [events] extra: pip install '.[events]' in the kvstore " \
+           "checkout)" if missing else ""
+
+
 def workload(a) -> list[tuple[int, int]]:
     """The requests in order: (conversation, prompt tokens)."""
     return [(c, a.first_tokens + t * a.turn_tokens) for t in range(a.turns) for c in range(a.conversations)]
@@ -308,8 +317,11 @@ def bench(a) -> dict:
         # pull asks each peer advertising the namespace), the second publishing them, so each
         # daemon's cluster prefix directory names the peer holding a chain (and no peer at all
         # for a chain nobody holds).
-        fleets = [(work, "/kvstore", False, dram(len(models))), (work / "directory", "/kvstore-directory", True, dram(1))]
-        with ThreadPoolExecutor(2 * len(NODES)) as ex:
+        no_directory = _events_missing()
+        fleets = [(work, "/kvstore", False, dram(len(models)))]
+        if not no_directory:
+            fleets.append((work / "directory", "/kvstore-directory", True, dram(1)))
+        with ThreadPoolExecutor(len(fleets) * len(NODES)) as ex:
             futs = [ex.submit(start_daemon, where, n, *_daemon_flags(a, etcd.endpoint, pki, n, size, prefix, events))
                     for where, prefix, events, size in fleets for n in NODES]
             for f in futs:
@@ -330,16 +342,17 @@ def bench(a) -> dict:
                     c.register(layout, model)
                     holders.append(c)
         _wait_advertised(etcd.endpoint, NODES, len(models))
-        _wait_advertised(etcd.endpoint, NODES, 1, prefix="/kvstore-directory")
-        _wait_streams(dir_sockets)
+        if dir_sockets:
+            _wait_advertised(etcd.endpoint, NODES, 1, prefix="/kvstore-directory")
+            _wait_streams(dir_sockets)
         alone = _run(a, layout, "bench-cluster-alone", sockets, "alone", kv, tokens)
         pulled = _run(a, layout, "bench-cluster-pulls", sockets, "pulls", kv, tokens)
         advised = _run(a, layout, "bench-cluster-policy", sockets, "policy", kv, tokens) if a.policy else None
-        directed = _run(a, layout, "bench-cluster-directory", dir_sockets, "pulls", kv, tokens)
+        directed = _run(a, layout, "bench-cluster-directory", dir_sockets, "pulls", kv, tokens) if dir_sockets else None
         for c in holders:
             c.close()
     finally:
-        with ThreadPoolExecutor(2 * len(NODES)) as ex:  # their shutdowns overlap
+        with ThreadPoolExecutor(max(1, len(daemons))) as ex:  # their shutdowns overlap
             list(ex.map(lambda d: d.stop(30), daemons))
         if etcd is not None:
             etcd.stop()
@@ -361,8 +374,9 @@ def bench(a) -> dict:
             "break_even_pull_GBps": round(a.prefill_tokens_per_s * layout.block_bytes / 16 / 1e9, 3),
             "transport": "tcp over loopback", "cpus": os.cpu_count(), "alone": alone, "with_pulls": pulled,
             "time_to_kv_ratio": round(pulled["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4),
-            "with_directory": directed,
-            "directory_time_to_kv_ratio": round(directed["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4), **extra}
+            "with_directory": directed, "directory_skipped": no_directory,
+            "directory_time_to_kv_ratio": round(directed["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4)
+            if directed else None, **extra}
 
 
 def table(r: dict) -> str:
@@ -372,7 +386,8 @@ def table(r: dict) -> str:
            f"recompute modelled at {r['prefill_tokens_per_s']:,.0f} tokens/s",
            f"{'':<12} {'hit rate':>9} {'local':>7} {'pulled':>7} {'recomputed':>11} {'time-to-KV':>11} "
            f"{'measured':>9} {'modelled':>9} {'pull GB/s':>10}"]
-    runs = [("alone", r["alone"]), ("with pulls", r["with_pulls"]), ("w/ directory", r["with_directory"])] + \
+    runs = [("alone", r["alone"]), ("with pulls", r["with_pulls"])] + \
+        ([("w/ directory", r["with_directory"])] if r["with_directory"] else []) + \
         ([("by policy", r["with_policy"])] if "with_policy" in r else [])
     for label, x in runs:
         gbps = f"{x['pull_GBps']:.2f}" if x["pull_GBps"] else "-"
@@ -381,9 +396,10 @@ def table(r: dict) -> str:
                    f"{x['mean_recompute_s'] * 1e3:>6.1f} ms {gbps:>10}")
     out.extend([f"mean time-to-KV with pulls / alone: {r['time_to_kv_ratio']:.2f} (a pull pays off above "
                f"{r['break_even_pull_GBps']:.2f} GB/s: the modelled prefill rate x KV bytes per token)",
-               f"mean time-to-KV with pulls directed by the cluster prefix directory / alone: {r['directory_time_to_kv_ratio']:.2f}"])
+               f"mean time-to-KV with pulls directed by the cluster prefix directory / alone: {r['directory_time_to_kv_ratio']:.2f}"
+               if r["with_directory"] else f"no run with the cluster prefix directory: {r['directory_skipped']}"])
     for label, x in (("with pulls", r["with_pulls"]), ("w/ directory", r["with_directory"])):
-        if x["missed_pulls"]:
+        if x and x["missed_pulls"]:
             out.append(f"{label}: {x['missed_pulls']} pulls found the prefix nowhere, {x['mean_missed_pull_s'] * 1e3:.1f} ms each")
     if "with_policy" in r:
         ch = r["with_policy"]["choices"]

@@ -230,7 +230,8 @@ class Daemon:
 
             return EventPublisher(self.cfg.events, metrics=self.metrics)
         except ImportError as e:
-            raise StartupError(f"events.publish: needs pyzmq and msgspec (pip install 'kvstore-daemon[events]'): {e}") from None
+            raise StartupError(f"events.publish: needs pyzmq and msgspec (the [events] extra: pip install '.[events]' "
+                               f"in the kvstore checkout): {e}") from None
 
     def _close_tiers(self) -> None:
         if self.nvme is not None:
@@ -384,7 +385,8 @@ class Daemon:
             from kvstore.cluster.holders import DirectoryHolders
             from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
         except ImportError as e:
-            log.info("cluster: no prefix directory (%s; pip install 'kvstore-daemon[events]'): pulls ask every "
+            log.info("cluster: no prefix directory (%s; the [events] extra: pip install '.[events]' in the kvstore "
+                     "checkout): pulls ask every "
                      "peer advertising the namespace", e)
             return AdvertisedHolders(self.membership)
         self.directory = ClusterDirectory(DirectoryConfig(self_id=self.membership.node_id), self.membership.peers)
