@@ -15,10 +15,11 @@ syscalls) is what the transport costs over raw UCX. After a round that did work 
 keeps polling for ``SPIN_S`` before it sleeps again: in layer-pipelined transfers a layer's first chunk
 then finds the engine awake (layer-ready lag p50 1.3-1.5 ms against 1.7-4 ms, and up to 21 ms in
 bad runs, when it slept between layers; 32 layers of 8 MiB, compute = transfer). While a transfer
-is open (``transfers_open``, kept by the listener and the connector at each tick and as a transfer
-begins or ends) a sleep lasts at
-most ``OPEN_NAP_MS``, so a wake-up UCX does not deliver (a sender whose shared-memory FIFO was
-full is not signalled when it drains) costs a millisecond, not a 20 ms tick. In polling mode the
+is open (``transfers_open``, kept by the listener and the connector at each tick and as a
+transfer begins or ends) a sleep lasts at most ``OPEN_NAP_MS``, so a wake-up UCX does not
+deliver (a sender whose shared-memory FIFO was full is not signalled when it drains) costs a
+millisecond, not a 20 ms tick; while payloads are in flight the engine sleeps in
+:meth:`Engine._wait_in_flight`, which goes back round the loop only once one completes. In polling mode the
 engine spins always; in adaptive mode (the default) it spins while a transfer is open and none of
 its payloads is in flight (waiting for the peer's next frame or the caller's next layer, where a
 wake-up's latency shows: on this 2-core VM a blocking engine let the pipelined overlap fall to
