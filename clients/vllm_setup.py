@@ -101,7 +101,7 @@ def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
     return cfg.gpu_layout(dtype, tp, block_tokens)
 
 
-def _tp_rank(settings: ConnectorSettings) -> int:
+def tp_rank(settings: ConnectorSettings) -> int:
     if settings.tp_rank is not None:
         return int(settings.tp_rank)
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
@@ -144,7 +144,7 @@ class KVStoreKVEvents(LMCacheKVEvents):
 
 # --- the connection -------------------------------------------------------------------------
 
-class _Link:
+class Link:
     """The client and its session, re-made when the daemon went away (at most every
     ``reconnect_s``). ``client`` is None while there is no daemon to talk to."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from kvstore.clients.vllm_connector import KVStoreConnector
+from kvstore.clients.vllm_worker import ConnectorWorker
 
 
 class FailingCopies:
@@ -26,14 +27,18 @@ class FailingCopies:
         self.handle.release()
 
 
-class FaultyLoadConnector(KVStoreConnector):
+class FaultyLoadWorker(ConnectorWorker):
     def _start_load(self, path, span):
         h = super()._start_load(path, span)
         left = int(os.environ.get("KVSTORE_TEST_FAIL_LOADS", "0"))
         log = os.environ["KVSTORE_TEST_FAULT_LOG"]
         done = len(open(log).read().splitlines()) if os.path.exists(log) else 0
-        if h is None or self.scheduler_side or done >= left:
+        if h is None or done >= left:
             return h
         with open(log, "a") as f:
             f.write(f"{span.req_id} blocks {span.start}-{span.end}\n")
         return FailingCopies(h, self.layout.num_layers // 2)
+
+
+class FaultyLoadConnector(KVStoreConnector):
+    worker_class = FaultyLoadWorker

@@ -1,0 +1,413 @@
+"""The worker side of vLLM's KV connector on kvstore (each TP rank; see
+:mod:`kvstore.clients.vllm_connector`): copies between vLLM's paged KV cache and the daemon's
+arena, layer by layer, for the loads, pulls and saves the scheduler put in the step's
+:class:`~kvstore.clients.vllm_scheduler.KVStoreConnectorMetadata`.
+
+Failures never serve wrong KV and never stop vLLM: a block that cannot be loaded is a load
+error (vLLM recomputes it), a save that fails is aborted (a later miss).
+
+Not thread-safe: vLLM calls it from one thread (a pull's calls to the daemon run on the
+fetcher's threads, which touch none of this state).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore.clients.client import KVStoreError
+from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
+from kvstore.clients.leases import RESERVED, ReadLease
+from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
+from kvstore.clients.vllm_pull import PullFetcher
+from kvstore.clients.vllm_scheduler import BlockSpan, KVStoreConnectorMetadata
+from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
+from kvstore.keys import chain_keys
+from kvstore.layout import KVLayout
+
+log = logging.getLogger("kvstore.vllm")
+
+
+class ConnectorWorker:
+    """One TP rank's half of :class:`~kvstore.clients.vllm_connector.KVStoreConnector`, over
+    this rank's session (``link``). ``bt``: tokens per kvstore block, ``block_size``: vLLM's;
+    ``event_root``: the namespace root whose keys name blocks in KV events (TP rank 0's, the
+    one the scheduler looks up)."""
+
+    def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings, link: Link, layout: KVLayout,
+                 bt: int, block_size: int, event_root: bytes) -> None:
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.settings, self.link, self.layout = settings, link, layout
+        self.bt, self.block_size, self.event_root = bt, block_size, event_root
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._pages: list = []
+        self._path: GpuKVPath | None = None
+        self._path_generation = 0
+        self._loads: list[tuple[BlockSpan, LoadHandle]] = []
+        self._saves: list[tuple[BlockSpan, StoreHandle]] | None = None  # None: not reserved this step
+        self._failed_reqs: set[str] = set()
+        self._load_errors: set[int] = set()
+        # vLLM blocks whose load failed in this step or the one before: with async scheduling
+        # the next step is built before vLLM hears of the failure, and another request may have
+        # hit those blocks in vLLM's own prefix cache. No save covering one of them is committed.
+        self._bad_blocks: set[int] = set()
+        self._bad_blocks_before: set[int] = set()
+        self._stats = KVStoreConnectorStats()
+        self._worker_events: list[KVCacheEvent] = []
+        # pulls: fetching on the fetcher's threads, then copying, then reported
+        self._fetcher = PullFetcher(settings.pull_timeout_s, settings.load_wait_s, settings.rpc_timeout_s)
+        self._pulling: dict[str, BlockSpan] = {}
+        self._pull_loads: list[tuple[BlockSpan, LoadHandle, float]] = []  # and the copies' deadline
+        self._recved: set[str] = set()  # pulls ended (loaded or not) since the last get_finished
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
+        unsupported backend fails at start-up with a clear error, not at the first save."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        names = list(kv_caches)
+        if len(names) != self.layout.num_layers:
+            raise ValueError(f"kvstore: vLLM registered {len(names)} KV cache layers; the model's layout has "
+                             f"{self.layout.num_layers} (hybrid models with several cache groups are not supported)")
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, names)
+        num_blocks = int(self.kv_cache_config.num_blocks)
+        pages = []
+        for name in names:
+            layer = layers.get(name)
+            backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
+            p = layer_pages(name, kv_caches[name], self.layout, backend, num_blocks)
+            if backend == CPU_BACKEND and not pages:
+                check_cpu_pages(kv_caches[name], getattr(layer, "isa", None) or _cpu_isa(self.vllm_config, self.layout,
+                                                                                         kv_caches[name]),
+                                self.vllm_config.model_config.dtype,
+                                str(self.vllm_config.cache_config.cache_dtype or "auto"))
+            pages.append(p)
+        self._kv_caches, self._pages = dict(kv_caches), pages
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._ensure_path()
+
+    def _ensure_path(self) -> GpuKVPath | None:
+        """The copy path over the current session's arena (re-made after a reconnect)."""
+        client = self.link.get()
+        if client is None or not self._pages:
+            return None
+        if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
+            if self._path is not None:
+                self._path.close()
+            self._path = GpuKVPath(client, self._pages, copy_path=self.settings.copy_path)
+            self._path_generation = self.link.generation
+        return self._path
+
+    def _rows(self, path: GpuKVPath, span: BlockSpan) -> torch.Tensor:
+        bt = self.bt
+        return path.paged.token_rows(span.block_table, span.end * bt)[span.start * bt:span.end * bt]
+
+    def _vllm_blocks(self, span: BlockSpan, first_block: int) -> set[int]:
+        """vLLM block ids holding kvstore blocks ``[first_block, span.end)`` of ``span``."""
+        lo, hi = first_block * self.bt, span.end * self.bt
+        return set(span.block_table[lo // self.block_size: -(-hi // self.block_size)])
+
+    def _event_keys(self, span: BlockSpan) -> list[bytes]:
+        return chain_keys(self.event_root, span.token_ids, self.bt)[span.start:span.end]
+
+    def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
+        """Pin this step's load blocks and issue their copies, layer 0 first. Blocks that
+        cannot be pinned are load errors (vLLM recomputes them). Then the pulls: this step's
+        start on the fetcher's threads; those fetched since the last step have their copies
+        issued, behind this step's loads on the copy stream (the forward waits for those only;
+        on steps without synchronous loads vLLM calls this after the forward)."""
+        path = self._ensure_path() if meta.loads else None
+        for span in meta.loads:
+            got = 0
+            try:
+                if path is None:
+                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "kvstore daemon not reachable")
+                h = self._start_load(path, span)
+                got = h.blocks if h is not None else 0
+                if h is not None:
+                    self._loads.append((span, h))
+            except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
+                log.warning("kvstore load of %s failed; vLLM recomputes it: %s", span.req_id, e)
+                if isinstance(e, KVStoreError):
+                    self.link.lost(e)
+            if got < span.end - span.start:
+                # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks.
+                self._fail_load(span, span.start + got, removed=True)
+        if meta.pulls or self._pulling:
+            self._advance_pulls(meta.pulls)
+
+    def _start_load(self, path: GpuKVPath, span: BlockSpan) -> LoadHandle | None:
+        """Pin the span's blocks (as many leading ones as are still there) and issue every
+        layer's copy; None when none is left."""
+        client = path.client
+        keys = client.keys(span.token_ids)[span.start:span.end]
+        return self._load_pinned(path, span, client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s))
+
+    def _load_pinned(self, path: GpuKVPath, span: BlockSpan, lease: ReadLease) -> LoadHandle | None:
+        """Issue every layer's copy of the span's leading blocks that ``lease`` pins; None
+        (the lease ended) when it pins none."""
+        path.check_arena([lease])  # the client re-registered with a restarted daemon: offsets are not ours
+        if lease.count == 0:
+            lease.release()
+            return None
+        part = BlockSpan(span.req_id, span.token_ids, span.start, span.start + lease.count, span.block_table)
+        try:
+            h = LoadHandle(path, [lease], list(lease.offsets[:lease.count]),
+                           path.mover.device_rows(self._rows(path, part)))
+        except BaseException:
+            lease.release()
+            raise
+        try:
+            self._issue_load(path, h)
+        except BaseException:
+            _quietly(h.release)
+            raise
+        return h
+
+    @staticmethod
+    def _issue_load(path: GpuKVPath, h: LoadHandle) -> None:
+        if path.emulated:
+            # CPU caches: a copy thread per layer only competes with the forward for the cores
+            # (and the GIL); one bulk copy before the forward costs less than it could hide.
+            h.load_all()
+        else:
+            for l in range(h.path.layout.num_layers):  # layer l+1 crosses the bus while layer l computes
+                h.load_layer(l)
+
+    def _fail_load(self, span: BlockSpan, first_block: int, removed: bool = False) -> None:
+        bad = self._vllm_blocks(span, first_block)
+        self._load_errors |= bad
+        self._bad_blocks |= bad
+        self._failed_reqs.add(span.req_id)
+        self._stats.data["load_failed_blocks"] += span.end - first_block
+        if removed:
+            self._worker_events.append(BlockRemoved(block_hashes=self._event_keys(span)[first_block - span.start:],
+                                                    medium=MEDIUM_CPU))
+
+    # --- pulls (vLLM's asynchronous load) ----------------------------------------------------
+    def _advance_pulls(self, new: list[BlockSpan]) -> None:
+        """Start ``new``'s pulls; issue the copies of the pulls fetched since the last step.
+        Nothing here waits for a daemon or a peer."""
+        path = self._ensure_path()
+        for span in new:
+            self._pulling[span.req_id] = span
+            if path is None:
+                self._end_pull(span, span.start, "kvstore daemon not reachable")
+                continue
+            self._fetcher.submit(span.req_id, path.client, path.client.keys(span.token_ids), span.start, span.holder)
+        for f in self._fetcher.done():
+            span = self._pulling[f.req_id]
+            self._stats.data["pulled_blocks"] += f.pulled
+            h, why = None, f.detail
+            if f.lease is not None and (path is None or f.client is not path.client):
+                _quietly(f.lease.release)  # the session was lost meanwhile: its offsets are not this path's
+                why = "the session with the daemon ended during the pull"
+            elif f.lease is not None:
+                try:
+                    h = self._load_pinned(path, span, f.lease)
+                except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
+                    why = f"{why}; {e}" if why else str(e)
+                    if isinstance(e, KVStoreError):
+                        self.link.lost(e)
+            if h is None:
+                self._end_pull(span, span.start, why)
+                continue
+            if h.blocks < span.end - span.start:
+                self._end_pull(span, span.start + h.blocks, why, done=False)
+            self._pull_loads.append((span, h, time.monotonic() + self.settings.load_wait_s))
+
+    def _end_pull(self, span: BlockSpan, first_block: int, why: str, done: bool = True) -> None:
+        """Blocks ``[first_block, span.end)`` of a pulled span did not load: load errors, so
+        vLLM recomputes them (reported in the pass the request is, or before). ``done``: the
+        request's pull is over (reported finished at the next ``get_finished``)."""
+        if first_block < span.end:
+            log.warning("kvstore pull of %s: blocks %d-%d not loaded, vLLM recomputes them: %s", span.req_id,
+                        first_block, span.end - 1, why or "not here")
+            self._load_errors |= self._vllm_blocks(span, first_block)
+            self._stats.data["pull_failed_blocks"] += span.end - first_block
+        if done:
+            self._recved.add(span.req_id)
+            self._pulling.pop(span.req_id, None)
+
+    def _land_pulls(self) -> None:
+        """Pulled spans whose copies have landed (or failed, or passed ``load_wait_s``) end."""
+        now, left = time.monotonic(), []
+        for span, h, deadline in self._pull_loads:
+            try:
+                landed, why = h.wait(0), f"copies not done within {self.settings.load_wait_s} s"
+            except Exception as e:  # noqa: BLE001 - a failed copy is a load error
+                landed, why = None, f"copy failed: {e}"
+            if landed is False and now < deadline:
+                left.append((span, h, deadline))
+                continue
+            _quietly(h.release)
+            if landed:
+                self._stats.data["loaded_blocks"] += h.blocks
+                self._end_pull(span, span.end, "")
+            else:
+                self._end_pull(span, span.start, why)
+        self._pull_loads = left
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait (at most ``load_wait_s``) for this layer's load copies; on a GPU, order the
+        compute stream after them. A copy that failed or timed out turns its request's blocks
+        into load errors: vLLM discards the step's output for it and recomputes."""
+        l = self._layer_index.get(layer_name)
+        if l is None or not self._loads:
+            return
+        t0 = time.perf_counter()
+        for span, h in list(self._loads):
+            if span.req_id in self._failed_reqs:
+                continue
+            try:
+                h.wait_layer(l, timeout_s=self.settings.load_wait_s)
+            except Exception as e:  # noqa: BLE001 - a failed copy is a load error, not a failed step
+                log.warning("kvstore load of %s failed at layer %d; vLLM recomputes it: %s", span.req_id, l, e)
+                self._fail_load(span, span.start)
+        self._stats.data["load_s"] += time.perf_counter() - t0
+
+    def _begin_saves(self, meta: KVStoreConnectorMetadata | None) -> list[tuple[BlockSpan, StoreHandle]]:
+        """Reserve slots for this step's saves, once per step, whichever hook comes first."""
+        if self._saves is not None:
+            return self._saves
+        self._saves = []
+        path = self._ensure_path() if meta is not None and meta.saves else None
+        for span in (meta.saves if path is not None else ()):
+            keys = path.client.keys(span.token_ids)
+            try:
+                w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"",
+                                        token_ids=span.token_ids[span.start * self.bt:span.end * self.bt])
+            except Exception as e:  # noqa: BLE001 - a save is best effort: the blocks stay uncached
+                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
+                if isinstance(e, KVStoreError):
+                    self.link.lost(e)
+                self._stats.data["save_failed_blocks"] += span.end - span.start
+                if self.link.client is None:
+                    break
+                continue
+            try:
+                path.check_arena([w])
+            except KVStoreError as e:
+                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
+                break
+            offsets = [o if st == RESERVED else None for st, o in zip(w.states, w.offsets)]
+            self._saves.append((span, StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span)))))
+        return self._saves
+
+    def save_kv_layer(self, layer_name: str, meta: KVStoreConnectorMetadata | None) -> None:
+        """Issue the copy of this layer of this step's save blocks into their reserved slots,
+        after the KV the compute stream wrote so far."""
+        l = self._layer_index.get(layer_name)
+        if l is None:
+            return
+        for span, h in self._begin_saves(meta):
+            if span.req_id not in self._failed_reqs:
+                h.store_layer(l)
+
+    def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
+        """Copy the layers no ``save_kv_layer`` copied, wait and commit; release the loads."""
+        t0 = time.perf_counter()
+        saves = self._begin_saves(meta) if meta is not None else (self._saves or [])
+        loads, self._loads, self._saves = self._loads, [], None
+        failed, self._failed_reqs = self._failed_reqs, set()
+        stored: list[KVCacheEvent] = []
+        try:
+            bad = self._bad_blocks | self._bad_blocks_before
+            for span, h in saves:
+                if span.req_id in failed or bad & self._vllm_blocks(span, 0):
+                    _quietly(h.abort)  # computed from (or over) a prefix that failed to load
+                    self._stats.data["save_failed_blocks"] += span.end - span.start
+                    continue
+                try:
+                    h.store_all()
+                    n = h.commit(self.settings.save_timeout_s)
+                except Exception as e:  # noqa: BLE001 - a save is best effort; never fail vLLM's step
+                    log.warning("kvstore save of %s failed (blocks not stored): %s", span.req_id, e)
+                    _quietly(h.abort)
+                    self._stats.data["save_failed_blocks"] += span.end - span.start
+                    if isinstance(e, KVStoreError):
+                        self.link.lost(e)
+                    continue
+                self._stats.data["saved_blocks"] += n
+                stored.append(self._stored_event(span))
+        finally:
+            for span, h in loads:
+                if span.req_id not in failed:
+                    self._stats.data["loaded_blocks"] += h.blocks
+                try:
+                    h.release()
+                except Exception as e:  # noqa: BLE001 - the lease TTL reclaims the pins
+                    log.warning("kvstore release after the load of %s failed: %s", span.req_id, e)
+            self._bad_blocks_before, self._bad_blocks = self._bad_blocks, set()
+            self.link.retire()
+        self._worker_events += stored
+        if saves:
+            self._stats.data["save_s"] += time.perf_counter() - t0
+
+    def _stored_event(self, span: BlockSpan) -> BlockStored:
+        keys = self._event_keys(span)
+        return BlockStored(block_hashes=keys, parent_block_hash=self._event_keys(
+            BlockSpan(span.req_id, span.token_ids, span.start - 1, span.start, []))[0] if span.start else None,
+            token_ids=span.token_ids[span.start * self.bt:span.end * self.bt], block_size=self.bt,
+            lora_id=None, medium=MEDIUM_CPU, lora_name=None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose pull ended since the last call (vLLM schedules them now): loaded,
+        or with the blocks that did not load among this pass's load errors. Synchronous loads
+        and saves finish inside their step."""
+        if self._pull_loads:
+            self._land_pulls()
+        done, self._recved = self._recved, set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
+
+    def get_kv_connector_kv_cache_events(self) -> KVStoreKVEvents | None:
+        if not self._worker_events:
+            return None
+        ev = KVStoreKVEvents(num_workers=1)
+        ev.add_events(self._worker_events)
+        self._worker_events = []
+        return ev
+
+    def shutdown(self) -> None:
+        self._fetcher.close()
+        for _, h in self._saves or ():
+            _quietly(h.abort)
+        for _, h in [*self._loads, *((span, h) for span, h, _ in self._pull_loads)]:
+            _quietly(h.release)
+        self._saves, self._loads, self._pull_loads = None, [], []
+        if self._path is not None:
+            _quietly(self._path.close)
+            self._path = None
+
+
+def _quietly(fn) -> None:
+    """Run a clean-up step whose failure must not stop the next (the lease TTL is the backstop)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        log.warning("kvstore clean-up failed: %s", e)
+
+
+def _cpu_isa(vllm_config, layout: KVLayout, view: torch.Tensor) -> str:
+    """The ISA vLLM's CPU backend picks for this cache (the layer did not say)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(vllm_config.model_config.dtype, int(view.shape[2]), layout.head_dim,
+                         str(vllm_config.cache_config.cache_dtype or "auto"))
