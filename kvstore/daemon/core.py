@@ -1,4 +1,5 @@
-"""The daemon's state: namespaces, sessions, the block index, leases and DRAM eviction.
+"""The daemon's state: namespaces, sessions, the block index, what leases do to blocks (the
+table of them is :mod:`kvstore.daemon.leases`) and DRAM eviction.
 
 Single-threaded and plain: every method is called with ``Core.lock`` held. The lock is taken at
 the edges of the daemon, never inside the core: by the gRPC servicer (one hold per RPC's
@@ -30,6 +31,7 @@ from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
 from kvstore.daemon.index import Block, BlockState, Lru, TierLrus
+from kvstore.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvstore.daemon.seams import BlockEvents, DramOnly, LowerTiers, NoEvents
 from kvstore.keys import KEY_BYTES, Namespace, check_token_count
 from kvstore.daemon.sessions import Session, SessionEnd, SessionTable
@@ -102,25 +104,6 @@ class NsState:
     cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
 
 
-class LeaseKind:
-    WRITE = "write"
-    READ = "read"
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    id: int
-    kind: str
-    session: Session
-    blocks: list[Block]
-    expires: float
-    doorbell: int = 0  # arena offset of the lease's layer doorbell (write leases that asked)
-    # Write leases committed in pieces: a committed block whose chain parent is still reserved
-    # under this lease, by that parent's key; linked when the parent commits (pieces of one
-    # lease may commit in any order).
-    orphans: dict = field(default_factory=dict)
-
-
 def split_keys(packed: bytes, limit: int) -> list[bytes]:
     """Packed 32-byte keys -> list; INVALID_ARGUMENT on a bad length or over ``limit``."""
     if len(packed) % KEY_BYTES:
@@ -152,11 +135,10 @@ class Core:
         self.clock = clock
         self.namespaces: dict[bytes, NsState] = {}
         self.sessions = SessionTable(cfg.session_ttl_s, clock)
-        self.leases: dict[int, Lease] = {}
+        self.leases = LeaseTable(cfg.lease_ttl_s, clock, doorbells)
         self.lrus = TierLrus()
         self.pressure = DramPressure()
         self.tick = 0  # recency counter behind every Block.tick
-        self._lease_ids = itertools.count(1)
         self._own_ids = itertools.count(1)
         self._hot: list[Block] = []  # blocks read hot_after_reads times, for the HBM copier
         self._passes: dict[bytes, Iterator[Block]] | None = None  # open DRAM victim streams (eviction_pass)
@@ -166,6 +148,7 @@ class Core:
         """Apply a reloaded config (SIGHUP): TTLs and limits take effect on the next call."""
         self.cfg = cfg
         self.sessions.ttl_s = cfg.session_ttl_s
+        self.leases.ttl_s = cfg.lease_ttl_s
 
     # --- namespaces and sessions -----------------------------------------------------------
     def ns_state(self, ns: Namespace) -> NsState:
@@ -321,7 +304,7 @@ class Core:
         if not todo:
             return None, offsets, bytes(states)
         step = 4 * ns.ns.layout.block_tokens
-        lease = Lease(next(self._lease_ids), LeaseKind.WRITE, s, [], self.clock() + self.cfg.lease_ttl_s)
+        lease = self.leases.new(LeaseKind.WRITE, s, [])
         quota = QuotaFlag()
         try:
             with self.eviction_pass():
@@ -361,8 +344,7 @@ class Core:
         self.pressure.waiting = False
         if doorbell and self.doorbells is not None:
             lease.doorbell = self.doorbells.alloc()
-        self.leases[lease.id] = lease
-        s.leases[lease.id] = lease
+        self.leases.add(lease)
         return lease, offsets, bytes(states)
 
     def allocate_slot(self, ns: NsState) -> int | None:
@@ -559,7 +541,7 @@ class Core:
         done = set(map(id, chosen))
         lease.blocks = [b for b in lease.blocks if id(b) not in done]
         if not lease.blocks:
-            self._end_lease(lease)
+            self.leases.end(lease)
         if self.metrics:
             self.metrics.blocks_committed.inc(len(chosen))
             self.metrics.bytes_written.inc(len(chosen) * ns.block_bytes)
@@ -568,7 +550,7 @@ class Core:
     def abort(self, s: Session, lease_id: int) -> int:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)
         n = self._free_reserved(lease)
-        self._end_lease(lease)
+        self.leases.end(lease)
         return n
 
     def _free_reserved(self, lease: Lease) -> int:
@@ -586,27 +568,7 @@ class Core:
     def lease(self, s: Session, lease_id: int, kind: str) -> Lease:
         """``s``'s open lease ``lease_id`` of ``kind`` (NOT_FOUND, PERMISSION_DENIED or
         FAILED_PRECONDITION otherwise)."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            raise not_found(f"lease {lease_id}: unknown or expired (TTL {self.cfg.lease_ttl_s} s); "
-                            "reserve or acquire again")
-        if lease.session is not s:
-            raise KVError(Code.PERMISSION_DENIED, f"lease {lease_id}: belongs to another session")
-        if lease.kind != kind:
-            raise KVError(Code.FAILED_PRECONDITION, f"lease {lease_id}: is a {lease.kind} lease, not a {kind} lease")
-        return lease
-
-    def _end_lease(self, lease: Lease) -> None:
-        if lease.doorbell and self.leases.get(lease.id) is lease:
-            self.doorbells.release(lease.doorbell)
-        self.leases.pop(lease.id, None)
-        lease.session.leases.pop(lease.id, None)
-
-    def _open_lease(self, kind: str, s: Session, blocks: list[Block]) -> Lease:
-        lease = Lease(next(self._lease_ids), kind, s, blocks, self.clock() + self.cfg.lease_ttl_s)
-        self.leases[lease.id] = lease
-        s.leases[lease.id] = lease
-        return lease
+        return self.leases.get(s, lease_id, kind)
 
     def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
         self.sessions.check_open(s)
@@ -637,7 +599,7 @@ class Core:
             if b.ref_cnt == 0:
                 lru.discard(b)
             b.ref_cnt += 1
-        return self._open_lease(LeaseKind.READ, s, blocks), blocks
+        return self.leases.open(LeaseKind.READ, s, blocks), blocks
 
     def take_hot(self) -> list[Block]:
         """Blocks that became hot (read ``hot_after_reads`` times) since the last call."""
@@ -652,7 +614,7 @@ class Core:
             if b.ref_cnt == 0:
                 self.lru(b.tier, b.ns_id).discard(b)
             b.ref_cnt += 1
-        return self._open_lease(LeaseKind.READ, s, list(blocks))
+        return self.leases.open(LeaseKind.READ, s, list(blocks))
 
     def release(self, s: Session, lease_id: int) -> None:
         self._unpin(self.lease(s, lease_id, LeaseKind.READ))
@@ -665,32 +627,24 @@ class Core:
                     self.lru(b.tier, b.ns_id).add(b)
                 else:
                     self.free_dropped(b)
-        self._end_lease(lease)
+        self.leases.end(lease)
 
     def _drop_lease(self, lease: Lease) -> None:
         """End a lease whatever its kind: a write lease's uncommitted slots are freed, a read
         lease's blocks are unpinned."""
         if lease.kind == LeaseKind.WRITE:
             self._free_reserved(lease)
-            self._end_lease(lease)
+            self.leases.end(lease)
         else:
             self._unpin(lease)
 
     def keepalive(self, s: Session, lease_ids: list[int]) -> list[int]:
-        expired = []
-        until = self.clock() + self.cfg.lease_ttl_s
-        for lid in lease_ids:
-            lease = self.leases.get(lid)
-            if lease is None or lease.session is not s:
-                expired.append(lid)
-            else:
-                lease.expires = until
-        return expired
+        """Renew ``s``'s leases; returns the ids that were not open (expired or ended)."""
+        return self.leases.renew(s, lease_ids)
 
     def expire(self) -> int:
         """Reclaim every lease past its TTL (a client that died mid-write or mid-read)."""
-        now = self.clock()
-        dead = [lease for lease in self.leases.values() if lease.expires <= now]
+        dead = self.leases.expired()
         for lease in dead:
             self._drop_lease(lease)
             if self.metrics:

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 from kvstore import doorbell
 from kvstore.config import TransportConfig, is_loopback
 from kvstore.daemon import transfer_meta
-from kvstore.daemon.core import Core, Lease, LeaseKind, Session
+from kvstore.daemon.core import Core, Session
 from kvstore.daemon.index import BlockState
+from kvstore.daemon.leases import Lease, LeaseKind
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.outbound import failure_reason
 from kvstore.errors import KVError

@@ -14,8 +14,9 @@ from array import array
 
 from kvstore.config import TransportConfig
 from kvstore.daemon import transfer_meta
-from kvstore.daemon.core import Core, LeaseKind, Session
+from kvstore.daemon.core import Core, Session
 from kvstore.daemon.index import BlockState
+from kvstore.daemon.leases import LeaseKind
 from kvstore.daemon.metrics import Metrics
 from kvstore.errors import Code, KVError
 from kvstore.policy import LoadPolicy

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Callable
 from kvstore.errors import Code, KVError, session_unknown
 
 if TYPE_CHECKING:
-    from kvstore.daemon.core import Lease, NsState
+    from kvstore.daemon.core import NsState
+    from kvstore.daemon.leases import Lease
 
 MAX_SESSIONS = 65536
 ENDED_REMEMBERED = 4096  # ids of recently ended sessions, kept to say why one is unknown

@@ -7,8 +7,9 @@ import json
 import time
 
 from kvstore import __version__
-from kvstore.daemon.core import Core, LeaseKind, NsState
+from kvstore.daemon.core import Core, NsState
 from kvstore.daemon.index import BlockState
+from kvstore.daemon.leases import LeaseKind
 from kvstore.daemon.metrics import Metrics
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import TierKind, TierStats
