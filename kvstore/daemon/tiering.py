@@ -10,12 +10,8 @@ ends, so a slot is never reused under an I/O.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,12 +23,11 @@ from kvstore.daemon.core import Core, NsState
 from kvstore.daemon.seams import DramOnly
 from kvstore.errors import Code, KVError
 from kvstore.daemon.index import Block, BlockState
-from kvstore.keys import Namespace
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.ns_file import NamespaceFile
 from kvstore.policy import LoadPolicy
 from kvstore.tiers.base import KeyedTier, TierKind
 from kvstore.tiers.nvme import IoResult
-from kvstore.tiers.nvme.files import PRIVATE_FILE
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.daemon.tiering")
@@ -109,9 +104,7 @@ class Tiering:
         self.prefetches: dict[int, Prefetch] = {}
         self.draining = False  # demoting: went over the high watermark, not yet under the low one
         self._ids = itertools.count(1)
-        self._ns_file = os.path.join(self.nvme.dir, "namespaces.json")
-        self._known_ns: dict[str, dict] = {}
-        self._ns_lock = threading.Lock()  # one writer of namespaces.json at a time
+        self.ns_file = NamespaceFile(self.nvme.dir)
         self.thread = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
         self._writer: threading.Thread | None = None  # write_out started by a drain
 
@@ -119,7 +112,7 @@ class Tiering:
     def recover(self) -> int:
         """Rebuild the index of every block the NVMe tier holds; returns blocks recovered."""
         core = self.core
-        for ns in self._read_namespaces():
+        for ns in self.ns_file.read():
             core.ns_state(ns)
         entries = sorted(self.nvme.entries(), key=lambda e: e.atime)
         orphans, n = [], 0
@@ -146,84 +139,10 @@ class Tiering:
             self.nvme.delete([b.key for b in lost])
         return n - len(lost)
 
-    def _read_namespaces(self) -> list[Namespace]:
-        """The namespaces ``namespaces.json`` describes. A file that is not what :meth:`remember`
-        writes (unreadable, not JSON, the wrong shape, an entry that does not parse or whose id
-        is not its hash) is logged and moved aside as ``namespaces.json.bad-<time>`` for a look,
-        never a traceback: the blocks of the namespaces it cannot vouch for are dropped and the
-        entries it can are written back at once."""
-        try:
-            with open(self._ns_file, "rb") as f:
-                os.fchmod(f.fileno(), PRIVATE_FILE)  # older daemons left it world-readable; it holds tenant salts
-                known = json.loads(f.read())
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as e:
-            self._quarantine(f"unreadable ({e})")
-            return []
-        if not isinstance(known, dict):
-            self._quarantine(f"must be a JSON object of namespace id -> namespace, got {type(known).__name__}")
-            return []
-        good, bad = [], []
-        for hex_id, d in known.items():
-            try:
-                ns = Namespace.from_dict(d)
-            except ValueError as e:
-                bad.append(f"{hex_id[:16]}: {e}")
-                continue
-            if ns.root.hex() != hex_id:
-                bad.append(f"{hex_id[:16]}: the id is not the hash of the namespace it names")
-                continue
-            good.append(ns)
-            self._known_ns[hex_id] = d
-        if bad:
-            self._quarantine(f"{len(bad)} of {len(known)} entries unreadable ({'; '.join(bad[:3])})")
-            try:
-                self._write_namespaces(self._known_ns)
-            except OSError as e:  # the next Register writes it again
-                log.error("cannot write %s back: %s", self._ns_file, e)
-        return good
-
-    def _quarantine(self, why: str) -> None:
-        aside = f"{self._ns_file}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        try:
-            os.replace(self._ns_file, aside)
-        except OSError as e:
-            log.error("%s: %s; cannot move it aside (%s): NVMe blocks of the namespaces it does not describe "
-                      "are dropped", self._ns_file, why, e)
-            return
-        log.error("%s: %s; quarantined as %s: NVMe blocks of the namespaces it does not describe are dropped",
-                  self._ns_file, why, aside)
-
     def remember(self, st: NsState) -> None:
-        """Persist a namespace's description so its NVMe blocks are recovered after a restart."""
-        hex_id = st.id.hex()
-        # Registers run on several gRPC workers at once (a TP=8 engine registers 8 namespaces
-        # together): one writer at a time, each writing the whole file from a snapshot; the new
-        # entry counts only once it is on disk, so a write that failed is tried again by the
-        # next Register.
-        with self._ns_lock:
-            if hex_id in self._known_ns:
-                return
-            known = {**self._known_ns, hex_id: st.ns.to_dict()}
-            self._write_namespaces(known)
-            self._known_ns = known
-
-    def _write_namespaces(self, known: dict) -> None:
-        """Replace ``namespaces.json`` atomically with ``known``: through a temporary file of
-        this call's own, 0600 whatever the umask (the file holds tenant salts)."""
-        fd, tmp = tempfile.mkstemp(prefix="namespaces.", suffix=".tmp", dir=os.path.dirname(self._ns_file))
-        try:
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(fd, PRIVATE_FILE)
-                json.dump(known, f)
-                f.flush()
-                os.fsync(fd)
-            os.replace(tmp, self._ns_file)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        """Persist a namespace's description so its NVMe blocks are recovered after a restart
+        (OSError if the file cannot be written; the next Register tries again)."""
+        self.ns_file.remember(st.ns)
 
     # --- demotion ---------------------------------------------------------------------------
     def start(self) -> None:
