@@ -202,7 +202,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.RegisterResponse(
             session_id=s.id, namespace_id=ns.root, arena_socket=self.arena_socket,
             arena_bytes=self.core.dram.arena.size_bytes, block_bytes=layout.block_bytes,
-            layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=c.lease_ttl_s,
+            layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.leases.ttl_s,
             max_keys_per_request=c.max_keys, hbm_emulated=self.reporter.hbm_emulated,
             durable_commit=self.durable_commit, session_ttl_s=c.session_ttl_s,
             slot_stride_bytes=self.core.dram.slot_stride(layout.block_bytes))
@@ -274,7 +274,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if placed:
                 self.waits.leave(placed)
         return pb.ReserveResponse(lease_id=lease.id if lease else 0, offsets=offsets, states=states,
-                                  expires_in_s=self.core.cfg.lease_ttl_s if lease else 0.0,
+                                  expires_in_s=self.core.leases.ttl_s if lease else 0.0,
                                   doorbell_offset=lease.doorbell if lease else 0)
 
     @rpc
@@ -307,7 +307,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
             hbm = [b.hbm_slot for b in blocks] if self.core.cfg.hot_after_reads else []
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
-                                  acquired=len(blocks), expires_in_s=self.core.cfg.lease_ttl_s if lease else 0.0,
+                                  acquired=len(blocks), expires_in_s=self.core.leases.ttl_s if lease else 0.0,
                                   hbm_offsets=hbm)
 
     @rpc
@@ -320,7 +320,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def KeepAlive(self, req, context):
         with self.core.lock:
             expired = self.core.keepalive(self._session(req.session_id), list(req.lease_ids))
-        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.cfg.lease_ttl_s,
+        return pb.KeepAliveResponse(expired=expired, expires_in_s=self.core.leases.ttl_s,
                                     session_ttl_s=self.core.cfg.session_ttl_s)
 
     @rpc
