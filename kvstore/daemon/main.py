@@ -6,8 +6,9 @@ Parts, in the order a block meets them (docs/architecture.md has the picture): t
 servicer (:mod:`kvstore.daemon.service`) over the core (:mod:`kvstore.daemon.core`: index, leases, DRAM
 eviction), the DRAM tier in the shared arena, tier movement to NVMe (:mod:`kvstore.daemon.tiering`),
 HBM copies (:mod:`kvstore.daemon.hbm_cache`), daemon-to-daemon transfer (:mod:`kvstore.daemon.outbound`, :mod:`kvstore.daemon.inbound`), the
-arena handout (:mod:`kvstore.daemon.handout`) and the reporter behind Stats and /metrics
-(:mod:`kvstore.daemon.stats`).
+arena handout (:mod:`kvstore.daemon.handout`), the reporter behind Stats and /metrics
+(:mod:`kvstore.daemon.stats`) and, in a fleet, membership, the prefix directory and pulls
+(:mod:`kvstore.daemon.fleet`).
 
 Threads: gRPC workers (each RPC takes ``Core.lock`` for its metadata step), the arena handout
 thread and one per handout connection being served, the reaper, the demoter and HBM promoter
@@ -36,6 +37,7 @@ from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.daemon.advice import Advisor
 from kvstore.config import ARENA_SUFFIX, Config
 from kvstore.daemon.core import Core, CoreConfig
+from kvstore.daemon.fleet import Fleet
 from kvstore.daemon.handout import ArenaHandout
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
@@ -155,11 +157,8 @@ class Daemon:
         self.tcp_server: grpc.Server | None = None
         self.metrics_server = None
         self.transfer_address = ""
-        self.membership = None
-        self.pulls = None
-        self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
+        self.fleet: Fleet | None = None  # with [cluster]: membership, the prefix directory, pulls
         self.reporter: Reporter | None = None  # Stats and the gauges: built in _start, after the directory
-        self.cluster_advisor = None
         self._threads: list[threading.Thread] = []
 
     # --- parts ------------------------------------------------------------------------------
@@ -258,7 +257,7 @@ class Daemon:
         return KVStoreService(self.core, self.cfg.server, advisor=Advisor(self.policy, self.cfg.policy, self.metrics),
                               reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
                               outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket,
-                              cluster=self.cluster_advisor)
+                              cluster=self.fleet.advisor if self.fleet is not None else None)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -286,10 +285,10 @@ class Daemon:
         self.health = health.HealthServicer()
         if cfg.cluster.etcd_endpoints:
             self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.membership = self._membership()
+            self.fleet = self._fleet()  # the prefix directory, pulls: before the reporter and the services
         peer = self._peer_service()
-        self.reporter = self._reporter()  # after the peer service, which builds the prefix directory
-        service = self._service()  # after the peer service: its Lookup asks peers through it
+        self.reporter = self._reporter()
+        service = self._service()  # its Lookup asks peers through the fleet
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_grpc.add_PeerServicer_to_server(peer, self.server)
@@ -334,10 +333,9 @@ class Daemon:
                 raise StartupError(f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port}: {e}") from None
         self.metrics.info.labels(version=__version__, hbm_emulated=str(self.reporter.hbm_emulated).lower()).set(1)
         self.reporter.refresh_gauges()
-        if self.membership is not None:
-            self.membership.start(self._advert())
-        if self.directory is not None:
-            self.directory.start()
+        if self.fleet is not None:
+            tiers = ["dram"] + (["nvme"] if self.nvme is not None else []) + (["hbm"] if self.hbm is not None else [])
+            self.fleet.join(self.transfer_address, tiers)
         self._spawn("reaper", self._reaper)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -345,81 +343,28 @@ class Daemon:
                  self.arena_socket, self.dram.capacity_bytes / 2**30, cfg.metrics.host, cfg.metrics.port)
         _sd_notify("READY=1")
 
-    def _membership(self):
-        """This daemon's registration in etcd (``[cluster]``); it registers at :meth:`_start`'s end."""
-        from kvstore.cluster.etcd import Etcd, EtcdTls
-        from kvstore.cluster.membership import Membership, State
-
-        c = self.cfg.cluster
-        for f in (c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file):
-            if f and not os.access(f, os.R_OK):
-                raise StartupError(f"cluster.etcd_*_file: cannot read {f}")
-        etcd = Etcd(c.endpoints(), EtcdTls(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file))
-        H = health_pb2.HealthCheckResponse
-        return Membership(c, etcd, c.node_id or socket.gethostname(), metrics=self.cluster_metrics,
-                          on_state=lambda st: self.health.set(CLUSTER_HEALTH, H.SERVING if st is State.REGISTERED
-                                                              else H.NOT_SERVING))
-
-    def _advert(self):
-        """What peers learn of this daemon: where its transfer listener and its TLS control
-        listener (for Push) are, and what it runs."""
-        from kvstore.cluster.member import Member
-
-        c = self.cfg.cluster
-        tiers = ["dram"] + (["nvme"] if self.nvme is not None else []) + (["hbm"] if self.hbm is not None else [])
-        caps = {"version": __version__, "transport": self.cfg.transport.backend if self.transfer_address else "",
-                "tiers": tiers, "control_addr": c.advertise_control or self.cfg.server.tcp_listen}
-        transfer = c.advertise_transfer or self.transfer_address
-        events, replay = (_reachable_url(self.cfg.events.publish, transfer),
-                          _reachable_url(self.cfg.events.replay, transfer))
-        return Member(self.membership.node_id, 0, transfer_addr=transfer, events_addr=events, replay_addr=replay,
-                      capabilities=caps)
-
-    def _holders(self):
-        """Where a pull looks for a chain: the cluster prefix directory, fed by the peers' KV
-        events, where pyzmq is installed (peers that publish no events are asked after the
-        ones the directory names); otherwise every peer advertising the namespace."""
-        from kvstore.daemon.pull import AdvertisedHolders
-
-        try:
-            from kvstore.cluster.holders import DirectoryHolders
-            from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
-        except ImportError as e:
-            log.info("cluster: no prefix directory (%s; the [events] extra: pip install '.[events]' in the kvstore "
-                     "checkout): pulls ask every "
-                     "peer advertising the namespace", e)
-            return AdvertisedHolders(self.membership)
-        self.directory = ClusterDirectory(DirectoryConfig(self_id=self.membership.node_id), self.membership.peers)
-        return DirectoryHolders(self.directory, self.membership)
-
     def _reporter(self) -> Reporter:
         directory = None
-        if self.directory is not None:
+        if self.fleet is not None and self.fleet.directory is not None:
             from kvstore.cluster.report import DirectoryReport
 
-            directory = DirectoryReport(self.directory, self.cluster_metrics)
+            directory = DirectoryReport(self.fleet.directory, self.cluster_metrics)
         return Reporter(self.core, metrics=self.metrics, policy=self.policy, hbm=self.hbm, nvme=self.nvme,
                         nvme_wanted=bool(self.cfg.nvme.dir), nvme_error=self.nvme_error, links=self.link_meter,
                         directory=directory)
 
+    def _fleet(self) -> Fleet:
+        H = health_pb2.HealthCheckResponse
+        return Fleet(self.cfg, self.core, self.policy, self.outbound, self.tiering, metrics=self.cluster_metrics,
+                     meter=self.link_meter,
+                     on_registered=lambda ok: self.health.set(CLUSTER_HEALTH, H.SERVING if ok else H.NOT_SERVING))
+
     def _peer_service(self):
         """kvstore.v1.Peer: Pull (a worker's) and Push (a peer daemon's); with no cluster, or no
         transfer listener, both answer UNAVAILABLE saying what to set."""
-        from kvstore.daemon.pull import PeerLinks, PeerService, Pulls
-        from kvstore.daemon.remote import AskedRemoteHits, ClusterAdvisor
+        from kvstore.daemon.pull import PeerService
 
-        if self.membership is not None and self.outbound is not None:
-            links, holders = PeerLinks(self.cfg.server), self._holders()
-            self.pulls = Pulls(self.core, self.membership, self.outbound, links, self.cfg.transport,
-                               holders=holders, tiering=self.tiering, metrics=self.cluster_metrics,
-                               meter=self.link_meter)
-            sources = [AskedRemoteHits(self.membership, holders, links, self.link_meter, self.cfg.cluster)]
-            if self.directory is not None:  # answers from memory: first, and on every Lookup
-                from kvstore.cluster.holders import DirectoryRemoteHits
-                sources.insert(0, DirectoryRemoteHits(self.directory, self.membership))
-            self.cluster_advisor = ClusterAdvisor(self.core, self.policy, sources, self.link_meter,
-                                                  self.cluster_metrics)
-        return PeerService(self.core, self.pulls, metrics=self.metrics)
+        return PeerService(self.core, self.fleet.pulls if self.fleet is not None else None, metrics=self.metrics)
 
     def _start_tcp(self, service: KVStoreService, peer) -> grpc.Server:
         """The cross-node control listener: TLS always, client certificates when a CA is set,
@@ -496,14 +441,8 @@ class Daemon:
                     if self.core.expire_sessions(SESSION_EXPIRY_BATCH) < SESSION_EXPIRY_BATCH:
                         break
             self.reporter.refresh_gauges()
-            if self.membership is not None:
-                self._cluster_round()
-
-    def _cluster_round(self) -> None:
-        """Advertise the namespaces held here (the membership thread publishes a change)."""
-        with self.core.lock:
-            held = [ns_id.hex() for ns_id in self.core.namespaces]
-        self.membership.set_namespaces(held)
+            if self.fleet is not None:
+                self.fleet.advertise(self.core)
 
     def drain(self) -> None:
         """SIGUSR1 (the Kubernetes preStop hook): stop taking new blocks (Reserve and incoming
@@ -529,8 +468,8 @@ class Daemon:
         _sd_notify("STOPPING=1")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.membership is not None:  # leave first: peers stop sending here at once
-            self.membership.stop(min(2.0, grace))
+        if self.fleet is not None:  # leave first: peers stop sending here at once
+            self.fleet.leave(min(2.0, grace))
         done = self.server.stop(grace)
         tcp_done = self.tcp_server.stop(grace) if self.tcp_server is not None else None
         if self.inbound is not None:
@@ -542,10 +481,8 @@ class Daemon:
         for ev in (done, tcp_done):
             if ev is not None:
                 ev.wait(min(RPC_DRAIN_S, max(0.0, deadline - time.monotonic())))
-        if self.pulls is not None:  # the channels to peers; a pull still running ends as a miss
-            self.pulls.close()
-        if self.directory is not None:
-            self.directory.stop()
+        if self.fleet is not None:  # the channels to peers (a pull still running ends as a miss), the streams
+            self.fleet.close()
         if self.tiering is not None:
             self.tiering.close(deadline)
         for ev in (done, tcp_done):
@@ -557,19 +494,6 @@ class Daemon:
         if self.events is not None:
             self.events.stop()
         self._remove_sockets()
-
-
-def _reachable_url(url: str, advertised: str) -> str:
-    """``url`` (an events socket, ``tcp://host:port`` or ``ipc://path``) as peers reach it: a
-    wildcard bind host is replaced by the advertised transfer address's host; ipc:// is this
-    node's only and is not advertised."""
-    if not url.startswith("tcp://"):
-        return ""
-    host, port = split_host_port(url[len("tcp://"):])
-    host = host.strip("[]")
-    if host in ("0.0.0.0", "::", "*", "") and advertised:
-        host = split_host_port(advertised)[0].strip("[]")
-    return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
 
 
 def _sd_notify(state: str) -> None:
