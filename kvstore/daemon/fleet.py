@@ -111,6 +111,7 @@ class Fleet:
         self.membership.set_namespaces(held)
 
     def leave(self, timeout_s: float) -> None:
+        """Leave etcd (revoking the lease, within ``timeout_s`` seconds): peers stop sending here."""
         self.membership.stop(timeout_s)
 
     def close(self) -> None:
