@@ -187,6 +187,11 @@ class ClusterConfig:
         return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
 
 
+# Where a part needs pyzmq and msgspec and they are missing: what to install (said by the
+# daemon, its cluster wiring and the cluster bench).
+EVENTS_EXTRA = "the [events] extra: pip install '.[events]' in the kvstore checkout"
+
+
 @dataclass
 class EventsConfig:
     publish: str = field(default="", metadata={"help": "ZMQ PUB endpoint the daemon binds for its KV events in vLLM's format (tcp://host:port or ipc://path); empty = off"})

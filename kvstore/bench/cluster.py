@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.config import EVENTS_EXTRA
+
 NODES = ("bench-a", "bench-b", "bench-c")
 
 
@@ -201,8 +203,7 @@ def _events_missing() -> str:
     import importlib.util
 
     missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
-    return f"{' and '.join(missing)} not installed (the [events] extra: pip install '.[events]' in the kvstore " \
-           "checkout)" if missing else ""
+    return f"{' and '.join(missing)} not installed ({EVENTS_EXTRA})" if missing else ""
 
 
 def workload(a) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable
 
 from kvstore.cluster.metrics import ClusterMetrics
-from kvstore.config import Config
+from kvstore.config import EVENTS_EXTRA, Config
 from kvstore.daemon.core import Core
 from kvstore.daemon.preflight import StartupError, split_host_port
 from kvstore.daemon.remote import LinkMeter
@@ -75,8 +75,8 @@ class Fleet:
             from kvstore.cluster.holders import DirectoryHolders
             from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
         except ImportError as e:
-            log.info("cluster: no prefix directory (%s; the [events] extra: pip install '.[events]' in the kvstore "
-                     "checkout): pulls ask every peer advertising the namespace", e)
+            log.info("cluster: no prefix directory (%s; %s): pulls ask every peer advertising the namespace",
+                     e, EVENTS_EXTRA)
             return AdvertisedHolders(self.membership)
         self.directory = ClusterDirectory(DirectoryConfig(self_id=self.membership.node_id), self.membership.peers)
         return DirectoryHolders(self.directory, self.membership)

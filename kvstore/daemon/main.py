@@ -35,7 +35,7 @@ from kvstore import __version__
 from kvstore import doorbell
 from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.daemon.advice import Advisor
-from kvstore.config import ARENA_SUFFIX, Config
+from kvstore.config import ARENA_SUFFIX, EVENTS_EXTRA, Config
 from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.fleet import Fleet
 from kvstore.daemon.handout import ArenaHandout
@@ -229,8 +229,7 @@ class Daemon:
 
             return EventPublisher(self.cfg.events, metrics=self.metrics)
         except ImportError as e:
-            raise StartupError(f"events.publish: needs pyzmq and msgspec (the [events] extra: pip install '.[events]' "
-                               f"in the kvstore checkout): {e}") from None
+            raise StartupError(f"events.publish: needs pyzmq and msgspec ({EVENTS_EXTRA}): {e}") from None
 
     def _close_tiers(self) -> None:
         if self.nvme is not None:
