@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from daemon_util import DaemonSpec, free_port  # noqa: E402
+from daemon_util import DaemonSpec  # noqa: E402
 from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
@@ -260,7 +260,9 @@ def restart_engines(model, workdir, module_daemons):
     request (an absent daemon is retried every ``reconnect_s``)."""
     nvme = ("--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true")
     d = module_daemons(*nvme, dram="64MiB", name="nvme")
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    # ipc sockets in the work directory: a TCP port picked free here can be taken by another
+    # engine's (or test's) socket before this engine binds it, seconds later.
+    pub, replay = f"ipc://{workdir / 'kv-events.ipc'}", f"ipc://{workdir / 'kv-replay.ipc'}"
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
     socks = {"fresh": str(workdir / "restarted.sock"), "killed": str(workdir / "killed.sock")}
     es = EngineProc.start_all([
