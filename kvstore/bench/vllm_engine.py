@@ -1,9 +1,9 @@
-"""A real vLLM engine in a child process, driven line by line: what ``kvstore bench vllm`` and
-the connector's real-engine tests run.
+"""A real vLLM engine in a child process, driven by one command at a time: what ``kvstore bench
+vllm`` and the connector's real-engine tests run.
 
-``EngineProc.start(spec)`` runs ``python -m kvstore.bench.vllm_engine`` with a JSON spec (model
-directory, block size, prefix caching, the KV connector config or none, ...); the child builds
-``vllm.LLM`` once and answers one JSON command per line on stdin:
+``EngineProc.start(spec, log)`` starts a child with a spec (model directory, block size, prefix
+caching, the KV connector config or none, ...); the child builds ``vllm.LLM`` once, writes vLLM's
+log to ``log`` and answers one command at a time:
 
 - ``{"op": "generate", "prompts": [[ids...]], "max_tokens": 8, "logprobs": 5}`` -> the greedy
   tokens, top-``logprobs`` log-probabilities per generated token, and the wall time of the call
@@ -14,21 +14,27 @@ directory, block size, prefix caching, the KV connector config or none, ...); th
 - ``{"op": "exit"}``.
 
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
-in a new process can only come from kvstore. :func:`save_llama` writes a seeded random Llama
-(config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer_init``: no download.
+in a new process can only come from kvstore. The children are forked from one server process
+per parent (multiprocessing's forkserver) that has imported vLLM and built nothing: that import
+is most of an engine's start (about 15 of 19 s here, one engine alone), so the parent pays it
+once and every later engine starts in the time vLLM takes to build itself. ``python -m
+kvstore.bench.vllm_engine SPEC_JSON`` runs one engine on stdin/stdout instead (JSON lines, the
+answers prefixed with ``KVSTORE-ENGINE``), by hand. :func:`save_llama` writes a seeded random
+Llama (config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer_init``: no download.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-RESULT = "KVSTORE-ENGINE "  # prefix of the child's answer lines (vLLM logs to the same streams)
+RESULT = "KVSTORE-ENGINE "  # prefix of an answer line when run by hand (vLLM logs to the same stdout)
 
 # Llama shapes for a 2-core CPU. vLLM's CPU backend wants head_dim in {32, 64, 80, ...} and
 # blocks of a multiple of 32 tokens. initializer_range 0.2 gives peaked, prompt-dependent greedy
@@ -86,12 +92,43 @@ class EngineSpec:
     env: dict = field(default_factory=dict)
 
 
+# Set in the fork server before it imports vLLM (huggingface_hub reads its offline switch at
+# import) and in every engine; an engine's own settings are applied in the child, before vLLM
+# reads them (vllm.envs reads the environment lazily until an engine is built).
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+PRELOAD = ["vllm.entrypoints.llm"]  # vLLM's LLM class and everything it imports
+_context = None
+_context_lock = threading.Lock()
+
+
+def context():
+    """This process's forkserver context, its server started once with vLLM imported."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            saved = {k: os.environ.get(k) for k in BASE_ENV}
+            os.environ.update(BASE_ENV)
+            try:
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()  # inherits the environment as it is now
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            _context = ctx
+        return _context
+
+
 class EngineProc:
     """A vLLM engine in a child process (see module docstring)."""
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
-        self.proc, self.log_path = proc, log_path
-        self._buf = b""
+    def __init__(self, proc, conn, log_path: Path) -> None:
+        self.proc, self.conn, self.log_path = proc, conn, log_path
 
     @classmethod
     def start(cls, spec: EngineSpec, log_path: Path, timeout_s: float = 300.0) -> "EngineProc":
@@ -100,7 +137,7 @@ class EngineProc:
 
     @classmethod
     def start_all(cls, specs: list[tuple[EngineSpec, Path]], timeout_s: float = 300.0) -> list["EngineProc"]:
-        """Start several engines at once (their imports and builds overlap)."""
+        """Start several engines at once (their builds overlap)."""
         engines = [cls.spawn(spec, log) for spec, log in specs]
         try:
             return [e.ready(timeout_s) for e in engines]
@@ -115,48 +152,32 @@ class EngineProc:
 
     @classmethod
     def spawn(cls, spec: EngineSpec, log_path: Path) -> "EngineProc":
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.multiprocessing else "0",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **spec.env)
-        log = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.vllm_engine", json.dumps(asdict(spec))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
-        return cls(proc, Path(log_path))
+        env = dict(BASE_ENV, VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.multiprocessing else "0", **spec.env)
+        ctx = context()
+        conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(target=_child, args=(json.dumps(asdict(spec)), env, str(log_path), child_conn),
+                           name=f"vllm-engine {Path(log_path).stem}")
+        proc.start()
+        child_conn.close()
+        return cls(proc, conn, Path(log_path))
 
     def _read(self, timeout_s: float) -> dict:
-        """The child's next answer. Its stdout is read unbuffered (a buffered reader would
-        hold lines the selector cannot see); other lines are vLLM's log and go to the log."""
-        import selectors
-
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                while b"\n" in self._buf:
-                    line, self._buf = self._buf.split(b"\n", 1)
-                    text = line.decode(errors="replace")
-                    if not text.startswith(RESULT):
-                        with open(self.log_path, "a") as log:
-                            log.write(text + "\n")
-                        continue
-                    out = json.loads(text[len(RESULT):])
-                    if "error" in out:
-                        raise RuntimeError(f"vLLM engine: {out['error']}\n{self.log_tail()}")
-                    return out
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    self.kill()
-                    raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s:\n{self.log_tail()}")
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    self.proc.wait()
-                    raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}:\n{self.log_tail()}")
-                self._buf += chunk
+        """The child's next answer."""
+        if not self.conn.poll(timeout_s):
+            self.kill()
+            raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s:\n{self.log_tail()}")
+        try:
+            out = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join()
+            raise RuntimeError(f"vLLM engine exited with {self.proc.exitcode}:\n{self.log_tail()}") from None
+        if "error" in out:
+            raise RuntimeError(f"vLLM engine: {out['error']}\n{self.log_tail()}")
+        return out
 
     def call(self, timeout_s: float = 300.0, **cmd) -> dict:
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+        self.conn.send(cmd)
         return self._read(timeout_s)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, logprobs: int = 5,
@@ -172,34 +193,33 @@ class EngineProc:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc.is_alive():
             try:
                 self.call(timeout_s=timeout_s, op="exit")
-            except (RuntimeError, TimeoutError, BrokenPipeError, OSError):
+            except (RuntimeError, TimeoutError, OSError):
                 pass
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
                 self.kill()
-        return self.proc.returncode
+        self.conn.close()
+        return self.proc.exitcode
 
     @staticmethod
-    def stop_all(engines: list["EngineProc"], timeout_s: float = 60.0) -> list[int]:
+    def stop_all(engines: list["EngineProc"], timeout_s: float = 60.0) -> list[int | None]:
         """Ask every engine to exit at once, then wait for each (their shutdowns overlap)."""
         for e in engines:
-            if e.proc.poll() is None:
+            if e.proc.is_alive():
                 try:
-                    e.proc.stdin.write(b'{"op": "exit"}\n')
-                    e.proc.stdin.flush()
+                    e.conn.send({"op": "exit"})
                 except OSError:
                     pass
         return [e.stop(timeout_s) for e in engines]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.is_alive():
             self.proc.kill()
-            self.proc.wait()
+        self.proc.join()
 
     def __enter__(self) -> "EngineProc":
         return self
@@ -209,11 +229,6 @@ class EngineProc:
 
 
 # --- the child ----------------------------------------------------------------------------------
-
-def _answer(obj: dict) -> None:
-    sys.stdout.write(RESULT + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
 
 def _build(spec: EngineSpec):
     from vllm import LLM
@@ -263,31 +278,34 @@ def _metrics(llm) -> dict:
     return {"metrics": out}
 
 
-def main(argv: list[str]) -> int:
-    spec = EngineSpec(**json.loads(argv[0]))
+def serve(spec: EngineSpec, recv, answer, exit_process: bool = True) -> None:
+    """Build the engine, then answer commands (``recv()``: the next one, None at the end) until
+    "exit"; then shut vLLM down and (``exit_process``) leave the process without the
+    interpreter's teardown."""
     try:
         llm = _build(spec)
     except Exception as e:  # noqa: BLE001 - reported to the parent with the log
-        _answer({"error": f"engine start failed: {type(e).__name__}: {e}"})
-        return 1
-    _answer({"ready": True})
-    for line in sys.stdin:
-        cmd = json.loads(line)
+        answer({"error": f"engine start failed: {type(e).__name__}: {e}"})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    answer({"ready": True})
+    while (cmd := recv()) is not None:
         op = cmd.get("op")
         try:
             if op == "exit":
-                _answer({"bye": True})
+                answer({"bye": True})
                 break
             if op == "generate":
-                _answer(_generate(llm, cmd))
+                answer(_generate(llm, cmd))
             elif op == "metrics":
-                _answer(_metrics(llm))
+                answer(_metrics(llm))
             elif op == "reset_prefix_cache":
-                _answer({"reset": bool(llm.reset_prefix_cache(reset_connector=True))})
+                answer({"reset": bool(llm.reset_prefix_cache(reset_connector=True))})
             else:
-                _answer({"error": f"unknown op {op!r}"})
+                answer({"error": f"unknown op {op!r}"})
         except Exception as e:  # noqa: BLE001 - the parent decides; the engine stays up
-            _answer({"error": f"{type(e).__name__}: {e}"})
+            answer({"error": f"{type(e).__name__}: {e}"})
     # vLLM's own shutdown: the connector closes its sessions, the engine-core process (if any)
     # exits. Then out without the interpreter's teardown, whose garbage collections over
     # vLLM's ~700k objects were two thirds of a 15-30 s exit on a loaded 2-core machine (the
@@ -296,7 +314,40 @@ def main(argv: list[str]) -> int:
     llm.llm_engine.engine_core.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if exit_process:
+        os._exit(0)
+
+
+def _child(spec_json: str, env: dict, log_path: str, conn) -> None:
+    """An engine forked from the fork server: vLLM's output to the log, this engine's
+    environment (and PYTHONPATH, for a connector module of the caller's) in place, then serve."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+
+    def recv():
+        try:
+            return conn.recv()
+        except EOFError:  # the parent is gone
+            return None
+    # Returning ends the process the way multiprocessing ends its children: its finalizers
+    # (which unlink and unregister the named semaphore vLLM creates), no interpreter teardown.
+    serve(EngineSpec(**json.loads(spec_json)), recv, conn.send, exit_process=False)
+
+
+def _answer_line(obj: dict) -> None:
+    sys.stdout.write(RESULT + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    """One engine on stdin/stdout (JSON lines), for use by hand."""
+    lines = iter(sys.stdin)
+    serve(EngineSpec(**json.loads(argv[0])), lambda: json.loads(next(lines, "null")), _answer_line)
+    return 0
 
 
 if __name__ == "__main__":
