@@ -42,10 +42,11 @@ PREFAULT_CHUNK_BYTES = 64 << 20  # ~0.1 s of first-touch faults here: how soon a
 class Arena:
     """A memfd of ``size_bytes`` mapped read-write. ``prefault`` touches every page up front:
     first-touch faults run at ~0.3 GB/s here against 14-20 GB/s into faulted pages. ``stop``
-    (set by a signal handler) ends a pre-fault early with :class:`PrefaultStopped`."""
+    (anything with ``is_set()``, set by a signal handler) ends a pre-fault early with
+    :class:`PrefaultStopped`."""
 
     def __init__(self, size_bytes: int, name: str = "kvstore-arena", prefault: bool = True,
-                 fd: int | None = None, stop: threading.Event | None = None) -> None:
+                 fd: int | None = None, stop=None) -> None:
         self.size_bytes = size_bytes
         self.fd = fd if fd is not None else os.memfd_create(name, os.MFD_CLOEXEC)
         if fd is None:
@@ -60,7 +61,7 @@ class Arena:
                 self.close()
                 raise
 
-    def prefault(self, stop: threading.Event | None = None) -> None:
+    def prefault(self, stop=None) -> None:
         """Fault every page in, a chunk at a time: between chunks the main thread runs signal
         handlers and ``stop`` is checked, so a SIGTERM during a minutes-long pre-fault of a large
         node is honoured within a chunk's time. madvise runs through ctypes, which releases the

@@ -101,7 +101,7 @@ class Daemon:
     transfer_sender = Sender  # the Sender class of the transfer service (a test subclass may corrupt frames)
 
     def __init__(self, cfg: Config, config_path: str | None = None, cli_overrides: dict | None = None,
-                 interrupt: threading.Event | None = None) -> None:
+                 interrupt: "SignalFlag | None" = None) -> None:
         """``interrupt``: set by a signal handler; it stops the arena's pre-fault
         (:class:`~kvstore.tiers.arena.PrefaultStopped`)."""
         self.cfg = cfg
@@ -509,26 +509,55 @@ def _sd_notify(state: str) -> None:
         log.warning("sd_notify failed: %s", e)
 
 
+class SignalFlag:
+    """What a signal handler asks for, recorded without taking a lock. A handler runs in the
+    main thread between two bytecodes, possibly while that thread holds a lock of its own:
+    inside ``threading.Event.wait()`` it holds the Event's (non-reentrant) lock, and
+    ``Event.set()`` from the handler would then wait for it forever. A daemon whose main loop
+    waited on that Event once ignored a SIGTERM that way (a CI run under load: no "shutting
+    down" line, still running 30 s later). The main thread acts on the flags between sleeps."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+POLL_S = 0.2  # how often the main thread looks at the signal flags once serving
+
+
 def run(cfg: Config, daemon_cls=Daemon, config_path: str | None = None, cli_overrides: dict | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     # Handlers go in before anything serves: a SIGTERM that arrives while starting (the health
-    # service already says SERVING) must still mean a clean stop, not the default kill.
-    stop = threading.Event()
+    # service already says SERVING) must still mean a clean stop, not the default kill. They
+    # only set flags (SignalFlag says why); the main thread does the rest.
+    stop, drain, reload = SignalFlag(), SignalFlag(), SignalFlag()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    drain = threading.Event()  # SIGUSR1: stop taking writes (see Daemon.drain), acted on once serving
-    signal.signal(signal.SIGUSR1, lambda *_: drain.set())
+    signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # stop taking writes (Daemon.drain)
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())  # reload the config (Daemon.reload)
     try:
         d = daemon_cls(cfg, config_path, cli_overrides, interrupt=stop)
     except PrefaultStopped as e:  # nothing serves yet: no socket to remove
         log.info("a signal arrived while pre-faulting the DRAM arena (%s); exiting before serving", e)
         return 0
-    reload_ready = threading.Event()
-    signal.signal(signal.SIGHUP, lambda *_: reload_ready.is_set() and threading.Thread(target=d.reload, name="reload").start())
     d.start()
-    reload_ready.set()
-    while not stop.wait(0.2):
+    reload.clear()  # a SIGHUP before serving has nothing to reload: the config was just read
+    while not stop.is_set():
+        time.sleep(POLL_S)  # a signal ends the sleep early only to run its handler
         if drain.is_set() and not d.core.writes_refused:
             d.drain()
+        if reload.is_set():
+            reload.clear()
+            threading.Thread(target=d.reload, name="reload").start()
     d.stop()
     return 0
