@@ -15,24 +15,30 @@ log to ``log`` and answers one command at a time:
 
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
 in a new process can only come from kvstore. The children are forked from one server process
-per parent (multiprocessing's forkserver) that has imported vLLM and built nothing: that import
-is most of an engine's start (about 15 of 19 s here, one engine alone), so the parent pays it
-once and every later engine starts in the time vLLM takes to build itself. ``python -m
-kvstore.bench.vllm_engine SPEC_JSON`` runs one engine on stdin/stdout instead (JSON lines, the
-answers prefixed with ``KVSTORE-ENGINE``), by hand. :func:`save_llama` writes a seeded random
+per parent (multiprocessing's forkserver) that has imported vLLM and built nothing
+(:mod:`kvstore.bench.vllm_preload`): that import is most of an engine's start (about 15 of 19 s
+here, one engine alone), so the parent pays it once and every later engine starts in the time
+vLLM takes to build itself. As with any multiprocessing child, each engine imports the parent's
+main script again, so a script that starts engines needs ``if __name__ == "__main__":``
+(``python -m`` entry points and pytest need nothing). ``python -m kvstore.bench.vllm_engine
+SPEC_JSON`` runs one engine on stdin/stdout instead (JSON lines, the answers prefixed with
+``KVSTORE-ENGINE``), by hand, in the environment it is given. :func:`save_llama` writes a seeded random
 Llama (config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer_init``: no download.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
+import multiprocessing.util  # its exit hook is registered before ours (context())
 import os
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 
 RESULT = "KVSTORE-ENGINE "  # prefix of an answer line when run by hand (vLLM logs to the same stdout)
 
@@ -92,36 +98,35 @@ class EngineSpec:
     env: dict = field(default_factory=dict)
 
 
-# Set in the fork server before it imports vLLM (huggingface_hub reads its offline switch at
-# import) and in every engine; an engine's own settings are applied in the child, before vLLM
-# reads them (vllm.envs reads the environment lazily until an engine is built).
-BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-PRELOAD = ["vllm.entrypoints.llm"]  # vLLM's LLM class and everything it imports
 _context = None
 _context_lock = threading.Lock()
+_live: set = set()  # engines started and not yet stopped or killed
 
 
 def context():
-    """This process's forkserver context, its server started once with vLLM imported."""
+    """This process's forkserver context. Its server imports :mod:`kvstore.bench.vllm_preload`
+    (vLLM, with the environment engines share) once, when the first engine starts; that first
+    ``start`` waits for the import (about 15 s here)."""
     global _context
     with _context_lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
-            saved = {k: os.environ.get(k) for k in BASE_ENV}
-            os.environ.update(BASE_ENV)
-            try:
-                from multiprocessing import forkserver
-
-                forkserver.ensure_running()  # inherits the environment as it is now
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            ctx.set_forkserver_preload(["kvstore.bench.vllm_preload"])
+            # Registered after multiprocessing's own exit hook, so it runs first: that hook
+            # waits, without a timeout, for every engine still running, and an engine waits for
+            # its next command until its pipe closes.
+            atexit.register(_stop_left_over)
             _context = ctx
         return _context
+
+
+def _stop_left_over() -> None:
+    engines = [e for e in list(_live) if e.proc.is_alive()]
+    for e in engines:
+        e.conn.close()  # the engine sees the end of its commands and shuts down
+    for e in engines:
+        e.proc.join(10)
+        e.kill()
 
 
 class EngineProc:
@@ -138,8 +143,10 @@ class EngineProc:
     @classmethod
     def start_all(cls, specs: list[tuple[EngineSpec, Path]], timeout_s: float = 300.0) -> list["EngineProc"]:
         """Start several engines at once (their builds overlap)."""
-        engines = [cls.spawn(spec, log) for spec, log in specs]
+        engines: list[EngineProc] = []
         try:
+            for spec, log in specs:
+                engines.append(cls.spawn(spec, log))
             return [e.ready(timeout_s) for e in engines]
         except BaseException:
             for e in engines:
@@ -152,15 +159,18 @@ class EngineProc:
 
     @classmethod
     def spawn(cls, spec: EngineSpec, log_path: Path) -> "EngineProc":
-        env = dict(BASE_ENV, VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
+        env = dict(VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib),
                    VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.multiprocessing else "0", **spec.env)
+        open(log_path, "ab").close()  # an unwritable log is an error here, not a silent child's
         ctx = context()
         conn, child_conn = ctx.Pipe()
         proc = ctx.Process(target=_child, args=(json.dumps(asdict(spec)), env, str(log_path), child_conn),
                            name=f"vllm-engine {Path(log_path).stem}")
         proc.start()
         child_conn.close()
-        return cls(proc, conn, Path(log_path))
+        e = cls(proc, conn, Path(log_path))
+        _live.add(e)
+        return e
 
     def _read(self, timeout_s: float) -> dict:
         """The child's next answer."""
@@ -193,7 +203,7 @@ class EngineProc:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
+    def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.is_alive():
             try:
                 self.call(timeout_s=timeout_s, op="exit")
@@ -203,10 +213,11 @@ class EngineProc:
             if self.proc.is_alive():
                 self.kill()
         self.conn.close()
+        _live.discard(self)
         return self.proc.exitcode
 
     @staticmethod
-    def stop_all(engines: list["EngineProc"], timeout_s: float = 60.0) -> list[int | None]:
+    def stop_all(engines: list["EngineProc"], timeout_s: float = 60.0) -> list[int]:
         """Ask every engine to exit at once, then wait for each (their shutdowns overlap)."""
         for e in engines:
             if e.proc.is_alive():
@@ -220,6 +231,7 @@ class EngineProc:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
+        _live.discard(self)
 
     def __enter__(self) -> "EngineProc":
         return self
@@ -288,7 +300,9 @@ def serve(spec: EngineSpec, recv, answer, exit_process: bool = True) -> None:
         answer({"error": f"engine start failed: {type(e).__name__}: {e}"})
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        if exit_process:
+            os._exit(1)
+        raise SystemExit(1) from None  # multiprocessing's exit: exit code 1, finalizers run
     answer({"ready": True})
     while (cmd := recv()) is not None:
         op = cmd.get("op")
@@ -333,8 +347,10 @@ def _child(spec_json: str, env: dict, log_path: str, conn) -> None:
             return conn.recv()
         except EOFError:  # the parent is gone
             return None
-    # Returning ends the process the way multiprocessing ends its children: its finalizers
-    # (which unlink and unregister the named semaphore vLLM creates), no interpreter teardown.
+    # Returning ends the process the way multiprocessing ends its children: its finalizers run
+    # (they unlink and unregister the named semaphore vLLM creates), non-daemon threads and child
+    # processes are waited for (vLLM's and the connector's threads are daemons; the engine-core
+    # process has exited), and there is no interpreter teardown.
     serve(EngineSpec(**json.loads(spec_json)), recv, conn.send, exit_process=False)
 
 
