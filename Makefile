@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TSTAMP := $(VENV)/.installed-test
+FSTAMP := $(VENV)/.built-fused
 ARGS   ?=
 
-.PHONY: install install-test sysdeps serve test test-fast proto bench clean
+.PHONY: install install-test fused sysdeps serve test test-fast proto bench clean
 
 # The daemon alone: no torch, transformers or vLLM.
 $(STAMP): pyproject.toml
@@ -23,18 +24,27 @@ $(TSTAMP): pyproject.toml scripts/install_vllm.sh
 	KVSTORE_PIP_EXTRA="-e .[test,torch,ucx,hf]" ./scripts/install_vllm.sh $(PY)
 	touch $(STAMP) $@
 
+# The UCX receive that hashes as it copies (transport/_fused.c) for the test environment's ucxx;
+# needs a C compiler and xxhash.h (sysdeps). Without it the UCX receiver hashes payloads once
+# they have landed: as correct, slower over shared memory.
+$(FSTAMP): transport/_fused.c scripts/build_fused.sh $(TSTAMP) | sysdeps
+	./scripts/build_fused.sh $(PY)
+	touch $@
+
 install: $(STAMP)
 install-test: $(TSTAMP)
+fused: $(FSTAMP)
 
-# System tools the tests use: fio (same-run NVMe reference) and etcd (the cluster tests).
-# Installed only when missing, in one apt-get run.
+# System tools the tests use: fio (same-run NVMe reference), etcd (the cluster tests) and
+# xxhash.h (the fused UCX receive's build). Installed only when missing, in one apt-get run.
 sysdeps:
 	@missing=""; command -v fio >/dev/null 2>&1 || missing=" fio"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	echo '#include <xxhash.h>' | $${CC:-cc} -E -x c - >/dev/null 2>&1 || missing="$$missing libxxhash-dev"; \
 	if [ -n "$$missing" ]; then \
 	  { command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
-	  echo "warning: could not install$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped"; \
+	  echo "warning: could not install$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped; without libxxhash-dev the fused UCX receive cannot be built"; \
 	fi
 
 serve: $(STAMP)
@@ -46,7 +56,7 @@ serve: $(STAMP)
 # (--no-loadscope-reorder with a longest-first order) measured slower in a fresh clone (tests
 # 10:59 against 9:46): two vLLM modules then start their engines together on two cores.
 TEST_WORKERS ?= 2
-test: $(TSTAMP) sysdeps
+test: $(TSTAMP) sysdeps $(FSTAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 proto: $(TSTAMP)

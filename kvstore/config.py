@@ -149,6 +149,7 @@ class TransportConfig:
     ucx_progress: str = field(default="adaptive", metadata={"help": "UCX engines: adaptive (poll while a transfer is open, else sleep), blocking (sleep whenever idle) or polling (always spin one core each)"})
     verify_threads: int = field(default=-1, metadata={"help": "UCX receiver: threads that verify arrived chunks' xxh3 beside the engine thread; -1 = auto (a quarter of the CPUs, at most 4; none under 4 CPUs), 0 = on the engine thread"})
     verify_min_bytes: int = field(default=1024**2, metadata={"help": "UCX receiver: only payloads of at least this size (bytes) go to the verify threads; smaller ones cost more to hand over than to hash"})
+    ucx_fused_verify: bool = field(default=True, metadata={"help": "UCX receiver without verify threads: over shared memory, hash each payload as UCX copies it in (the module scripts/build_fused.sh builds; without it, or off, payloads are hashed once landed)"})
     secret_file: str = field(default="", metadata={"help": "file holding the cluster secret (16-4096 bytes, mode 0600, owned by the daemon's user): both ends of a transfer prove they hold it (HMAC-SHA256 challenge-response) before any block is accepted; tcp and ucx"})
     node_name: str = field(default="", metadata={"help": "this daemon's name in the secret-based handshake (what a peer's transport.accept names); empty = the host name"})
     tls_cert_file: str = field(default="", metadata={"help": "tcp: PEM certificate of this daemon for mutual TLS (its subject CN, or first DNS name, is its name in peers' transport.accept)"})

@@ -69,6 +69,7 @@ class TransferConfig:
     ucx_progress: UcxProgress = UcxProgress.ADAPTIVE
     verify_threads: int = -1              # UCX receiver: threads hashing arrived payloads (-1 = auto)
     verify_min_bytes: int = 1 * MiB       # ... for payloads of at least this size (smaller: inline)
+    ucx_fused_verify: bool = True         # UCX receiver without a pool: hash as UCX copies in (shared memory)
     tcp_keepalive_s: int = 5              # dead-host detection where no FIN/RST ever arrives
 
     def __post_init__(self) -> None:

@@ -30,11 +30,12 @@ from .protocol import (BATCH_BYTES, FRAME_BYTES, Frame, FrameType, ProtocolError
                        TransferStatus, max_manifest_bytes, payload_digests, split_batch, status_frame)
 from .session import InboundSession, refused
 from .sink import Sink
-from .ucx_env import Engine
+from .ucx_env import Engine, fused_lanes
 
 log = logging.getLogger("kvstore.transport")
 
 _DATA_BIT = 1 << 31
+_FULL_MASK = (1 << 64) - 1
 _REPLY_MAX = FRAME_BYTES + 8192
 
 
@@ -42,8 +43,12 @@ def ctrl_tag(api, rx: int):
     return api.UCXXTag(rx << 32)
 
 
+def data_tag_value(rx: int, seq: int) -> int:
+    return rx << 32 | _DATA_BIT | seq & 0x7FFFFFFF
+
+
 def data_tag(api, rx: int, seq: int):
-    return api.UCXXTag(rx << 32 | _DATA_BIT | seq & 0x7FFFFFFF)
+    return api.UCXXTag(data_tag_value(rx, seq))
 
 
 def _req_error(req, ep) -> TransferError | None:
@@ -143,9 +148,13 @@ class _Conn:
         """Close the endpoint and wait until UCX has let go of every buffer we handed it."""
         self.closed = True
         try:
-            self.ep.close_blocking()  # cancels our inflight requests, then closes
+            self.ep.close_blocking()  # cancels ucxx's inflight requests, then closes
         except Exception:
             pass
+        for req in list(self.writers):  # fused receives are not ucxx's: cancel them ourselves
+            cancel = getattr(req, "cancel", None)
+            if cancel is not None and not req.completed:
+                cancel()
         # Completed is enough: a request can be done with its callback still queued behind the
         # one that called us (its callback then sees `closed` and does nothing). Receives into
         # sink buffers must be over before those are released; UCX cancels them at once. Sends
@@ -176,6 +185,7 @@ class _Inbound(_Conn):
         super().__init__(server.engine, ep, peer, server.max_ctrl)
         self.server = server
         self.session = InboundSession(server.config, server.sink, peer)
+        self.fused = None  # the _fused module once the handshake found this endpoint's lanes copy by CPU
         self.pending: collections.deque = collections.deque()  # chunks and control frames, in order
         # The handshake: nothing but its four messages is received until it succeeds, and the
         # engine's ticker drops a peer that has not finished it within connect_timeout_s.
@@ -206,6 +216,11 @@ class _Inbound(_Conn):
         self.peer_rx = self.hs.peer_rx
         via = "hmac" if self.server.config.secret else "none"
         self.session.authenticated(Peer(self.hs.peer_name if self.server.config.secret else "", self.peer, via))
+        if self.engine.fused is not None:
+            ok, lanes = fused_lanes(self.engine.fused, self.ep)
+            self.fused = self.engine.fused if ok else None
+            log.info("UCX peer %s: lanes %s; payloads %s", self.session.peer, lanes,
+                     "hashed as UCX copies them in" if ok else "hashed once landed")
         self.post_ctrl_recv()
 
     def _refuse(self, err: AuthError, answer: bool = True) -> None:
@@ -225,7 +240,11 @@ class _Inbound(_Conn):
             if frame.type is FrameType.CHUNK:
                 mv = self.session.chunk_buffer(frame)
                 sent = self.session.run_digests(frame, data)
-                req = self.ep.tag_recv(self.engine.Array(mv), data_tag(self.api, self.rx, frame.seq))
+                if self.fused is not None:  # copies and hashes each layer of the payload as it lands
+                    req = self.fused.Recv(self.engine.worker.handle, mv, data_tag_value(self.rx, frame.seq),
+                                          _FULL_MASK, frame.length // (frame.flags or 1))
+                else:
+                    req = self.ep.tag_recv(self.engine.Array(mv), data_tag(self.api, self.rx, frame.seq))
                 item = [frame, mv, req, None, sent]  # [3] becomes the payload's digest(s)
                 self.track(req, lambda r, item=item: self._landed(item), ordered=True, writes=True)
                 self.pending.append(item)
@@ -238,9 +257,18 @@ class _Inbound(_Conn):
     def _landed(self, item: list) -> None:
         if self.closed:
             return
-        err = _req_error(item[2], self.ep)
+        req = item[2]
+        err = _req_error(req, self.ep)
         if err is not None:
             return self.lost(err)
+        if self.fused is not None:
+            if req.length != item[0].length:
+                return self.lost(ProtocolError(f"chunk {item[0].seq}: {req.length} bytes arrived, its header "
+                                               f"announced {item[0].length}", item[0].transfer_id))
+            got = req.digests  # None only if UCX handed fragments out of order: hash it now
+            if got is not None:
+                item[3] = got if item[0].flags else got[0]
+                return self._drain()
         # With spare cores (config.verify_threads) a pool hashes payloads of verify_min_bytes or
         # more while this thread goes back to progressing UCX; _drain still takes items strictly
         # in order. Smaller ones hash inline: 256 KiB takes ~8 us, about what the hand-over

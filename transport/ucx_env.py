@@ -57,6 +57,14 @@ UCX_DEFAULTS = {
 }
 
 _probe: tuple[bool, str] | None = None
+_fused: tuple[object, str] | None = None
+
+# Shared-memory transports, over which UCX's own CPU copies each payload out: there a receive
+# that hashes as it copies saves a pass. An endpoint is fused only if these carry its bulk data,
+# i.e. its other lanes are at most TCP (UCX's connection and keep-alive lanes between daemons on
+# one node). Over RDMA (rc, dc, ud ...), CMA or xpmem the bytes land without a CPU copy, which a
+# generic-datatype receive would add, so there payloads are hashed once landed.
+SHM_TRANSPORTS = frozenset({"sysv", "posix", "self"})
 
 
 def prepare() -> None:
@@ -86,6 +94,31 @@ def probe() -> tuple[bool, str]:
         except Exception as exc:  # ImportError, UCXError, missing libucx.so: all mean "no UCX"
             _probe = (False, f"UCX unavailable: {type(exc).__name__}: {exc}")
     return _probe
+
+
+def fused():
+    """``(the _fused module, "")`` if the receive that hashes as it copies is built and loads,
+    else ``(None, why)``. Cached."""
+    global _fused
+    if _fused is None:
+        try:
+            load()  # ucxx first: one libucp, with our UCX_* settings in place
+            from . import _fused as mod
+            _fused = (mod, "")
+        except ImportError as exc:
+            _fused = (None, f"the fused UCX receive is not built ({exc}); scripts/build_fused.sh builds it")
+    return _fused
+
+
+def fused_lanes(module, ep) -> tuple[bool, str]:
+    """Whether endpoint ``ep`` moves payloads over shared memory, where UCX copies them out with
+    the CPU (so the fused receive saves a pass; see ``SHM_TRANSPORTS``); and its lanes as text,
+    for the log."""
+    try:
+        lanes = {t for t, _ in module.transports(ep.handle)}
+    except Exception as exc:  # noqa: BLE001 - an endpoint UCX cannot describe is not fused
+        return False, f"unknown ({exc})"
+    return bool(lanes & SHM_TRANSPORTS) and lanes <= SHM_TRANSPORTS | {"tcp"}, ", ".join(sorted(lanes)) or "none"
 
 
 class Engine:
@@ -126,6 +159,9 @@ class Engine:
         n = config.resolved_verify_threads()
         # Hashes arrived payloads off the engine thread (xxh3 releases the GIL); None: inline.
         self.verify_pool = ThreadPoolExecutor(n, thread_name_prefix=f"kvt-verify {name}") if n else None
+        # Where the engine thread verifies (no pool), payloads over shared memory are received
+        # by the fused receive when it is built: hashed as UCX copies them in (see _fused.c).
+        self.fused = fused()[0] if config.ucx_fused_verify and self.verify_pool is None else None
         self._thread = threading.Thread(target=self._run, name=f"kvt-ucx {name}", daemon=True)
         self._thread.start()
 

@@ -40,6 +40,7 @@ import numpy as np
 from kvstore.local import start_daemon
 from kvstore.daemon.outbound import run_layers
 from kvstore.config import parse_size
+from kvstore.transport import TransferConfig, ucx_env
 
 
 def _free_port() -> int:
@@ -83,7 +84,8 @@ def daemons(a) -> dict:
         os.close(fd)
         common = ("--dram-capacity-bytes", str(dram), "--dram-extent-bytes", str(extent), "--transport-backend", a.backend,
                   "--transport-ucx-progress", a.ucx_progress, "--transport-secret-file", secret,
-                  "--transport-verify-threads", str(a.verify_threads))
+                  "--transport-verify-threads", str(a.verify_threads),
+                  "--transport-ucx-fused-verify", "false" if a.no_fused_verify else "true")
         da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
         procs.append(da)
         db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
@@ -164,7 +166,12 @@ def daemons(a) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     return {"bench": "transfer-daemons", "backend": a.backend, "unit": "GB/s with GB = 10^9 bytes",
             "reference": "raw TCP socket" if a.backend == "tcp" else "raw ucxx send/recv",
-            "ucx_progress": a.ucx_progress, "verify_threads": a.verify_threads, "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
+            "ucx_progress": a.ucx_progress, "verify_threads": a.verify_threads,
+            # what the daemons' receive path is: fused where it is on, built, and no verify pool runs
+            "ucx_fused_verify": (not a.no_fused_verify and ucx_env.fused()[0] is not None and
+                                 TransferConfig(verify_threads=a.verify_threads).resolved_verify_threads() == 0)
+            if a.backend == "ucx" else None,
+            "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
 
 
 def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
@@ -230,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="both daemons' transport.ucx_progress")
     ap.add_argument("--verify-threads", type=int, default=-1,
                     help="both daemons' transport.verify_threads (-1 = auto, 0 = on the UCX engine thread)")
+    ap.add_argument("--no-fused-verify", action="store_true",
+                    help="both daemons' transport.ucx_fused_verify off: payloads hashed once landed")
     ap.add_argument("--chunk-sizes", default="256KiB,1MiB,4MiB", help="layer chunk sizes (multiples of 16 KiB)")
     ap.add_argument("--total-bytes", default="512MiB", help="bytes per Transfer")
     ap.add_argument("--layers", type=int, default=32, help="layers per block (chunks per block)")
@@ -262,5 +271,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['raw_verified_GBps']:.2f} GB/s, daemon / that {x['ratio_verified']:.2f}, its CPU s/GB "
               f"{x['cpu_s_per_gb']['raw_verified_tx']:.2f}/{x['cpu_s_per_gb']['raw_verified_rx']:.2f} (what the "
               f"integrity check costs is in both; the rest is the daemon's)")
+    if r["ucx_fused_verify"] is not None:
+        print("UCX receiver: " + ("payloads over shared memory hashed as UCX copies them in (the fused receive)"
+                                  if r["ucx_fused_verify"] else "payloads hashed once landed"))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

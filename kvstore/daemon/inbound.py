@@ -33,6 +33,7 @@ from kvstore.tiers.base import TierKind
 from kvstore.transport import Listener, TransferConfig, TransferError, TransferHeader, TransferStatus
 from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
+from kvstore.transport.ucx_env import fused
 from kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -241,9 +242,16 @@ class Inbound:
             raise TransferError(TransferStatus.UNAUTHENTICATED, f"listens on {', '.join(bound)}, beyond loopback, "
                                 f"without authentication: set transport.secret_file")
         if self.backend == "ucx":
-            log.info("transfer listener (ucx, %s progress, %d verify threads for payloads >= %d bytes) on %s:%d, "
-                     "bound to %s (ucxx takes no bind address); authentication: %s",
-                     c.ucx_progress.value, c.resolved_verify_threads(), c.verify_min_bytes, host, port,
+            threads = c.resolved_verify_threads()
+            if threads:
+                verify = f"{threads} verify threads for payloads >= {c.verify_min_bytes} bytes"
+            elif not c.ucx_fused_verify:
+                verify = "payloads hashed once landed (transport.ucx_fused_verify is off)"
+            else:
+                module, why = fused()
+                verify = "payloads over shared memory hashed as UCX copies them in" if module else why
+            log.info("transfer listener (ucx, %s progress, %s) on %s:%d, bound to %s (ucxx takes no bind "
+                     "address); authentication: %s", c.ucx_progress.value, verify, host, port,
                      ", ".join(bound) or "?", auth)
         else:
             log.info("transfer listener (%s) on %s:%d; authentication: %s", self.backend, host, port, auth)

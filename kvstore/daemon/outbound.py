@@ -33,7 +33,7 @@ def wire_config(t: TransportConfig) -> TransferConfig:
     tls = TlsFiles(t.tls_cert_file, t.tls_key_file, t.tls_ca_file) if t.tls_cert_file else None
     return TransferConfig(backend=t.backend, host=host, port=port, default_deadline_s=t.timeout_s,
                           ucx_progress=t.ucx_progress, verify_threads=t.verify_threads,
-                          verify_min_bytes=t.verify_min_bytes,
+                          verify_min_bytes=t.verify_min_bytes, ucx_fused_verify=t.ucx_fused_verify,
                           secret=read_secret(t.secret_file) if t.secret_file else b"",
                           node_name=t.node_name or default_node_name(), tls=tls)
 

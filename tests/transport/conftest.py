@@ -29,9 +29,12 @@ def pytest_generate_tests(metafunc):
     backends = getattr(metafunc.module, "BACKENDS", ["tcp", "ucx"])  # a module may narrow this
     pool = getattr(metafunc.module, "POOL_VERIFY", False) and "ucx" in backends
     if pool and "verify_threads" in metafunc.fixturenames:
-        # UCX again with its receiver verifying chunks on a pool (auto picks none on 2 CPUs).
-        metafunc.parametrize("backend,verify_threads", [(b, 0) for b in backends] + [("ucx", 2)],
-                             ids=[*backends, "ucx-pool"], indirect=["backend"])
+        # UCX again with its receiver hashing payloads once landed instead of as they are copied
+        # in (the fused receive, where built), and again verifying chunks on a pool (auto picks
+        # none on 2 CPUs).
+        metafunc.parametrize("backend,verify_threads,fused_verify",
+                             [(b, 0, True) for b in backends] + [("ucx", 0, False), ("ucx", 2, True)],
+                             ids=[*backends, "ucx-landed", "ucx-pool"], indirect=["backend"])
     else:
         metafunc.parametrize("backend", backends, indirect=True)
 
@@ -52,10 +55,16 @@ def backend(request):
 
 
 @pytest.fixture
-def config(backend, verify_threads):
+def fused_verify():
+    """The listener's ``TransferConfig.ucx_fused_verify`` (parametrized with POOL_VERIFY)."""
+    return True
+
+
+@pytest.fixture
+def config(backend, verify_threads, fused_verify):
     # With a pool, every chunk goes through it (the tests' chunks are under the 1 MiB default).
     return TransferConfig(backend=backend, default_deadline_s=20.0, verify_threads=verify_threads,
-                          verify_min_bytes=0 if verify_threads > 0 else 1 << 20)
+                          verify_min_bytes=0 if verify_threads > 0 else 1 << 20, ucx_fused_verify=fused_verify)
 
 
 @pytest.fixture
