@@ -11,7 +11,8 @@ set -euo pipefail
 PY=${1:?usage: build_fused.sh PYTHON}
 CC=${CC:-cc}
 SRC="$(cd "$(dirname "$0")/.." && pwd)/transport/_fused.c"
-read -r PYINC EXT PKG UCX < <("$PY" - <<'PYEOF'
+# -P: not the current directory first on sys.path (a source tree is not the installed package)
+read -r PYINC EXT PKG UCX < <("$PY" -P - <<'PYEOF'
 import os, sysconfig
 import libucx, kvstore.transport
 print(sysconfig.get_paths()["include"], sysconfig.get_config_var("EXT_SUFFIX"),
@@ -29,4 +30,4 @@ OUT="$PKG/_fused$EXT"
 "$CC" -O3 -shared -fPIC -Wall -Werror -I"$PYINC" -I"$UCX/include" "$SRC" -o "$OUT.tmp" \
   -L"$UCX/lib" -lucp -lucs -Wl,-rpath,"$UCX/lib"
 mv -f "$OUT.tmp" "$OUT"
-"$PY" -c 'import kvstore.transport.ucx_env as e; m, why = e.fused(); assert m is not None, why; print("built", m.__file__)'
+"$PY" -P -c 'import kvstore.transport.ucx_env as e; m, why = e.fused(); assert m is not None, why; print("built", m.__file__)'

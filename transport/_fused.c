@@ -15,6 +15,9 @@
 #include <ucp/api/ucp.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#if XXH_VERSION_NUMBER < 800
+#error "xxhash >= 0.8 needed: XXH3's output is stable from 0.8.0 on (the python xxhash the daemon uses)"
+#endif
 
 typedef struct {
     char *dst;
@@ -29,9 +32,13 @@ typedef struct {
     ucs_status_t status;
     size_t length;      /* bytes the sender sent (on success) */
     void *req;
-    int orphan;         /* the Python object is gone: free on completion */
     Py_buffer view;
 } rstate;
+
+static int is_done(rstate *st)
+{
+    return __atomic_load_n(&st->done, __ATOMIC_ACQUIRE);
+}
 
 static ucp_datatype_t fused_dt;
 static int dt_ready;
@@ -91,7 +98,7 @@ static void reap(void)
 {
     size_t keep = 0;
     for (size_t i = 0; i < ngrave; i++) {
-        if (grave[i]->done)
+        if (is_done(grave[i]))
             free_state(grave[i]);
         else
             grave[keep++] = grave[i];
@@ -105,10 +112,12 @@ static void recv_cb(void *request, ucs_status_t status, const ucp_tag_recv_info_
     st->status = status;
     if (status == UCS_OK)
         st->length = info->length;
-    st->done = 1;
     st->req = NULL;
     ucp_request_free(request);
+    /* last, with release order: a thread that sees done may free st (Recv_dealloc) */
+    __atomic_store_n(&st->done, 1, __ATOMIC_RELEASE);
 }
+
 
 typedef struct {
     PyObject_HEAD
@@ -120,12 +129,13 @@ static void Recv_dealloc(Recv *self)
 {
     rstate *st = self->st;
     if (st) {
-        if (st->done) {
+        if (is_done(st)) {
             free_state(st);
         } else {
-            if (st->req)
-                ucp_request_cancel(self->worker, st->req);
-            st->orphan = 1;
+            /* UCX still owns it. No UCX call here: the last reference may go on any thread
+             * (the cyclic GC), and only the worker's thread may touch the worker. The owner
+             * cancels what it still has posted (ucx.py's teardown); the state is kept, and
+             * freed by the next Recv posted once UCX has completed it. */
             if (ngrave == capgrave) {
                 size_t cap = capgrave ? 2 * capgrave : 16;
                 rstate **g = PyMem_RawRealloc(grave, cap * sizeof *g);
@@ -197,7 +207,8 @@ static int Recv_init(Recv *self, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_RuntimeError, "ucp_tag_recv_nbx: %s", ucs_status_string(s));
         return -1;
     }
-    st->req = req;
+    if (!is_done(st))  /* UCX may complete it inside the call, and then it freed req */
+        st->req = req;
     self->st = st;
     self->worker = (ucp_worker_h)(uintptr_t)worker;
     return 0;
@@ -205,12 +216,12 @@ static int Recv_init(Recv *self, PyObject *args, PyObject *kw)
 
 static PyObject *Recv_completed(Recv *self, void *c)
 {
-    return PyBool_FromLong(self->st && self->st->done);
+    return PyBool_FromLong(self->st && is_done(self->st));
 }
 
 static PyObject *Recv_status(Recv *self, void *c)
 {
-    if (!self->st || !self->st->done)
+    if (!self->st || !is_done(self->st))
         Py_RETURN_NONE;
     if (self->st->status == UCS_OK)
         return PyUnicode_FromString("");
@@ -219,13 +230,13 @@ static PyObject *Recv_status(Recv *self, void *c)
 
 static PyObject *Recv_length(Recv *self, void *c)
 {
-    return PyLong_FromSize_t(self->st && self->st->done ? self->st->length : 0);
+    return PyLong_FromSize_t(self->st && is_done(self->st) ? self->st->length : 0);
 }
 
 static PyObject *Recv_digests(Recv *self, void *c)
 {
     rstate *st = self->st;
-    if (!st || !st->done || st->status != UCS_OK || !st->in_order || st->ndig != st->maxdig)
+    if (!st || !is_done(st) || st->status != UCS_OK || !st->in_order || st->ndig != st->maxdig)
         Py_RETURN_NONE;
     PyObject *out = PyList_New(st->ndig);
     if (!out)
@@ -243,7 +254,7 @@ static PyObject *Recv_digests(Recv *self, void *c)
 
 static PyObject *Recv_check_error(Recv *self, PyObject *unused)
 {
-    if (!self->st || !self->st->done) {
+    if (!self->st || !is_done(self->st)) {
         PyErr_SetString(PyExc_RuntimeError, "receive not completed");
         return NULL;
     }
@@ -256,7 +267,7 @@ static PyObject *Recv_check_error(Recv *self, PyObject *unused)
 
 static PyObject *Recv_cancel(Recv *self, PyObject *unused)
 {
-    if (self->st && !self->st->done && self->st->req)
+    if (self->st && !is_done(self->st) && self->st->req)
         ucp_request_cancel(self->worker, self->st->req);
     Py_RETURN_NONE;
 }

@@ -241,8 +241,12 @@ class _Inbound(_Conn):
                 mv = self.session.chunk_buffer(frame)
                 sent = self.session.run_digests(frame, data)
                 if self.fused is not None:  # copies and hashes each layer of the payload as it lands
-                    req = self.fused.Recv(self.engine.worker.handle, mv, data_tag_value(self.rx, frame.seq),
-                                          _FULL_MASK, frame.length // (frame.flags or 1))
+                    try:
+                        req = self.fused.Recv(self.engine.worker.handle, mv, data_tag_value(self.rx, frame.seq),
+                                              _FULL_MASK, frame.length // (frame.flags or 1))
+                    except Exception as exc:  # noqa: BLE001 - UCX refused the receive: fail, not hang
+                        raise TransferError(TransferStatus.SINK_ERROR, f"receiver could not post the payload's "
+                                            f"receive: {exc}", frame.transfer_id) from exc
                 else:
                     req = self.ep.tag_recv(self.engine.Array(mv), data_tag(self.api, self.rx, frame.seq))
                 item = [frame, mv, req, None, sent]  # [3] becomes the payload's digest(s)
