@@ -9,7 +9,11 @@ backend, ...), but what a cell holds is the attention backend's business:
 - FlashAttention, FlashInfer, Triton, FlexAttention (and the ROCm ones): the cell is ``[K | V]``
   (``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in each backend);
 - the CPU backend reinterprets each (block, head) page ``[N, 2D]`` as ``[2N, D]``: K in the
-  first half, V in the second, and its kernels keep K transposed, ``[D, N]``;
+  first half, V in the second. What each half holds depends on the kernels it picked
+  (``_get_attn_isa``): the ``vec`` and ``vec16`` kernels keep K transposed, ``[D, N]``, and V
+  as ``[N, D]``; the ``amx`` ones (bf16 on CPUs with AMX tiles) keep both in AMX B-tile order,
+  K as 16-token groups of element pairs, V as 16-element groups of token pairs
+  (``cpu_attn_amx.hpp``, ``reshape_and_cache``), read here as tiled views;
 - MLA backends: one head slot holding the latent, ``kv_lora_rank`` then the rope part.
 
 :func:`layer_pages` turns a view into :class:`~kvstore.tiers.hbm_paged.LayerPages`, logical
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.layout import AttnKind, KVLayout
-from kvstore.tiers.hbm_paged import LayerPages
+from kvstore.tiers.hbm_paged import LayerPages, page_rows
 
 # Backends whose page cell is [K | V] (each splits the cell at head_size).
 SPLIT_CELL_BACKENDS = frozenset({
@@ -45,9 +49,11 @@ class UnsupportedPages(ValueError):
     """The engine's KV pages are in a form kvstore cannot map to its canonical layout."""
 
 
-def layer_pages(name: str, view: torch.Tensor, layout: KVLayout, backend: str, num_blocks: int) -> LayerPages:
+def layer_pages(name: str, view: torch.Tensor, layout: KVLayout, backend: str, num_blocks: int,
+                cpu_isa: str = "vec") -> LayerPages:
     """The canonical K/V views of layer ``name``'s standardized view ``[B, H, N, C]``
-    (``num_blocks`` engine blocks; ``B`` may be a multiple when vLLM splits them)."""
+    (``num_blocks`` engine blocks; ``B`` may be a multiple when vLLM splits them). For the CPU
+    backend, ``cpu_isa`` names the kernels it runs on this cache (its layer's ``isa``)."""
     if view.dim() != 4:
         raise UnsupportedPages(f"{name}: expected vLLM's [blocks, heads, tokens, cell] view, got {tuple(view.shape)}")
     kb, heads, n, cell = (int(x) for x in view.shape)
@@ -72,29 +78,57 @@ def layer_pages(name: str, view: torch.Tensor, layout: KVLayout, backend: str, n
     if backend in SPLIT_CELL_BACKENDS:
         return LayerPages((view[..., :d], view[..., d:]), ratio)
     if backend == CPU_BACKEND:
-        return cpu_pages(name, view, d, ratio)
+        return cpu_pages(name, view, d, ratio, cpu_isa)
     raise UnsupportedPages(f"{name}: attention backend {backend} is not one kvstore maps to its canonical layout "
                            f"(known: {', '.join(sorted(SPLIT_CELL_BACKENDS | {CPU_BACKEND} | MLA_BACKENDS))})")
 
 
-def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
-    """The CPU backend's page: per (block, head) ``[N, 2D]`` memory read as K ``[D, N]``
-    (transposed) followed by V ``[N, D]``."""
+def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int, isa: str = "vec") -> LayerPages:
+    """The CPU backend's page: per (block, head) ``[N, 2D]`` memory read as its K half then its
+    V half, each ``N * D`` elements, in the order the ``isa`` kernels write them."""
     kb, heads, n, _ = view.shape
     try:
         halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
     except RuntimeError:
         raise UnsupportedPages(f"{name}: the CPU backend's pages must be contiguous per (block, head) "
                                f"(LBHNC); got strides {view.stride()}") from None
+    if isa == "amx":
+        return amx_pages(name, view, d, ratio)
     k = halves[:, :, 0].view(kb, heads, d, n).transpose(2, 3)
     v = halves[:, :, 1].view(kb, heads, n, d)
+    return LayerPages((k, v), ratio)
+
+
+AMX_TILE_ROW_BYTES = 64  # one row of an AMX tile; a B tile's row is 4 bytes of each of 16 columns
+AMX_B_COLUMNS = AMX_TILE_ROW_BYTES // 4
+
+
+def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
+    """The ``amx`` kernels' halves (``AttentionImpl<ISA::AMX>::reshape_and_cache``), with ``q``
+    elements per 4 bytes, as tiled views (:class:`~kvstore.tiers.hbm_paged.LayerPages`):
+
+    - K: groups of 16 tokens; in a group, for each pair of elements ``d // q``, the 16 tokens'
+      ``q`` elements: token ``t``, element ``e`` at ``(t // 16) * 16 D + (e // q) * 16 q +
+      (t % 16) * q + e % q``;
+    - V: groups of 16 elements; in a group, for each ``q`` tokens ``t // q``, the 16 elements of
+      those tokens interleaved: ``(e // 16) * 16 N + (t // q) * 16 q + (e % 16) * q + t % q``."""
+    kb, heads, n, _ = view.shape
+    q = 4 // view.element_size()
+    if q < 1 or n % AMX_B_COLUMNS or n % q or d % AMX_B_COLUMNS or d % q:
+        raise UnsupportedPages(f"{name}: the CPU backend's 'amx' pages need {AMX_B_COLUMNS}-aligned tokens and "
+                               f"head_dim in elements of at most 4 bytes; got {n} tokens x {d} of {view.dtype}")
+    sb, sh = view.stride(0), view.stride(1)
+    base = view.storage_offset()
+    k = view.as_strided((kb, heads, n // 16, 16, d // q, q), (sb, sh, 16 * d, q, 16 * q, 1), base)
+    v = view.as_strided((kb, heads, n // q, q, d // 16, 16), (sb, sh, 16 * q, 1, 16 * n, q), base + n * d)
     return LayerPages((k, v), ratio)
 
 
 def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
     """Run the CPU backend's cache-write kernel on a scratch page shaped like ``view`` and
     check :func:`cpu_pages` reads back what it wrote. Different ISAs (``vec``, ``amx``, ...)
-    may lay K out differently; an unknown one is refused instead of storing scrambled KV."""
+    lay K/V out differently; one whose layout kvstore does not know is refused instead of
+    storing scrambled KV."""
     from vllm import _custom_ops as ops
 
     _, heads, n, cell = view.shape
@@ -107,14 +141,14 @@ def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_c
     value = torch.randn((n, heads, d), generator=g).to(view.dtype).to(model_dtype)
     ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(n, dtype=torch.int64), isa,
                                    kv_cache_dtype=kv_cache_dtype)
-    mine = cpu_pages("probe", scratch, d, 1)
-    got_k = mine.halves[0][0].transpose(0, 1)  # [N, H, D]
-    got_v = mine.halves[1][0].transpose(0, 1)
+    mine = cpu_pages("probe", scratch, d, 1, isa)
+    tokens = torch.arange(n)
+    got_k, got_v = (page_rows(h, torch.zeros_like(tokens), tokens) for h in mine.halves)  # [N, H, D]
     if not (torch.equal(got_k.float(), key.to(view.dtype).float()) and
             torch.equal(got_v.float(), value.to(view.dtype).float())):
         raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels lay K/V out in a way kvstore does not "
-                               "know; nothing is stored or loaded (known: 'vec', 'vec16')")
+                               "know; nothing is stored or loaded (known: 'vec', 'vec16', 'amx')")
 
 
-__all__ = ["CPU_BACKEND", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages", "check_cpu_pages",
-           "cpu_pages", "layer_pages"]
+__all__ = ["CPU_BACKEND", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages", "amx_pages",
+           "check_cpu_pages", "cpu_pages", "layer_pages"]

@@ -78,17 +78,18 @@ class ConnectorWorker:
                              f"{self.layout.num_layers} (hybrid models with several cache groups are not supported)")
         layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, names)
         num_blocks = int(self.kv_cache_config.num_blocks)
-        pages = []
+        pages, checked = [], set()
         for name in names:
             layer = layers.get(name)
             backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
-            p = layer_pages(name, kv_caches[name], self.layout, backend, num_blocks)
-            if backend == CPU_BACKEND and not pages:
-                check_cpu_pages(kv_caches[name], getattr(layer, "isa", None) or _cpu_isa(self.vllm_config, self.layout,
-                                                                                         kv_caches[name]),
-                                self.vllm_config.model_config.dtype,
+            isa = "vec"
+            if backend == CPU_BACKEND:  # the layout its kernels write (probed once per ISA, below)
+                isa = getattr(layer, "isa", None) or _cpu_isa(self.vllm_config, self.layout, kv_caches[name])
+            pages.append(layer_pages(name, kv_caches[name], self.layout, backend, num_blocks, cpu_isa=isa))
+            if backend == CPU_BACKEND and isa not in checked:
+                check_cpu_pages(kv_caches[name], isa, self.vllm_config.model_config.dtype,
                                 str(self.vllm_config.cache_config.cache_dtype or "auto"))
-            pages.append(p)
+                checked.add(isa)
         self._kv_caches, self._pages = dict(kv_caches), pages
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._ensure_path()

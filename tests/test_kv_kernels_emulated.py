@@ -22,6 +22,7 @@ from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig  # noqa: E402
+from kvstore.tiers.hbm_paged import KVMover, PagedKV  # noqa: E402
 from kvstore.tiers.kv_copy import CopyPath, copy_spans, resolve_copy_path  # noqa: E402
 
 KERNEL_PATHS = ["zerocopy", "staged"]
@@ -37,7 +38,9 @@ def interpret(monkeypatch):
 # Staged differs from zero-copy only on the slot side, which no page layout touches: its four
 # cases cover split cells, kernel-split blocks, the CPU backend's transposed K and MLA.
 STAGED_CASES = ("flash-LBNHC-fp16", "triton-LBNHC-fp16-32/16", "cpu-bf16", "flashmla-LBHNC-bf16-128/64")
-VLLM_CASES = [pytest.param(case, "zerocopy", id=f"{name}-zerocopy") for name, case in CASES.items()] + \
+# The CPU backend's 'amx' pages are tiled: they take the legacy copies (tested below).
+VLLM_CASES = [pytest.param(case, "zerocopy", id=f"{name}-zerocopy") for name, case in CASES.items()
+              if case.isa != "amx"] + \
     [pytest.param(CASES[name], "staged", id=f"{name}-staged") for name in STAGED_CASES]
 
 
@@ -55,6 +58,21 @@ def test_emulated_every_vllm_layout_matches_legacy(interpret, case, path):
     offsets = scattered_offsets(layout, n, skip=(1,) if path == "staged" else (2,))
     check_both_ways(layout, make_pages, table, n, offsets, path, layerwise=True)
     check_both_ways(layout, make_pages, table, n, offsets, path, layerwise=False)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_emulated_tiled_amx_pages_take_the_legacy_copies(interpret, path):
+    case = CASES["cpu-bf16-amx"]
+    names, views = engine_caches(case)
+    layout = case.kv_layout()
+    paged = PagedKV(mapped(case, names, views), layout)
+    assert paged.tiled
+    m = KVMover(paged, layout, np.zeros(4 * layout.block_bytes, np.uint8), path)
+    try:
+        assert m.copy_path is CopyPath.LEGACY and m.batched is None
+        assert "tiled (the CPU backend's AMX layout)" in m.copy_reason
+    finally:
+        m.close()
 
 
 GQA = KVLayout(3, 2, 64, "fp16", block_tokens=8)
@@ -82,8 +100,6 @@ def test_emulated_block_size_mismatch_mla_partial_unaligned(interpret, path, lay
 def test_emulated_offsets_outside_the_arena_fail_the_op(interpret, path):
     """A kernel writes wherever an offset points (a slice would raise): the path checks first,
     and the op's event carries the error; the arena is untouched."""
-    from kvstore.tiers.hbm_paged import KVMover, PagedKV
-
     host = np.zeros(2 * GQA.block_bytes, np.uint8)
     pages, _ = classic(GQA, 4, 16)()
     m = KVMover(PagedKV(pages, GQA), GQA, host, path)

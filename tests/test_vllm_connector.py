@@ -109,8 +109,34 @@ def same(got: dict, want: dict, exact: bool = True) -> None:
         assert got["logprobs"] == want["logprobs"]
     else:
         for g, w in zip(got["logprobs"], want["logprobs"]):
-            assert [t for t, _ in g] == [t for t, _ in w]
-            assert max(abs(a[1] - b[1]) for a, b in zip(g, w)) < 1e-4
+            close_top(g, w, 1e-4)
+
+
+def close_top(got: list, want: list, tol: float) -> None:
+    """Two top-k logprob lists ``[(token, logprob), ...]`` of one position agree within
+    ``tol``: a token in both has the same logprob within ``tol``; a token in one only is
+    within ``tol`` of the other's k-th (a near tie at the cut). So ranks differ only between
+    near ties, as they may where the KV came from other kernels."""
+    g, w = dict(got), dict(want)
+    assert len(g) == len(w) == len(got)
+    for t in g.keys() | w.keys():
+        if t in g and t in w:
+            assert abs(g[t] - w[t]) < tol, (t, got, want)
+        elif t in g:
+            assert g[t] - min(w.values()) < tol, (t, got, want)
+        else:
+            assert w[t] - min(g.values()) < tol, (t, got, want)
+
+
+def test_close_top_allows_near_ties_to_swap_and_nothing_else():
+    want = [(68, -1.0), (262, -2.0), (194, -2.0004), (264, -3.0), (428, -3.5)]
+    close_top([(68, -1.0), (194, -2.0002), (262, -2.0003), (264, -3.0), (428, -3.5)], want, 1e-3)
+    close_top(want[:4] + [(7, -3.5004)], want, 1e-3)  # a near tie at the cut
+    for bad in ([(68, -1.0), (194, -1.9), (262, -2.0), (264, -3.0), (428, -3.5)],  # a logprob off
+                want[:4] + [(7, -3.2)],  # a token the other's top-5 would hold
+                want[:4] + [(264, -3.0)]):  # a token twice
+        with pytest.raises(AssertionError):
+            close_top(bad, want, 1e-3)
 
 
 def kvstore_json(sock: str, *args: str) -> dict:
@@ -246,7 +272,7 @@ def test_vllm_and_the_hf_adapter_share_prefixes(model, writer, reader, daemon, r
     assert got["cached_tokens"] == loadable(P6)
     assert got["tokens"] == ref["P6"]["tokens"]
     for g, w in zip(got["logprobs"], ref["P6"]["logprobs"]):  # HF computed that KV with other kernels
-        assert [t for t, _ in g] == [t for t, _ in w] and max(abs(x[1] - y[1]) for x, y in zip(g, w)) < 1e-3
+        close_top(g, w, 1e-3)
 
 
 # --- restart and loss of the daemon -------------------------------------------------------------

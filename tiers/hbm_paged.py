@@ -48,10 +48,30 @@ class LayerPages:
     """One layer of a worker's paged KV cache as logical views ``[kernel_blocks, heads, n,
     dim]`` over the engine's own memory (any strides, no copy): ``(K, V)``, or ``(latent,)``
     with one head for MLA. ``ratio`` kernel blocks of ``n`` tokens make one block of the
-    engine's block table (vLLM splits a manager block for kernels that want smaller pages)."""
+    engine's block table (vLLM splits a manager block for kernels that want smaller pages).
+
+    A view may also be *tiled*, ``[kernel_blocks, heads, n / ni, ni, dim / di, di]``: token
+    ``t`` at ``(t // ni, t % ni)``, element ``d`` at ``(d // di, d % di)``, for kernels that
+    interleave tokens and elements (the CPU backend's AMX pages). Tiled pages take the legacy
+    copies (:class:`KVMover`)."""
 
     halves: tuple[torch.Tensor, ...]
     ratio: int = 1
+
+    @property
+    def tiled(self) -> bool:
+        return any(h.dim() == 6 for h in self.halves)
+
+
+def page_shape(h: torch.Tensor) -> tuple[int, int, int, int]:
+    """(kernel blocks, heads, tokens, dim) of a plain or tiled page view (:class:`LayerPages`)."""
+    if h.dim() == 4:
+        return tuple(int(x) for x in h.shape)
+    if h.dim() == 6:
+        b, heads, no, ni, do, di = (int(x) for x in h.shape)
+        return b, heads, no * ni, do * di
+    raise ValueError(f"kv cache pages: expected [blocks, heads, tokens, dim] or a tiled 6-d view, got "
+                     f"{tuple(h.shape)}")
 
 
 def legacy_pages(t: torch.Tensor, layout: KVLayout) -> LayerPages:
@@ -85,7 +105,7 @@ class PagedKV:
         if self.dtype not in TORCH_DTYPES[layout.dtype]:
             raise ValueError(f"kv_caches: {self.dtype} elements cannot hold the layout's {layout.dtype.label} KV "
                              f"(blocks are keyed by dtype; expected {' or '.join(map(str, TORCH_DTYPES[layout.dtype]))})")
-        kblocks, _, self.kernel_block, _ = (int(x) for x in first.shape)
+        kblocks, _, self.kernel_block, _ = page_shape(first)
         self.ratio = self.pages[0].ratio
         self.num_blocks, self.block_size = kblocks // self.ratio, self.kernel_block * self.ratio
         for l, p in enumerate(self.pages):
@@ -93,7 +113,7 @@ class PagedKV:
                 raise ValueError(f"kv_caches[{l}]: {len(p.halves)} tensors with block ratio {p.ratio}; layer 0 has "
                                  f"{self.halves} with ratio {self.ratio}")
             for h in p.halves:
-                b, nh, n, d = h.shape
+                b, nh, n, d = page_shape(h)
                 nbytes = nh * d * h.element_size()
                 if h.device != self.device or h.dtype != self.dtype:
                     raise ValueError(f"kv_caches[{l}]: {h.dtype} on {h.device}, layer 0 is {self.dtype} on {self.device}")
@@ -120,17 +140,35 @@ class PagedKV:
         kb = table[t // self.block_size] * self.ratio + within // self.kernel_block
         return torch.stack([kb, within % self.kernel_block], dim=1)
 
+    @property
+    def tiled(self) -> bool:
+        return any(p.tiled for p in self.pages)
+
     def gather(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         """Layer ``l`` of the tokens at ``rows`` as bytes ``[halves, tokens, row]``."""
         b, n = rows[:, 0], rows[:, 1]
-        g = torch.stack([h[b, :, n, :] for h in self.pages[l].halves])  # [halves, tokens, heads, dim]
+        g = torch.stack([page_rows(h, b, n) for h in self.pages[l].halves])  # [halves, tokens, heads, dim]
         return g.view(torch.uint8).reshape(self.halves, rows.shape[0], self.row)
 
     def scatter(self, l: int, rows: torch.Tensor, src: torch.Tensor) -> None:
         """Write bytes ``src`` ``[halves, tokens, row]`` into layer ``l`` at ``rows``."""
         b, n = rows[:, 0], rows[:, 1]
         for i, h in enumerate(self.pages[l].halves):
-            h[b, :, n, :] = src[i].contiguous().view(self.dtype).view(rows.shape[0], h.shape[1], h.shape[3])
+            x = src[i].contiguous().view(self.dtype)
+            if h.dim() == 4:
+                h[b, :, n, :] = x.view(rows.shape[0], h.shape[1], h.shape[3])
+            else:
+                ni = h.shape[3]
+                h[b, :, n // ni, n % ni] = x.view(rows.shape[0], h.shape[1], h.shape[4], h.shape[5])
+
+
+def page_rows(h: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The tokens at kernel blocks ``b``, positions ``n`` of a plain or tiled page view ``h``
+    (:class:`LayerPages`): ``[tokens, heads, dim]``, a copy."""
+    if h.dim() == 4:
+        return h[b, :, n, :]
+    ni = h.shape[3]
+    return h[b, :, n // ni, n % ni].flatten(2)
 
 
 def _choice_for(device: torch.device) -> DeviceChoice:
@@ -180,6 +218,10 @@ class KVMover:
             self.host = torch.from_numpy(host)
         self.chunk = layout.layer_chunk_bytes
         self.copy_path, self.copy_reason = resolve_copy_path(copy_path, paged.device)
+        if self.copy_path is not CopyPath.LEGACY and paged.tiled:
+            self.copy_path = CopyPath.LEGACY
+            self.copy_reason = ("the pages are tiled (the CPU backend's AMX layout); the batched kernels take "
+                                "[blocks, heads, tokens, dim] views: using the legacy per-block copies")
         self.batched = None
         if self.copy_path is not CopyPath.LEGACY:
             try:
