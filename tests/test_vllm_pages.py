@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.config import CacheConfig, VllmConfig  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
+from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl  # noqa: E402
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
@@ -36,7 +37,8 @@ LORA, ROPE = 64, 16  # MLA latent: kv_lora_rank + qk_rope_head_dim elements per 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FLASH, FLASHINFER, TRITON = Backend.FLASH_ATTN.name, Backend.FLASHINFER.name, Backend.TRITON_ATTN.name
 CPU, FLASHMLA, CPU_MLA = Backend.CPU_ATTN.name, Backend.FLASHMLA.name, Backend.CPU_MLA.name
-MLA_NAMES = {FLASHMLA, CPU_MLA}
+AMX_MLA = Backend.AMX_MLA.name  # what vLLM picks for MLA on CPUs with AMX tiles
+MLA_NAMES = {FLASHMLA, CPU_MLA, AMX_MLA}
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ CASES = {
     "flashmla-LBNHC-bf16": Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64),
     "flashmla-LBHNC-bf16-128/64": Case(FLASHMLA, KVCacheLayout.LBHNC, "bf16", 128, kernel=64),
     "cpu-mla-fp16": Case(CPU_MLA, KVCacheLayout.LBHNC, "fp16"),
+    "amx-mla-bf16": Case(AMX_MLA, KVCacheLayout.LBHNC, "bf16", 32),  # its cache write runs on any x86
 }
 
 
@@ -159,6 +162,9 @@ def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
         ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, cpu_isa(case, view))
     elif case.backend == CPU_MLA:  # the backend's own update; it reads nothing from the impl
         CPUMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view, slots, "auto", None)
+    elif case.backend == AMX_MLA:
+        AMXMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view.squeeze(1), slots, "auto",
+                                      None)  # the layer sees [blocks, tokens, latent]
     elif case.mla:
         view.squeeze(1)[blk, pos] = kv[0][:, 0]
     else:
