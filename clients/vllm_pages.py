@@ -146,8 +146,11 @@ def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_c
     got_k, got_v = (page_rows(h, torch.zeros_like(tokens), tokens) for h in mine.halves)  # [N, H, D]
     if not (torch.equal(got_k.float(), key.to(view.dtype).float()) and
             torch.equal(got_v.float(), value.to(view.dtype).float())):
-        raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels lay K/V out in a way kvstore does not "
-                               "know; nothing is stored or loaded (known: 'vec', 'vec16', 'amx')")
+        cache = "" if kv_cache_dtype == "auto" else f" with kv_cache_dtype {kv_cache_dtype!r} (quantized CPU caches " \
+                                                      "have their own layouts, not supported yet)"
+        raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels{cache} lay K/V out in a way kvstore does "
+                               "not know; nothing is stored or loaded (known: 'vec', 'vec16', 'amx' on bf16, fp16 "
+                               "and fp32 caches)")
 
 
 __all__ = ["CPU_BACKEND", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages", "amx_pages",

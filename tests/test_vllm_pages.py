@@ -247,6 +247,15 @@ def test_pages_kvstore_cannot_map_are_refused(case, backend, spec_kw, match):
     assert str(e.value).startswith(names[0])
 
 
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_quantized_cpu_caches_are_refused_by_the_probe(isa):
+    """fp8 CPU caches: the backend's fp8 kernels keep their own layout; the probe runs them
+    and refuses, rather than storing bytes in an order kvstore does not know."""
+    view = torch.zeros((4, HEADS, 32, 2 * 64), dtype=torch.uint8)  # vLLM keeps fp8 CPU caches as bytes
+    with pytest.raises(UnsupportedPages, match=f"'{isa}' kernels with kv_cache_dtype 'fp8_e4m3' .*not supported yet"):
+        check_cpu_pages(view, isa, torch.bfloat16, "fp8_e4m3")
+
+
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:
     return np.random.default_rng(seed).integers(0, 32000, n_tokens).tolist()
 
