@@ -199,24 +199,29 @@ def test_while_payloads_are_in_flight_the_sender_waits_inside_ucx_not_round_its_
     """A 4 MiB rendezvous returns from ``progress_worker_event`` once per few fragments; the
     sending engine going round its whole loop each time measured 600-800 rounds per payload
     here (sender and listener in one process: they share the GIL), against 2-60 waiting for
-    the next completion in ``_wait_in_flight``. The threshold leaves room for a loaded machine."""
+    the next completion in ``_wait_in_flight``. Rounds in the spin window after a busy round
+    count too, so one transfer now and then takes a few hundred: the median of three must be
+    under the threshold, which leaves room for a loaded machine."""
     chunk, n = 4 << 20, 24
     cfg = TransferConfig(backend=backend)
     sink = MemorySink(slot_bytes=chunk, n_slots=n, keep=False)
     listener = Listener(cfg, sink)
+    rounds, ids = [], []
     try:
         listener.start()
         with Sender(cfg) as sender:
             _, data = make_payload(33, blocks=4, layers=1, chunk=chunk)
-            keys = [bytes([i]) * 32 for i in range(n)]
-            tx = sender.open(listener.address, keys, 1, chunk)
-            engine = tx._channel.engine
-            loops = engine.loops
-            for b in range(n):
-                tx.send(b, 0, data[b % 4, 0])
-            tx.finish()
-            rounds = (engine.loops - loops) / n
+            for t in range(3):
+                keys = [bytes([t, i]) * 16 for i in range(n)]
+                tx = sender.open(listener.address, keys, 1, chunk)
+                engine = tx._channel.engine
+                loops = engine.loops
+                for b in range(n):
+                    tx.send(b, 0, data[b % 4, 0])
+                tx.finish()
+                rounds.append((engine.loops - loops) / n)
+                ids.append(tx.transfer_id)
     finally:
         listener.stop()
-    assert sink.results[tx.transfer_id][0].name == "OK", sink.results
-    assert rounds < 200, f"{rounds:.0f} engine rounds per 4 MiB payload"
+    assert all(sink.results[i][0].name == "OK" for i in ids), sink.results
+    assert sorted(rounds)[1] < 200, f"engine rounds per 4 MiB payload: {[round(r) for r in rounds]}"

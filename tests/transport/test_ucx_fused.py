@@ -98,6 +98,23 @@ def test_each_layer_of_a_message_lands_with_its_xxh3(pair, layers, piece):
     assert r.digests == [xxhash.xxh3_64_intdigest(data[i * piece:(i + 1) * piece]) for i in range(layers)]
 
 
+@pytest.mark.parametrize("layers,piece", [(1, 4 << 10), (4, 1 << 20)], ids=["eager", "4x1MiB-rendezvous"])
+def test_a_message_sent_before_its_receive_is_posted_lands_with_its_xxh3(pair, layers, piece):
+    """The sender does not wait for the receive: UCX holds an eager message as unexpected (and
+    a rendezvous one as its announcement) until the receive is posted, then unpacks it."""
+    data = np.random.default_rng(layers).integers(0, 256, layers * piece, dtype=np.uint8)
+    s = pair.send(data)
+    for _ in range(200):  # the message reaches the receiving worker before any receive exists
+        pair.rx.progress()
+        pair.tx.progress()
+    buf = np.zeros(data.nbytes, np.uint8)
+    r = pair.recv(buf, piece)
+    pair.until(lambda: r.completed and s.completed)
+    r.check_error()
+    assert r.length == data.nbytes and np.array_equal(buf, data)
+    assert r.digests == [xxhash.xxh3_64_intdigest(data[i * piece:(i + 1) * piece]) for i in range(layers)]
+
+
 def test_lanes_between_two_workers_of_one_node_are_shared_memory(pair):
     ok, lanes = ucx_env.fused_lanes(pair.fused, pair.rx_ep)
     assert ok, lanes
