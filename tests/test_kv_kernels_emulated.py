@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kv_copy_check import check_both_ways, classic, scattered_offsets  # noqa: E402
-from test_vllm_pages import CASES, NUM_BLOCKS, engine_caches, mapped  # noqa: E402
+from test_vllm_pages import CASES, NUM_BLOCKS, engine_caches, mapped, tiled  # noqa: E402
 
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath  # noqa: E402
@@ -37,10 +37,11 @@ def interpret(monkeypatch):
 
 # Staged differs from zero-copy only on the slot side, which no page layout touches: its four
 # cases cover split cells, kernel-split blocks, the CPU backend's transposed K and MLA.
-STAGED_CASES = ("flash-LBNHC-fp16", "triton-LBNHC-fp16-32/16", "cpu-bf16", "flashmla-LBHNC-bf16-128/64")
-# The CPU backend's 'amx' pages are tiled: they take the legacy copies (tested below).
+STAGED_CASES = ("flash-LBNHC-fp16", "triton-LBNHC-fp16-32/16", "cpu-bf16-vec", "flashmla-LBHNC-bf16-128/64")
+# The CPU backend's 'amx' pages (forced, or picked on CPUs with AMX tiles) are tiled: they take
+# the legacy copies (tested below).
 VLLM_CASES = [pytest.param(case, "zerocopy", id=f"{name}-zerocopy") for name, case in CASES.items()
-              if case.isa != "amx"] + \
+              if not tiled(case)] + \
     [pytest.param(CASES[name], "staged", id=f"{name}-staged") for name in STAGED_CASES]
 
 

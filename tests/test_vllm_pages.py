@@ -148,9 +148,16 @@ def cpu_chunks(view: torch.Tensor):
     return view.view((b, h, 2 * n, -1)).chunk(2, dim=2)
 
 
-def cpu_isa(case: Case, view: torch.Tensor) -> str:
-    """The CPU backend's kernels for this cache: the case's, else the ones vLLM picks here."""
-    return case.isa or _get_attn_isa(view.dtype, int(view.shape[2]), case.head_dim)
+def cpu_isa(case: Case, view: torch.Tensor | None = None) -> str:
+    """The CPU backend's kernels for this cache: the case's, else the ones vLLM picks here
+    (``amx`` for bf16 on CPUs with AMX tiles)."""
+    n = int(view.shape[2]) if view is not None else case.kernel or case.block_size
+    return case.isa or _get_attn_isa(DTYPES[case.dtype], n, case.head_dim)
+
+
+def tiled(case: Case) -> bool:
+    """Whether the case's pages are tiled on this machine (the CPU backend's 'amx' kernels)."""
+    return case.backend == CPU and cpu_isa(case) == "amx"
 
 
 def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
