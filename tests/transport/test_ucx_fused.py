@@ -21,6 +21,7 @@ from kvstore.transport import Listener, MemorySink, Sender, TransferConfig, ucx_
 from kvstore.transport import session as session_mod
 from kvstore.transport import ucx as ucx_mod
 from kvstore.transport import ucx_env
+from kvstore.transport.protocol import TransferError, TransferStatus
 
 BACKENDS = ["ucx"]
 FULL = (1 << 64) - 1
@@ -218,3 +219,41 @@ def test_through_the_transport_payloads_are_verified_without_a_second_hash(as_ru
     assert sink.runs_in_place == (4 if as_runs and in_place else 0)
     assert all(sink.data[(res.transfer_id, keys[b], layer)] == data[b, layer].tobytes()
                for b in range(4) for layer in range(4))
+
+
+def test_a_payload_shorter_than_its_header_fails_the_transfer_and_stores_nothing():
+    """A sender whose payload is shorter than the length its header announced (here: the last
+    4 KiB of the second chunk cut off on the wire): the fused receive reports the length it
+    got, the listener fails the transfer with PROTOCOL_ERROR, stores none of it, and serves the
+    next sender."""
+    chunk = 256 << 10
+    cfg = TransferConfig(backend="ucx", verify_threads=0)
+    sink = MemorySink(slot_bytes=chunk, n_slots=16)
+    listener = Listener(cfg, sink)
+
+    def cut_second_layer(frame, mv):
+        return mv[:-4096] if frame.seq == 1 else mv  # the second chunk on the wire
+    try:
+        listener.start()
+        assert listener._server.engine.fused is not None
+        keys, data = make_payload(43, blocks=2, layers=4, chunk=chunk)
+        with Sender(cfg, tamper=cut_second_layer) as sender:
+            tx = sender.open(listener.address, keys, 4, chunk)
+            with pytest.raises(TransferError, match="chunk 1: 258048 bytes arrived, its header announced 262144") as e:
+                for layer in range(4):
+                    tx.send_layer(layer, [data[b, layer] for b in range(2)])
+                tx.finish()
+            assert e.value.status is TransferStatus.PROTOCOL_ERROR  # the sender hears why
+        status, detail = sink.wait_result(tx.transfer_id, 10)
+        assert status is TransferStatus.PROTOCOL_ERROR and "bytes arrived, its header announced" in detail
+        assert not sink.data
+        with Sender(cfg) as sender:  # the listener goes on serving
+            tx = sender.open(listener.address, keys, 4, chunk)
+            for layer in range(4):
+                tx.send_layer(layer, [data[b, layer] for b in range(2)])
+            res = tx.finish()
+        assert sink.wait_result(res.transfer_id, 10) == (TransferStatus.OK, "")
+        assert all(sink.data[(res.transfer_id, keys[b], layer)] == data[b, layer].tobytes()
+                   for b in range(2) for layer in range(4))
+    finally:
+        listener.stop()
