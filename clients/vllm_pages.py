@@ -13,7 +13,8 @@ backend, ...), but what a cell holds is the attention backend's business:
   (``_get_attn_isa``): the ``vec`` and ``vec16`` kernels keep K transposed, ``[D, N]``, and V
   as ``[N, D]``; the ``amx`` ones (bf16 on CPUs with AMX tiles) keep both in AMX B-tile order,
   K as 16-token groups of element pairs, V as 16-element groups of token pairs
-  (``cpu_attn_amx.hpp``, ``reshape_and_cache``), read here as tiled views;
+  (``cpu_attn_amx.hpp``, ``reshape_and_cache``), read here as tiled views; fp8 caches (bytes)
+  keep the same orders, pairs of bytes in the ``amx`` tiles (``cpu_attn_fp8.hpp``);
 - MLA backends: one head slot holding the latent, ``kv_lora_rank`` then the rope part.
 
 :func:`layer_pages` turns a view into :class:`~kvstore.tiers.hbm_paged.LayerPages`, logical
@@ -101,11 +102,15 @@ def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int, isa: str = "vec
 
 AMX_TILE_ROW_BYTES = 64  # one row of an AMX tile; a B tile's row is 4 bytes of each of 16 columns
 AMX_B_COLUMNS = AMX_TILE_ROW_BYTES // 4
+AMX_PAIR = 2  # a B tile's 4 bytes hold two bf16 elements; fp8 caches pack two bytes per 16 bits
+# vLLM's fp8 cache dtypes (its CPU caches hold them as bytes).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
-    """The ``amx`` kernels' halves (``AttentionImpl<ISA::AMX>::reshape_and_cache``), with ``q``
-    elements per 4 bytes, as tiled views (:class:`~kvstore.tiers.hbm_paged.LayerPages`):
+    """The ``amx`` kernels' halves (``AttentionImpl<ISA::AMX>::reshape_and_cache``, and for fp8
+    caches ``reshape_and_cache_fp8_amx_impl``), with ``q = 2`` elements to a pair, as tiled
+    views (:class:`~kvstore.tiers.hbm_paged.LayerPages`):
 
     - K: groups of 16 tokens; in a group, for each pair of elements ``d // q``, the 16 tokens'
       ``q`` elements: token ``t``, element ``e`` at ``(t // 16) * 16 D + (e // q) * 16 q +
@@ -113,10 +118,10 @@ def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
     - V: groups of 16 elements; in a group, for each ``q`` tokens ``t // q``, the 16 elements of
       those tokens interleaved: ``(e // 16) * 16 N + (t // q) * 16 q + (e % 16) * q + t % q``."""
     kb, heads, n, _ = view.shape
-    q = 4 // view.element_size()
-    if q < 1 or n % AMX_B_COLUMNS or n % q or d % AMX_B_COLUMNS or d % q:
+    q = AMX_PAIR
+    if view.element_size() > 2 or n % AMX_B_COLUMNS or d % AMX_B_COLUMNS:
         raise UnsupportedPages(f"{name}: the CPU backend's 'amx' pages need {AMX_B_COLUMNS}-aligned tokens and "
-                               f"head_dim in elements of at most 4 bytes; got {n} tokens x {d} of {view.dtype}")
+                               f"head_dim in 1- or 2-byte elements; got {n} tokens x {d} of {view.dtype}")
     sb, sh = view.stride(0), view.stride(1)
     base = view.storage_offset()
     k = view.as_strided((kb, heads, n // 16, 16, d // q, q), (sb, sh, 16 * d, q, 16 * q, 1), base)
@@ -124,34 +129,38 @@ def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
     return LayerPages((k, v), ratio)
 
 
-def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
+def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                    pages=cpu_pages) -> None:
     """Run the CPU backend's cache-write kernel on a scratch page shaped like ``view`` and
-    check :func:`cpu_pages` reads back what it wrote. Different ISAs (``vec``, ``amx``, ...)
-    lay K/V out differently; one whose layout kvstore does not know is refused instead of
-    storing scrambled KV."""
+    check that ``pages`` (:func:`cpu_pages`) reads back what it wrote, byte for byte. Different
+    ISAs (``vec``, ``amx``, ...) and cache dtypes lay K/V out differently; one whose layout
+    kvstore does not know is refused instead of storing scrambled KV."""
     from vllm import _custom_ops as ops
 
     _, heads, n, cell = view.shape
     d = cell // 2
+    held = FP8_CACHE_DTYPES.get(kv_cache_dtype, view.dtype)  # what the cache's elements are
     scratch = torch.zeros((1, heads, n, cell), dtype=view.dtype)
     kc, vc = scratch.view(1, heads, 2 * n, d).chunk(2, dim=2)
     g = torch.Generator().manual_seed(0)
-    # Values the cache dtype holds exactly, so any quantizing write is the identity.
-    key = torch.randn((n, heads, d), generator=g).to(view.dtype).to(model_dtype)
-    value = torch.randn((n, heads, d), generator=g).to(view.dtype).to(model_dtype)
-    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(n, dtype=torch.int64), isa,
-                                   kv_cache_dtype=kv_cache_dtype)
-    mine = cpu_pages("probe", scratch, d, 1, isa)
+
+    def exact() -> torch.Tensor:
+        """Nonzero +-m * 2^e, m in 1..7, e in -3..3: exact in every cache type (fp8 too), so a
+        quantizing write is the identity; no -0 (vLLM's fp8 write stores it as +0)."""
+        m = torch.randint(1, 8, (n, heads, d), generator=g).float()
+        e = torch.randint(-3, 4, (n, heads, d), generator=g).float()
+        return (torch.randint(0, 2, (n, heads, d), generator=g).float() * 2 - 1) * m * torch.exp2(e)
+    key, value = exact(), exact()
+    ops.cpu_attn_reshape_and_cache(key.to(model_dtype), value.to(model_dtype), kc, vc,
+                                   torch.arange(n, dtype=torch.int64), isa, kv_cache_dtype=kv_cache_dtype)
+    mine = pages("probe", scratch, d, 1, isa)
     tokens = torch.arange(n)
-    got_k, got_v = (page_rows(h, torch.zeros_like(tokens), tokens) for h in mine.halves)  # [N, H, D]
-    if not (torch.equal(got_k.float(), key.to(view.dtype).float()) and
-            torch.equal(got_v.float(), value.to(view.dtype).float())):
-        cache = "" if kv_cache_dtype == "auto" else f" with kv_cache_dtype {kv_cache_dtype!r} (quantized CPU caches " \
-                                                      "have their own layouts, not supported yet)"
-        raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels{cache} lay K/V out in a way kvstore does "
-                               "not know; nothing is stored or loaded (known: 'vec', 'vec16', 'amx' on bf16, fp16 "
-                               "and fp32 caches)")
+    got = [page_rows(h, torch.zeros_like(tokens), tokens).view(torch.uint8) for h in mine.halves]  # [N, H, D bytes]
+    if not all(torch.equal(x, want.to(held).view(torch.uint8)) for x, want in zip(got, (key, value))):
+        raise UnsupportedPages(f"the CPU attention backend's {isa!r} kernels lay K/V out in a way kvstore does not "
+                               f"know (cache dtype {kv_cache_dtype}); nothing is stored or loaded (known: 'vec', "
+                               "'vec16', 'amx', on bf16, fp16, fp32 and fp8 caches)")
 
 
-__all__ = ["CPU_BACKEND", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages", "amx_pages",
-           "check_cpu_pages", "cpu_pages", "layer_pages"]
+__all__ = ["CPU_BACKEND", "FP8_CACHE_DTYPES", "MLA_BACKENDS", "SPLIT_CELL_BACKENDS", "UnsupportedPages",
+           "amx_pages", "check_cpu_pages", "cpu_pages", "layer_pages"]

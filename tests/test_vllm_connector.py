@@ -275,6 +275,30 @@ def test_vllm_and_the_hf_adapter_share_prefixes(model, writer, reader, daemon, r
         close_top(g, w, 1e-3)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_bf16_engine_loads_its_prefix_from_kvstore(model, workdir, daemon, kv_cache_dtype):
+    """The model in bf16, its cache in bf16 or fp8: on CPUs with AMX tiles the CPU backend runs
+    its 'amx' kernels on this cache (tiled pages), elsewhere 'vec'. A fresh engine loads the
+    prefix another stored and generates what that one did cold."""
+    ktc = connector(daemon.socket_path)
+    spec = dict(dtype="bfloat16", kv_transfer=ktc, kv_cache_dtype=kv_cache_dtype)
+    es = EngineProc.start_all([(EngineSpec(model, **spec), workdir / f"bf16-{kv_cache_dtype}-{i}.log")
+                               for i in range(2)])
+    try:
+        prompt = tokens(230, seed=40 + len(kv_cache_dtype))
+        cold = es[0].generate([prompt])["results"][0]
+        assert cold["cached_tokens"] == 0
+        got = es[1].generate([prompt])["results"][0]
+        assert got["cached_tokens"] == loadable(prompt)
+        assert got["tokens"] == cold["tokens"]
+        # Bit-exact on this VM's 'vec' kernels; the 'amx' ones tile the queries, and the reader
+        # computes 6 of them where the cold run computed 230, so allow bf16 rounding.
+        for g, w in zip(got["logprobs"], cold["logprobs"]):
+            close_top(g, w, 1e-2)
+    finally:
+        EngineProc.stop_all(es)
+
+
 # --- restart and loss of the daemon -------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvstore.clients.gpu import GpuKVPath, PagedKV  # noqa: E402
-from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, layer_pages  # noqa: E402
+from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, cpu_pages, layer_pages  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 
 LAYERS, HEADS, NUM_BLOCKS = 2, 2, 12
 LORA, ROPE = 64, 16  # MLA latent: kv_lora_rank + qk_rope_head_dim elements per token
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # CPU caches: bytes, a bf16 model
 FLASH, FLASHINFER, TRITON = Backend.FLASH_ATTN.name, Backend.FLASHINFER.name, Backend.TRITON_ATTN.name
 CPU, FLASHMLA, CPU_MLA = Backend.CPU_ATTN.name, Backend.FLASHMLA.name, Backend.CPU_MLA.name
 AMX_MLA = Backend.AMX_MLA.name  # what vLLM picks for MLA on CPUs with AMX tiles
@@ -62,8 +63,17 @@ class Case:
             return KVLayout(LAYERS, kind="mla", kv_lora_rank=LORA, qk_rope_head_dim=ROPE, dtype=self.dtype)
         return KVLayout(LAYERS, HEADS, self.head_dim, self.dtype)
 
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype in FP8 else DTYPES[self.dtype]
+
+    @property
+    def cache_dtype(self) -> str:
+        """vLLM's ``kv_cache_dtype``."""
+        return self.dtype if self.dtype in FP8 else "auto"
+
     def spec(self, heads: int | None = None, head_dim: int | None = None):
-        dt = DTYPES[self.dtype]
+        dt = torch.uint8 if self.dtype in FP8 else DTYPES[self.dtype]
         if self.mla:
             return MLAAttentionSpec(block_size=self.block_size, num_kv_heads=heads or 1, head_size=LORA + ROPE,
                                     dtype=dt)
@@ -85,6 +95,10 @@ CASES = {
     "cpu-bf16-amx-64-dim128": Case(CPU, KVCacheLayout.LBHNC, "bf16", 64, head_dim=128, isa="amx"),
     "cpu-bf16-dim80": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, head_dim=80),  # the 'vec16' kernels
     "cpu-fp16-64/32": Case(CPU, KVCacheLayout.LBHNC, "fp16", 64, kernel=32),
+    "cpu-fp8": Case(CPU, KVCacheLayout.LBHNC, "fp8_e4m3", 32),  # kv_cache_dtype fp8 on a bf16 model
+    "cpu-fp8-vec": Case(CPU, KVCacheLayout.LBHNC, "fp8_e4m3", 32, isa="vec"),
+    "cpu-fp8-amx": Case(CPU, KVCacheLayout.LBHNC, "fp8_e4m3", 32, isa="amx"),
+    "cpu-fp8e5m2-amx": Case(CPU, KVCacheLayout.LBHNC, "fp8_e5m2", 32, isa="amx"),
     "flashmla-LBNHC-bf16": Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64),
     "flashmla-LBHNC-bf16-128/64": Case(FLASHMLA, KVCacheLayout.LBHNC, "bf16", 128, kernel=64),
     "cpu-mla-fp16": Case(CPU_MLA, KVCacheLayout.LBHNC, "fp16"),
@@ -125,7 +139,14 @@ def token_kv(case: Case, n_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
     """One layer's K and V ``[tokens, heads, dim]`` (MLA: the latent ``[tokens, 1, latent]``)."""
     g = torch.Generator().manual_seed(seed)
     shape = (n_tokens, 1, LORA + ROPE) if case.mla else (n_tokens, HEADS, case.head_dim)
-    return tuple(torch.randn(shape, generator=g).to(DTYPES[case.dtype]) for _ in range(1 if case.mla else 2))
+
+    def one() -> torch.Tensor:
+        x = torch.randn(shape, generator=g)
+        if case.dtype not in FP8:
+            return x.to(DTYPES[case.dtype])
+        # fp8 values, none of them zero: vLLM's fp8 write stores -0 as +0
+        return torch.where(x.abs() < 2 ** -6, torch.full_like(x, 0.5), x).to(FP8[case.dtype])
+    return tuple(one() for _ in range(1 if case.mla else 2))
 
 
 def canonical(kv) -> torch.Tensor:
@@ -152,7 +173,7 @@ def cpu_isa(case: Case, view: torch.Tensor | None = None) -> str:
     """The CPU backend's kernels for this cache: the case's, else the ones vLLM picks here
     (``amx`` for bf16 on CPUs with AMX tiles)."""
     n = int(view.shape[2]) if view is not None else case.kernel or case.block_size
-    return case.isa or _get_attn_isa(DTYPES[case.dtype], n, case.head_dim)
+    return case.isa or _get_attn_isa(case.model_dtype, n, case.head_dim, case.cache_dtype)
 
 
 def tiled(case: Case) -> bool:
@@ -166,7 +187,8 @@ def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
     blk, pos = slots // n, slots % n  # reshape_and_cache_flash: slot -> (kernel block, offset)
     if case.backend == CPU:
         key_cache, value_cache = cpu_chunks(view)
-        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, cpu_isa(case, view))
+        ops.cpu_attn_reshape_and_cache(kv[0].to(case.model_dtype), kv[1].to(case.model_dtype), key_cache, value_cache,
+                                       slots, cpu_isa(case, view), kv_cache_dtype=case.cache_dtype)
     elif case.backend == CPU_MLA:  # the backend's own update; it reads nothing from the impl
         CPUMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view, slots, "auto", None)
     elif case.backend == AMX_MLA:
@@ -211,7 +233,7 @@ def test_backend_writes_read_as_canonical_bytes(case):
     n_tokens = tokens_of(case)
     names, views, table, _, kv = written(case, n_tokens)
     if case.backend == CPU:
-        check_cpu_pages(views[0], cpu_isa(case, views[0]), DTYPES[case.dtype])
+        check_cpu_pages(views[0], cpu_isa(case, views[0]), case.model_dtype, case.cache_dtype)
     paged = PagedKV(mapped(case, names, views), case.kv_layout())
     assert (paged.block_size, paged.ratio) == (case.block_size, case.block_size // (case.kernel or case.block_size))
     rows = paged.token_rows(table, n_tokens)
@@ -254,13 +276,20 @@ def test_pages_kvstore_cannot_map_are_refused(case, backend, spec_kw, match):
     assert str(e.value).startswith(names[0])
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
-def test_quantized_cpu_caches_are_refused_by_the_probe(isa):
-    """fp8 CPU caches: the backend's fp8 kernels keep their own layout; the probe runs them
-    and refuses, rather than storing bytes in an order kvstore does not know."""
-    view = torch.zeros((4, HEADS, 32, 2 * 64), dtype=torch.uint8)  # vLLM keeps fp8 CPU caches as bytes
-    with pytest.raises(UnsupportedPages, match=f"'{isa}' kernels with kv_cache_dtype 'fp8_e4m3' .*not supported yet"):
-        check_cpu_pages(view, isa, torch.bfloat16, "fp8_e4m3")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
+def test_the_probe_refuses_a_map_that_is_not_the_kernels_layout(dtype):
+    """The start-up probe runs the backend's real cache write: read through another ISA's map
+    (the 'amx' kernels' pages taken for 'vec' ones), the bytes are not the tokens, and the
+    pages are refused."""
+    case = Case(CPU, KVCacheLayout.LBHNC, dtype, 32, isa="amx")
+    _, views = engine_caches(case)
+
+    def as_vec(name, view, d, ratio, isa):
+        return cpu_pages(name, view, d, ratio, "vec")
+    check_cpu_pages(views[0], "amx", case.model_dtype, case.cache_dtype)  # the right map passes
+    with pytest.raises(UnsupportedPages, match=f"'amx' kernels lay K/V out in a way kvstore does not know "
+                                               fr"\(cache dtype {case.cache_dtype}\)"):
+        check_cpu_pages(views[0], "amx", case.model_dtype, case.cache_dtype, pages=as_vec)
 
 
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:

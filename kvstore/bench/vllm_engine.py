@@ -94,6 +94,7 @@ class EngineSpec:
     num_gpu_blocks_override: int | None = None  # set small to force preemption
     kv_events: dict | None = None               # vLLM's kv_events_config (KV cache event publisher)
     kv_cache_gib: int = 1                       # VLLM_CPU_KVCACHE_SPACE
+    kv_cache_dtype: str = "auto"                # vLLM's kv_cache_dtype ("fp8", "fp8_e5m2", ...)
     multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
     env: dict = field(default_factory=dict)
 
@@ -256,6 +257,8 @@ def _build(spec: EngineSpec):
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
     if spec.num_gpu_blocks_override:
         kw["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
+    if spec.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = spec.kv_cache_dtype
     return LLM(**kw)
 
 
