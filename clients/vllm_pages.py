@@ -87,12 +87,11 @@ def layer_pages(name: str, view: torch.Tensor, layout: KVLayout, backend: str, n
 def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int, isa: str = "vec") -> LayerPages:
     """The CPU backend's page: per (block, head) ``[N, 2D]`` memory read as its K half then its
     V half, each ``N * D`` elements, in the order the ``isa`` kernels write them."""
-    kb, heads, n, _ = view.shape
-    try:
-        halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
-    except RuntimeError:
+    kb, heads, n, cell = view.shape
+    if view.stride(3) != 1 or view.stride(2) != cell:
         raise UnsupportedPages(f"{name}: the CPU backend's pages must be contiguous per (block, head) "
-                               f"(LBHNC); got strides {view.stride()}") from None
+                               f"(LBHNC); got strides {view.stride()}")
+    halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
     if isa == "amx":
         return amx_pages(name, view, d, ratio)
     k = halves[:, :, 0].view(kb, heads, d, n).transpose(2, 3)
@@ -103,6 +102,7 @@ def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int, isa: str = "vec
 AMX_TILE_ROW_BYTES = 64  # one row of an AMX tile; a B tile's row is 4 bytes of each of 16 columns
 AMX_B_COLUMNS = AMX_TILE_ROW_BYTES // 4
 AMX_PAIR = 2  # a B tile's 4 bytes hold two bf16 elements; fp8 caches pack two bytes per 16 bits
+AMX_ALIGN = 2 * AMX_B_COLUMNS  # the kernels' BlockSizeAlignment and HeadDimAlignment
 # vLLM's fp8 cache dtypes (its CPU caches hold them as bytes).
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -118,14 +118,14 @@ def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
     - V: groups of 16 elements; in a group, for each ``q`` tokens ``t // q``, the 16 elements of
       those tokens interleaved: ``(e // 16) * 16 N + (t // q) * 16 q + (e % 16) * q + t % q``."""
     kb, heads, n, _ = view.shape
-    q = AMX_PAIR
-    if view.element_size() > 2 or n % AMX_B_COLUMNS or d % AMX_B_COLUMNS:
-        raise UnsupportedPages(f"{name}: the CPU backend's 'amx' pages need {AMX_B_COLUMNS}-aligned tokens and "
-                               f"head_dim in 1- or 2-byte elements; got {n} tokens x {d} of {view.dtype}")
-    sb, sh = view.stride(0), view.stride(1)
+    q, c = AMX_PAIR, AMX_B_COLUMNS
+    if view.element_size() > 2 or n % AMX_ALIGN or d % AMX_ALIGN:
+        raise UnsupportedPages(f"{name}: the CPU backend's 'amx' pages need tokens and head_dim in multiples of "
+                               f"{AMX_ALIGN} and 1- or 2-byte elements; got {n} tokens x {d} of {view.dtype}")
+    sb, sh = view.stride(0), view.stride(1)  # cpu_pages checked each (block, head) page is contiguous
     base = view.storage_offset()
-    k = view.as_strided((kb, heads, n // 16, 16, d // q, q), (sb, sh, 16 * d, q, 16 * q, 1), base)
-    v = view.as_strided((kb, heads, n // q, q, d // 16, 16), (sb, sh, 16 * q, 1, 16 * n, q), base + n * d)
+    k = view.as_strided((kb, heads, n // c, c, d // q, q), (sb, sh, c * d, q, c * q, 1), base)
+    v = view.as_strided((kb, heads, n // q, q, d // c, c), (sb, sh, c * q, 1, c * n, q), base + n * d)
     return LayerPages((k, v), ratio)
 
 
@@ -151,8 +151,12 @@ def check_cpu_pages(view: torch.Tensor, isa: str, model_dtype: torch.dtype, kv_c
         e = torch.randint(-3, 4, (n, heads, d), generator=g).float()
         return (torch.randint(0, 2, (n, heads, d), generator=g).float() * 2 - 1) * m * torch.exp2(e)
     key, value = exact(), exact()
-    ops.cpu_attn_reshape_and_cache(key.to(model_dtype), value.to(model_dtype), kc, vc,
-                                   torch.arange(n, dtype=torch.int64), isa, kv_cache_dtype=kv_cache_dtype)
+    try:
+        ops.cpu_attn_reshape_and_cache(key.to(model_dtype), value.to(model_dtype), kc, vc,
+                                       torch.arange(n, dtype=torch.int64), isa, kv_cache_dtype=kv_cache_dtype)
+    except (RuntimeError, NotImplementedError) as e:
+        raise UnsupportedPages(f"the CPU attention backend's {isa!r} cache write (cache dtype {kv_cache_dtype}) "
+                               f"fails on a scratch page: {e}") from None
     mine = pages("probe", scratch, d, 1, isa)
     tokens = torch.arange(n)
     got = [page_rows(h, torch.zeros_like(tokens), tokens).view(torch.uint8) for h in mine.halves]  # [N, H, D bytes]

@@ -9,6 +9,7 @@ through a real daemon."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath, PagedKV  # noqa: E402
 from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, cpu_pages, layer_pages  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
+from kvstore.tiers.hbm_paged import LayerPages  # noqa: E402
 
 LAYERS, HEADS, NUM_BLOCKS = 2, 2, 12
 LORA, ROPE = 64, 16  # MLA latent: kv_lora_rank + qk_rope_head_dim elements per token
@@ -91,7 +93,7 @@ CASES = {
     "cpu-fp32": Case(CPU, KVCacheLayout.LBHNC, "fp32", 32),
     "cpu-bf16": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32),  # 'amx' on CPUs with AMX tiles, else 'vec'
     "cpu-bf16-vec": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, isa="vec"),
-    "cpu-bf16-amx": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, isa="amx"),  # its cache writes run on any x86
+    "cpu-bf16-amx": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, isa="amx"),  # its cache write needs AVX-512, not AMX
     "cpu-bf16-amx-64-dim128": Case(CPU, KVCacheLayout.LBHNC, "bf16", 64, head_dim=128, isa="amx"),
     "cpu-bf16-dim80": Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, head_dim=80),  # the 'vec16' kernels
     "cpu-fp16-64/32": Case(CPU, KVCacheLayout.LBHNC, "fp16", 64, kernel=32),
@@ -102,7 +104,7 @@ CASES = {
     "flashmla-LBNHC-bf16": Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64),
     "flashmla-LBHNC-bf16-128/64": Case(FLASHMLA, KVCacheLayout.LBHNC, "bf16", 128, kernel=64),
     "cpu-mla-fp16": Case(CPU_MLA, KVCacheLayout.LBHNC, "fp16"),
-    "amx-mla-bf16": Case(AMX_MLA, KVCacheLayout.LBHNC, "bf16", 32),  # its cache write runs on any x86
+    "amx-mla-bf16": Case(AMX_MLA, KVCacheLayout.LBHNC, "bf16", 32),  # its cache write: plain code, no AMX
 }
 
 
@@ -119,8 +121,8 @@ def engine_caches(case: Case, num_blocks: int = NUM_BLOCKS, **spec_kw):
 
 def mapped(case: Case, names, views, num_blocks: int = NUM_BLOCKS) -> list:
     """Every layer's :class:`LayerPages`, as the connector maps them."""
-    return [layer_pages(n, v, case.kv_layout(), case.backend, num_blocks, cpu_isa=cpu_isa(case, v) if case.backend == CPU else "vec")
-            for n, v in zip(names, views)]
+    isa = cpu_isa(case) if case.backend == CPU else "vec"
+    return [layer_pages(n, v, case.kv_layout(), case.backend, num_blocks, cpu_isa=isa) for n, v in zip(names, views)]
 
 
 def slots_of(table, block_size: int, n_tokens: int) -> torch.Tensor:
@@ -169,16 +171,44 @@ def cpu_chunks(view: torch.Tensor):
     return view.view((b, h, 2 * n, -1)).chunk(2, dim=2)
 
 
-def cpu_isa(case: Case, view: torch.Tensor | None = None) -> str:
-    """The CPU backend's kernels for this cache: the case's, else the ones vLLM picks here
-    (``amx`` for bf16 on CPUs with AMX tiles)."""
-    n = int(view.shape[2]) if view is not None else case.kernel or case.block_size
-    return case.isa or _get_attn_isa(case.model_dtype, n, case.head_dim, case.cache_dtype)
+def machine_isa(case: Case) -> str | None:
+    """The CPU backend's kernels vLLM picks here for the case (``amx`` for bf16 on CPUs with AMX
+    tiles); None where it has none (fp8 caches without AVX-512 or AMX)."""
+    try:
+        return _get_attn_isa(case.model_dtype, case.kernel or case.block_size, case.head_dim, case.cache_dtype)
+    except NotImplementedError:
+        return None
+
+
+@functools.cache
+def cpu_write_missing(isa: str, model_dtype: torch.dtype, cache_dtype: str) -> str:
+    """Why the CPU backend's cache write for ``isa`` and the cache dtype does not run here (""
+    where it does): vLLM's AVX2 and ARM builds have no 'amx' kernels, nor fp8 caches."""
+    scratch = torch.zeros((1, 1, 32, 64), dtype=torch.uint8 if cache_dtype in FP8 else model_dtype)
+    kc, vc = scratch.view(1, 1, 64, 32).chunk(2, dim=2)
+    x = torch.zeros((32, 1, 32), dtype=model_dtype)
+    try:
+        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(32), isa, kv_cache_dtype=cache_dtype)
+    except (RuntimeError, NotImplementedError) as e:
+        return f"vLLM's CPU backend does not write {isa!r} caches of {cache_dtype} here: {e}"
+    return ""
+
+
+def cpu_isa(case: Case) -> str:
+    """The CPU backend's kernels for this cache: the case's, else the ones vLLM picks here. A
+    case whose cache write vLLM cannot run on this machine is skipped."""
+    isa = case.isa or machine_isa(case)
+    if isa is None:
+        pytest.skip(f"vLLM's CPU backend has no kernels for {case.cache_dtype} caches on this CPU")
+    why = cpu_write_missing(isa, case.model_dtype, case.cache_dtype)
+    if why:
+        pytest.skip(why)
+    return isa
 
 
 def tiled(case: Case) -> bool:
     """Whether the case's pages are tiled on this machine (the CPU backend's 'amx' kernels)."""
-    return case.backend == CPU and cpu_isa(case) == "amx"
+    return case.backend == CPU and (case.isa or machine_isa(case)) == "amx"
 
 
 def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
@@ -188,10 +218,12 @@ def write(case: Case, view: torch.Tensor, slots: torch.Tensor, kv) -> None:
     if case.backend == CPU:
         key_cache, value_cache = cpu_chunks(view)
         ops.cpu_attn_reshape_and_cache(kv[0].to(case.model_dtype), kv[1].to(case.model_dtype), key_cache, value_cache,
-                                       slots, cpu_isa(case, view), kv_cache_dtype=case.cache_dtype)
+                                       slots, cpu_isa(case), kv_cache_dtype=case.cache_dtype)
     elif case.backend == CPU_MLA:  # the backend's own update; it reads nothing from the impl
         CPUMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view, slots, "auto", None)
     elif case.backend == AMX_MLA:
+        if not hasattr(torch.ops._C, "concat_and_cache_mla_cpu"):
+            pytest.skip("this vLLM build has no AMX MLA cache write (concat_and_cache_mla_cpu)")
         AMXMLAImpl.do_kv_cache_update(None, kv[0][:, 0, :LORA], kv[0][:, :, LORA:], view.squeeze(1), slots, "auto",
                                       None)  # the layer sees [blocks, tokens, latent]
     elif case.mla:
@@ -208,7 +240,7 @@ def read(case: Case, view: torch.Tensor, slots: torch.Tensor) -> tuple:
     n = view.shape[2]
     blk, pos = slots // n, slots % n
     if case.backend == CPU:
-        return None, None if cpu_isa(case, view) == "amx" else cpu_chunks(view)[1][blk, :, pos]
+        return None, None if cpu_isa(case) == "amx" else cpu_chunks(view)[1][blk, :, pos]
     if case.mla:
         return (view.squeeze(1)[blk, pos].unsqueeze(1),)
     return tuple(c[blk, pos] for c in split_cell(case, view))
@@ -233,7 +265,7 @@ def test_backend_writes_read_as_canonical_bytes(case):
     n_tokens = tokens_of(case)
     names, views, table, _, kv = written(case, n_tokens)
     if case.backend == CPU:
-        check_cpu_pages(views[0], cpu_isa(case, views[0]), case.model_dtype, case.cache_dtype)
+        check_cpu_pages(views[0], cpu_isa(case), case.model_dtype, case.cache_dtype)
     paged = PagedKV(mapped(case, names, views), case.kv_layout())
     assert (paged.block_size, paged.ratio) == (case.block_size, case.block_size // (case.kernel or case.block_size))
     rows = paged.token_rows(table, n_tokens)
@@ -276,20 +308,34 @@ def test_pages_kvstore_cannot_map_are_refused(case, backend, spec_kw, match):
     assert str(e.value).startswith(names[0])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
-def test_the_probe_refuses_a_map_that_is_not_the_kernels_layout(dtype):
-    """The start-up probe runs the backend's real cache write: read through another ISA's map
-    (the 'amx' kernels' pages taken for 'vec' ones), the bytes are not the tokens, and the
-    pages are refused."""
-    case = Case(CPU, KVCacheLayout.LBHNC, dtype, 32, isa="amx")
-    _, views = engine_caches(case)
+def _as_vec(name, view, d, ratio, isa):
+    return cpu_pages(name, view, d, ratio, "vec")  # another ISA's map
 
-    def as_vec(name, view, d, ratio, isa):
-        return cpu_pages(name, view, d, ratio, "vec")
+
+def _pairs_swapped(name, view, d, ratio, isa):
+    k, v = cpu_pages(name, view, d, ratio, isa).halves
+    return LayerPages((k.flip(-1), v), ratio)  # K's two elements of each pair in the other order
+
+
+def _token_pairs_swapped(name, view, d, ratio, isa):
+    k, v = cpu_pages(name, view, d, ratio, isa).halves
+    return LayerPages((k, v.flip(3)), ratio)  # V's two tokens of each pair in the other order
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("wrong", [_as_vec, _pairs_swapped, _token_pairs_swapped],
+                         ids=["vec-map", "k-pairs-swapped", "v-token-pairs-swapped"])
+def test_the_probe_refuses_a_map_that_is_not_the_kernels_layout(dtype, wrong):
+    """The start-up probe runs the backend's real cache write: read through a map that is not
+    its layout (another ISA's, or the 'amx' one with a pair's two halves swapped), the bytes
+    are not the tokens, and the pages are refused."""
+    case = Case(CPU, KVCacheLayout.LBHNC, dtype, 32, isa="amx")
+    cpu_isa(case)  # skips where vLLM cannot write these pages
+    _, views = engine_caches(case)
     check_cpu_pages(views[0], "amx", case.model_dtype, case.cache_dtype)  # the right map passes
     with pytest.raises(UnsupportedPages, match=f"'amx' kernels lay K/V out in a way kvstore does not know "
                                                fr"\(cache dtype {case.cache_dtype}\)"):
-        check_cpu_pages(views[0], "amx", case.model_dtype, case.cache_dtype, pages=as_vec)
+        check_cpu_pages(views[0], "amx", case.model_dtype, case.cache_dtype, pages=wrong)
 
 
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:
@@ -301,6 +347,7 @@ def test_flash_attn_blocks_load_into_the_cpu_backend(client_factory, isa):
     """vLLM on a GPU backend and vLLM on the CPU share blocks: after the load, the CPU cache
     holds exactly what the CPU backend writes for the K/V FlashAttention's view reads."""
     src, dst = Case(FLASH, KVCacheLayout.LBNHC, "bf16", 16), Case(CPU, KVCacheLayout.LBHNC, "bf16", 32, isa=isa)
+    cpu_isa(dst)  # skips where vLLM cannot write these pages
     layout = src.kv_layout()
     assert dst.kv_layout() == layout
     c = client_factory(layout, model_id="vllm-pages")
