@@ -91,9 +91,9 @@ def cpu_pages(name: str, view: torch.Tensor, d: int, ratio: int, isa: str = "vec
     if view.stride(3) != 1 or view.stride(2) != cell:
         raise UnsupportedPages(f"{name}: the CPU backend's pages must be contiguous per (block, head) "
                                f"(LBHNC); got strides {view.stride()}")
-    halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
     if isa == "amx":
         return amx_pages(name, view, d, ratio)
+    halves = view.view(kb, heads, 2, n * d)  # the backend's own view(B, H, 2N, D), split in two
     k = halves[:, :, 0].view(kb, heads, d, n).transpose(2, 3)
     v = halves[:, :, 1].view(kb, heads, n, d)
     return LayerPages((k, v), ratio)

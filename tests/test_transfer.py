@@ -10,6 +10,7 @@ import pytest
 
 import faulty_daemon
 from daemon_util import Daemons, DaemonSpec, cluster_secret, free_port
+from wait_util import wait_for
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.transport import ucx_available
@@ -73,13 +74,10 @@ def dram_used(c):
 
 
 def released_to(c, base: int, timeout_s: float = 5.0) -> bool:
-    """Whether ``c``'s DRAM use is back to ``base`` within ``timeout_s``: a receiver tells the
-    sender a transfer failed before it tears the connection down and releases its slots, so
-    the sender's caller can look before they are."""
-    deadline = time.monotonic() + timeout_s
-    while dram_used(c) != base and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return dram_used(c) == base
+    """True once ``c``'s DRAM use is back to ``base`` (AssertionError after ``timeout_s``): a
+    receiver tells the sender a transfer failed before it tears the connection down and
+    releases its slots, so the sender's caller can look before they are."""
+    return wait_for(lambda: dram_used(c) == base, timeout_s, f"DRAM use back to {base} bytes")
 
 
 def expect_data_loss(c, keys, peer: str, what: str, deadline_s: float = 20) -> None:

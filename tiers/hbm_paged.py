@@ -154,21 +154,23 @@ class PagedKV:
         """Write bytes ``src`` ``[halves, tokens, row]`` into layer ``l`` at ``rows``."""
         b, n = rows[:, 0], rows[:, 1]
         for i, h in enumerate(self.pages[l].halves):
-            x = src[i].contiguous().view(self.dtype)
-            if h.dim() == 4:
-                h[b, :, n, :] = x.view(rows.shape[0], h.shape[1], h.shape[3])
-            else:
-                ni = h.shape[3]
-                h[b, :, n // ni, n % ni] = x.view(rows.shape[0], h.shape[1], h.shape[4], h.shape[5])
+            dims = h.shape[4:] if h.dim() == 6 else h.shape[3:]  # what one (token, head) holds
+            h[_token_index(h, b, n)] = src[i].contiguous().view(self.dtype).view(rows.shape[0], h.shape[1], *dims)
+
+
+def _token_index(h: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> tuple:
+    """The index of the tokens at kernel blocks ``b``, positions ``n`` in a plain or tiled page
+    view ``h`` (:class:`LayerPages`); indexing with it gives ``[tokens, heads, ...]``."""
+    if h.dim() == 4:
+        return b, slice(None), n
+    ni = h.shape[3]
+    return b, slice(None), n // ni, n % ni
 
 
 def page_rows(h: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """The tokens at kernel blocks ``b``, positions ``n`` of a plain or tiled page view ``h``
     (:class:`LayerPages`): ``[tokens, heads, dim]``, a copy."""
-    if h.dim() == 4:
-        return h[b, :, n, :]
-    ni = h.shape[3]
-    return h[b, :, n // ni, n % ni].flatten(2)
+    return h[_token_index(h, b, n)].flatten(2)
 
 
 def _choice_for(device: torch.device) -> DeviceChoice:
