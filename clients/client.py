@@ -27,7 +27,7 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, KVLayout
-from kvstore.tiers.arena import Arena, recv_fd, recv_header, slot_runs
+from kvstore.tiers.arena import Arena, HandoutRefused, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
@@ -246,12 +246,41 @@ class KVStoreClient:
         if not self.remote:  # no shared memory across nodes: control calls only
             self._map_arena(resp)
 
+    def _handout(self, path: str, request: bytes, want_fd: bool):
+        """Ask the daemon's arena socket for what ``request`` names: ``(fd or None, size, socket)``
+        (the socket is open: an HBM handle's body follows on it). A busy daemon (a connection
+        cap) is asked again, backing off, until ``timeout_s``; a refusal that will not change, or
+        one still there at the timeout, raises KVStoreError with the daemon's reason."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.01
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(max(0.05, deadline - time.monotonic()))
+                s.connect(path)
+                try:
+                    s.sendall(request)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused before it read the request: its reason waits to be read
+                fd, size = recv_fd(s) if want_fd else recv_header(s)
+                return fd, size, s
+            except HandoutRefused as e:
+                s.close()
+                if not e.retryable:
+                    raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, f"arena handout ({path}): {e.reason}") from None
+                if time.monotonic() + delay > deadline:
+                    raise KVStoreError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"arena handout ({path}) still refused after "
+                                       f"{self.timeout_s:g} s: {e.reason}") from None
+            except (OSError, ConnectionError) as e:  # no answer at all: a daemon going away, or an old one
+                s.close()
+                raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"arena handout ({path}) failed: "
+                                   f"{getattr(e, 'strerror', None) or e}") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.2)
+
     def _map_arena(self, resp: pb.RegisterResponse) -> None:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(self.timeout_s)
-            s.connect(resp.arena_socket)
-            s.sendall(resp.session_id)
-            fd, size = recv_fd(s)
+        fd, size, s = self._handout(resp.arena_socket, resp.session_id, want_fd=True)
+        s.close()
         if self.arena is not None:
             old, new = os.fstat(self.arena.fd), os.fstat(fd)
             if size == self.arena.size_bytes and (old.st_dev, old.st_ino) == (new.st_dev, new.st_ino):
@@ -274,15 +303,14 @@ class KVStoreClient:
         from kvstore.tiers.hbm import open_pool
 
         self.require_data_session()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(self.timeout_s)
-            s.connect(self.info.arena_socket)
-            s.sendall(self.session_id + b"H")
-            try:
-                fd, size = recv_header(s)
-            except ConnectionError:
-                raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes), "
-                                   "or this session ended (register again)") from None
+        try:
+            fd, size, s = self._handout(self.info.arena_socket, self.session_id + b"H", want_fd=False)
+        except KVStoreError as e:
+            if e.code is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes), "
+                               "or this session ended (register again)") from None
+        with s:
             body = b""
             while len(body) < size:
                 chunk = s.recv(size - len(body))

@@ -471,10 +471,16 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
     ConfigError naming the key. Logs a warning for each deprecated key (:data:`MOVED`)."""
     cfg = Config()
     if path:
+        from kvstore.transport.auth import read_regular  # a FIFO or a directory as the file: refused at once
+
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(read_regular(str(path), "config", 16 << 20).decode())
         except FileNotFoundError:
             raise ConfigError(f"config: file not found: {path}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            if isinstance(e, tomllib.TOMLDecodeError):
+                raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+            raise ConfigError(str(e) if str(e).startswith("config:") else f"config: {path}: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
         for section, table in data.items():

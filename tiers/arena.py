@@ -147,22 +147,63 @@ def send_fd(sock: socket.socket, fd: int, size_bytes: int) -> None:
     sock.sendmsg([_HDR.pack(size_bytes)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 
 
+# The size a refusal carries instead of a real one; then a byte (1: retry, the daemon is busy),
+# the length of the reason (2 bytes, little-endian) and the reason in UTF-8.
+HANDOUT_REFUSED = (1 << 64) - 1
+_REFUSAL = struct.Struct("<BH")
+
+
+class HandoutRefused(ConnectionError):
+    """The daemon said no to a handout, and why. ``retryable``: it was busy (a connection cap),
+    so the same request may succeed a moment later; else it will not (unknown session, no pool)."""
+
+    def __init__(self, reason: str, retryable: bool) -> None:
+        super().__init__(reason)
+        self.reason, self.retryable = reason, retryable
+
+
+def send_refusal(sock: socket.socket, reason: str, retryable: bool) -> None:
+    """Tell a handout client why it gets nothing, without ever blocking the daemon (the reply is
+    a few hundred bytes into a fresh socket's empty buffer; if even that fails, it just closes)."""
+    body = reason.encode()[:1024]
+    try:
+        sock.send(_HDR.pack(HANDOUT_REFUSED) + _REFUSAL.pack(int(retryable), len(body)) + body, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+
+
 def recv_header(sock: socket.socket) -> tuple[int | None, int]:
     """Receive ``(fd or None, size)``: an 8-byte little-endian size, with or without an fd
-    passed alongside; raises ConnectionError when the daemon closed instead (refused)."""
+    passed alongside. Raises :class:`HandoutRefused` when the daemon said no (and why), and
+    ConnectionError when it closed without a word (a daemon older than refusals)."""
     fds = array.array("i")
     msg, ancdata, _flags, _addr = sock.recvmsg(_HDR.size, socket.CMSG_LEN(fds.itemsize))
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
     if len(msg) != _HDR.size:
-        raise ConnectionError("daemon refused the handout (unknown or expired session, or no such pool)")
-    return (fds[0] if fds else None), _HDR.unpack(msg)[0]
+        raise ConnectionError("daemon closed the arena socket without an answer (unknown or expired session)")
+    size = _HDR.unpack(msg)[0]
+    if size == HANDOUT_REFUSED:
+        head = _recv_exactly(sock, _REFUSAL.size)
+        retry, n = _REFUSAL.unpack(head)
+        raise HandoutRefused(_recv_exactly(sock, n).decode(errors="replace"), bool(retry))
+    return (fds[0] if fds else None), size
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        piece = sock.recv(n - len(got))
+        if not piece:
+            raise ConnectionError("daemon closed the arena socket in the middle of its answer")
+        got += piece
+    return got
 
 
 def recv_fd(sock: socket.socket) -> tuple[int, int]:
     """Receive ``(fd, size_bytes)`` sent by :func:`send_fd`; raises ConnectionError if refused."""
     fd, size = recv_header(sock)
     if fd is None:
-        raise ConnectionError("daemon refused the arena handout (unknown or expired session)")
+        raise ConnectionError("daemon sent no arena descriptor (unknown or expired session)")
     return fd, size

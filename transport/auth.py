@@ -28,6 +28,7 @@ on TCP inside mutual TLS (the certificate is the identity), or on a fabric expli
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import hmac
 import os
@@ -47,7 +48,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}$")
 # magic, version, rx (UCX receive prefix), step, mode, status, reason (of a refusal), nonce,
 # name len, name, proof, detail len, detail
 _MSG = struct.Struct("<IIIBBHB32sB64s32sH192s")
-REASONS = ("protocol", "tls", "hmac", "mode", "timeout")  # AuthError.reason, as a refusal carries it
+# AuthError.reason, as a refusal carries it (by index: new reasons go at the end). "timeout" is
+# an older daemon's name for "deadline".
+REASONS = ("protocol", "tls", "hmac", "mode", "timeout", "deadline", "admission")
 HELLO_BYTES = _MSG.size
 
 
@@ -61,7 +64,7 @@ class AuthError(TransferError):
 
     def __init__(self, detail: str, reason: str = "hmac", by_peer: bool = False) -> None:
         super().__init__(TransferStatus.UNAUTHENTICATED, detail)
-        self.reason = reason  # label of kvstore_transfer_auth_failures_total: tls, hmac, mode, timeout, protocol
+        self.reason = reason  # label of kvstore_transfer_auth_failures_total: tls, hmac, mode, deadline, admission, protocol
         self.by_peer = by_peer  # the other side refused (it said why), rather than this side
 
 
@@ -209,18 +212,56 @@ class ServerHandshake:
 
 # -- credentials from files ----------------------------------------------------------------------
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(key: str, path: str, mode: int) -> ValueError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return ValueError(f"{key}: {path} is {kind}, not a regular file")
+
+
+def open_regular(path: str, key: str, follow: bool = True) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file, opened without ever
+    blocking: O_NONBLOCK (opening a FIFO for reading would wait for a writer for ever, and no
+    signal ends that open), O_NOFOLLOW unless ``follow`` (Kubernetes Secret volumes and cert
+    managers link their files; a secret of our own must be the file itself). Raises
+    ValueError naming ``key`` and what ``path`` is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise ValueError(f"{key}: {path} is a symbolic link; name the file itself") from None
+        if e.errno == errno.ENXIO:  # what opening a unix socket gives
+            raise ValueError(f"{key}: {path} is a socket, not a regular file") from None
+        raise ValueError(f"{key}: cannot open {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_regular(key, path, st.st_mode)
+    return fd
+
+
+def read_regular(path: str, key: str, max_bytes: int = 1 << 20, follow: bool = True) -> bytes:
+    """The contents of the regular file ``path`` (at most ``max_bytes``), by :func:`open_regular`."""
+    fd = open_regular(path, key, follow)
+    try:
+        data = os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"{key}: {path} is larger than {max_bytes} bytes")
+    return data
+
+
 def read_secret(path: str, key: str = "transport.secret_file") -> bytes:
     """The cluster secret in ``path`` (surrounding whitespace dropped). The file must be a regular
-    file owned by this process's user and readable by nobody else (mode 0600 or 0400), and hold
-    16 to 4096 bytes. Raises ValueError naming ``key``; the message never holds the secret."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ValueError(f"{key}: cannot open {path}: {e.strerror}") from None
+    file (not a link) owned by this process's user and readable by nobody else (mode 0600 or
+    0400), and hold 16 to 4096 bytes. Raises ValueError naming ``key``, at once whatever the
+    path is (a FIFO, a socket, a directory, a link); the message never holds the secret."""
+    fd = open_regular(path, key, follow=False)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{key}: {path} is not a regular file")
         if st.st_uid != os.geteuid():
             raise ValueError(f"{key}: {path} belongs to uid {st.st_uid}, not to this daemon's user "
                              f"(uid {os.geteuid()}); chown it")
@@ -249,10 +290,14 @@ class TlsFiles:
     ca_file: str
 
     def context(self, server: bool) -> ssl.SSLContext:
+        """Raises ValueError (naming the key) for a path that is not a regular file, checked
+        before OpenSSL opens it (a FIFO would hang that open), and ssl.SSLError for bad PEM."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        for key, path in (("transport.tls_cert_file", self.cert_file), ("transport.tls_key_file", self.key_file)):
+            os.close(open_regular(path, key))
         ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.load_verify_locations(self.ca_file)
+        ctx.load_verify_locations(cadata=read_regular(self.ca_file, "transport.tls_ca_file").decode(errors="replace"))
         ctx.verify_mode = ssl.CERT_REQUIRED
         if server:
             # No session tickets: one sent after the handshake would sit unread on the dialer's

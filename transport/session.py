@@ -13,6 +13,7 @@ Not thread-safe: one session belongs to one connection and is driven by one thre
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from .auth import AuthError, Peer
@@ -26,10 +27,40 @@ log = logging.getLogger("kvstore.transport")
 Reply = tuple[Frame, bytes]
 
 
+class _Quiet:
+    """Log lines of refusals, per reason, as a token bucket (``burst`` at once, then ``rate`` a
+    second), each line saying how many were left out before it: a flood of bad connections must
+    not become a flood of log lines, while a few refusals are each logged (all are counted)."""
+
+    def __init__(self, burst: int = 20, rate: float = 2.0) -> None:
+        self.burst, self.rate = burst, rate
+        self._lock = threading.Lock()
+        self._state: dict[str, list] = {}  # reason -> [tokens, when, left out since the last line]
+
+    def allow(self, reason: str) -> tuple[bool, int]:
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.setdefault(reason, [float(self.burst), now, 0])
+            st[0] = min(float(self.burst), st[0] + (now - st[1]) * self.rate)
+            st[1] = now
+            if st[0] < 1:
+                st[2] += 1
+                return False, 0
+            st[0] -= 1
+            skipped, st[2] = st[2], 0
+            return True, skipped
+
+
+_quiet = _Quiet()
+
+
 def refused(sink: Sink, address: str, err: AuthError) -> None:
-    """A peer failed the handshake: log it (the reason, never a credential) and tell the sink,
-    which counts it. Nothing of a transfer was accepted from it."""
-    log.warning("transfer listener refused %s: %s (%s)", address, err.detail, err.reason)
+    """A peer failed the handshake: log it (the reason, never a credential; rate-limited per
+    reason) and tell the sink, which counts it. Nothing of a transfer was accepted from it."""
+    ok, skipped = _quiet.allow(err.reason)
+    if ok:
+        log.warning("transfer listener refused %s: %s (%s)%s", address, err.detail, err.reason,
+                    f"; {skipped} more refused for {err.reason} since the last such line" if skipped else "")
     report = getattr(sink, "peer_refused", None)
     if report is not None:
         try:

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 import xxhash
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from .admission import Dropped, Handshakes
 from .auth import HELLO_BYTES, AuthError, ClientHandshake, Peer, ServerHandshake, cert_identity, refusal
 from .config import TransferConfig, format_peer
 from .protocol import (FRAME_BYTES, Frame, FrameType, ProtocolError, TransferError, TransferStatus,
@@ -43,10 +44,12 @@ _BYTES_BATCH = 16 << 20      # bytes per sendmsg batch
 # kernel's copy has left it in cache (xxh3 ran 53 GB/s on cached data against 24 GB/s over a
 # whole cold chunk here), and the chunk is never read back from memory just to be verified.
 _HASH_PIECE = 512 << 10
-# Connections in their handshake at once, from one address and in all (each holds a thread for
-# at most connect_timeout_s): beyond, a new one is closed at once, so a flood of silent
-# connections costs no more threads, and one host's flood does not keep other peers out.
+# Places in the handshake (transport/admission.py): per source address, per source network
+# (IPv4 /24, IPv6 /64) and in all. Each holds a thread for at most connect_timeout_s from
+# accept; beyond the per-address cap a connection is closed at once, and a full network or
+# table gives the place of the heaviest address's oldest handshake to the newcomer.
 MAX_HANDSHAKES_PER_HOST = 8
+MAX_HANDSHAKES_PER_NET = 64
 MAX_HANDSHAKES = 256
 
 
@@ -97,6 +100,11 @@ def recv_into(sock: socket.socket, mv: memoryview, deadline: float | None) -> No
         if k == 0:
             raise _lost("connection closed by the peer")
         got += k
+        if got < n and deadline is not None and (flags or (sock.gettimeout() or 1e9) > deadline - time.monotonic() + 0.05):
+            # A short read under MSG_WAITALL ran out the kernel timer; a TLS socket's timer
+            # counts per record. Re-armed to what is left, a peer that trickles bytes cannot
+            # stretch the deadline read by read.
+            arm(sock, deadline)
 
 
 def recv_hashed(sock: socket.socket, mv: memoryview, deadline: float | None) -> int:
@@ -405,7 +413,7 @@ class TcpServer:
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port
         try:
             self._lsock.bind((config.host, config.port))
-            self._lsock.listen(64)
+            self._lsock.listen(1024)  # a flood's connections must not crowd a sender out of the backlog
         except OSError as exc:
             self._lsock.close()
             raise OSError(exc.errno, f"transfer listener cannot listen on "
@@ -415,7 +423,8 @@ class TcpServer:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
-        self._handshaking: dict[str, int] = {}  # source address -> connections in their handshake
+        self._places = Handshakes(config.connect_timeout_s, per_host=MAX_HANDSHAKES_PER_HOST,
+                                  per_net=MAX_HANDSHAKES_PER_NET, total=MAX_HANDSHAKES)
         self._max_ctrl = max_manifest_bytes(config.max_blocks, config.max_meta_bytes)
         self._accept_thread = threading.Thread(target=self._accept, name="kvt-tcp-accept", daemon=True)
         self._accept_thread.start()
@@ -426,57 +435,81 @@ class TcpServer:
                 sock, addr = self._lsock.accept()
             except OSError:
                 return  # listening socket shut down by stop()
+            address = format_peer(*addr[:2])
+            # The reaper cuts a handshake off through its own descriptor of the socket: one that
+            # shutdown() reaches whatever the handshake thread has wrapped the socket in.
+            try:
+                cut = sock.dup()
+            except OSError:  # out of descriptors: this one cannot be served
+                sock.close()
+                continue
+            place = self._places.admit(addr[0], lambda _why, cut=cut: cut.shutdown(socket.SHUT_RDWR))
+            if place is None:
+                cut.close()
+                sock.close()
+                refused(self.sink, address, AuthError(
+                    f"{MAX_HANDSHAKES_PER_HOST} connections of this address are in their handshake: closed at once",
+                    "admission"))
+                continue
             with self._lock:
                 if self._stopping:
+                    self._places.finish(place)
+                    cut.close()
                     sock.close()
                     return
-                host = addr[0]
-                if self._handshaking.get(host, 0) >= MAX_HANDSHAKES_PER_HOST or \
-                        sum(self._handshaking.values()) >= MAX_HANDSHAKES:
-                    sock.close()
-                    refused(self.sink, format_peer(*addr[:2]), AuthError(
-                        "too many connections in their handshake (from this host, or in all): closed at once",
-                        "timeout"))
-                    continue
-                self._handshaking[host] = self._handshaking.get(host, 0) + 1
                 self._conns.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock, format_peer(*addr[:2]), host),
+                t = threading.Thread(target=self._serve, args=(sock, address, place, cut),
                                      name=f"kvt-tcp-recv {addr[0]}", daemon=True)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
 
-    def _handshake(self, sock: socket.socket, address: str) -> tuple[socket.socket, Peer] | None:
-        """TLS (if configured), then the HELLO exchange; the socket to serve and who is on it, or
-        None once a refused peer has been told why, reported and closed."""
-        deadline = time.monotonic() + self.config.connect_timeout_s
+    def _handshake(self, sock: socket.socket, address: str, place) -> tuple[socket.socket, Peer] | None:
+        """TLS (if configured), then the HELLO exchange, all by ``place.deadline`` (counted from
+        accept; the reaper shuts the socket down then, whatever the peer sends); the socket to
+        serve and who is on it, or None once a refused peer has been told why, reported and
+        closed."""
+        deadline = place.deadline
+        hs = None
         try:
-            tune(sock, self.config.tcp_keepalive_s)
-            if self._tls is not None:
-                sock.settimeout(self.config.connect_timeout_s)
-                try:
-                    plain = sock.recv(1, socket.MSG_PEEK) not in (b"\x16", b"")  # 0x16: a TLS handshake record
-                except OSError:
-                    plain = False
-                if plain:  # a plaintext peer can read a plaintext refusal that says why
-                    raise AuthError("this listener requires mutual TLS (transport.tls_*); the peer spoke "
-                                    "plaintext", "tls-plain")
-                try:
-                    tls_sock = self._tls.wrap_socket(sock, server_side=True)
-                except (ssl.SSLError, OSError) as exc:
-                    raise AuthError(f"TLS: {getattr(exc, 'reason', None) or exc}", "tls") from None
-                with self._lock:  # stop() must shut down the socket now in use
-                    self._conns.discard(sock)
-                    self._conns.add(tls_sock)
-                sock = tls_sock
-            hs = ServerHandshake(self.config.secret, self.config.node_name)
-            arm(sock, deadline)
-            send_hello(sock, hs.second(read_hello(sock, deadline)), deadline)
-            send_hello(sock, hs.fourth(read_hello(sock, deadline)), deadline)
+            try:
+                tune(sock, self.config.tcp_keepalive_s)
+                if self._tls is not None:
+                    sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                    try:
+                        plain = sock.recv(1, socket.MSG_PEEK) not in (b"\x16", b"")  # 0x16: a TLS handshake record
+                    except OSError:
+                        plain = False
+                    if plain:  # a plaintext peer can read a plaintext refusal that says why
+                        raise AuthError("this listener requires mutual TLS (transport.tls_*); the peer spoke "
+                                        "plaintext", "tls-plain")
+                    tls_sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                    with self._lock:  # stop() must shut down the socket now in use
+                        self._conns.discard(sock)
+                        self._conns.add(tls_sock)
+                    sock = tls_sock
+                    sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                    try:
+                        sock.do_handshake()
+                    except (ssl.SSLError, OSError) as exc:
+                        raise AuthError(f"TLS: {getattr(exc, 'reason', None) or exc}", "tls") from None
+                hs = ServerHandshake(self.config.secret, self.config.node_name)
+                arm(sock, deadline)
+                send_hello(sock, hs.second(read_hello(sock, deadline)), deadline)
+                send_hello(sock, hs.fourth(read_hello(sock, deadline)), deadline)
+            finally:
+                dropped = self._places.finish(place)
+            if dropped is not None:  # it finished just as the reaper cut it off: it is cut off
+                raise TransferError(TransferStatus.DEADLINE_EXCEEDED, "cut off")
         except TransferError as err:
-            if not isinstance(err, AuthError):
-                err = AuthError(f"handshake not completed: {err.detail}",
-                                "timeout" if err.status is TransferStatus.DEADLINE_EXCEEDED else "protocol")
-            answer = err.reason not in ("tls", "timeout")  # not into a failed TLS session, nor to the silent
+            if dropped is Dropped.DEADLINE or (dropped is None and err.status is TransferStatus.DEADLINE_EXCEEDED):
+                err = AuthError(f"handshake not completed within {self.config.connect_timeout_s:g} s of accept",
+                                "deadline")
+            elif dropped is Dropped.ADMISSION:
+                err = AuthError("handshake dropped: its place went to a new connection (this address held the "
+                                "most places in its network or in all)", "admission")
+            elif not isinstance(err, AuthError):
+                err = AuthError(f"handshake not completed: {err.detail}", "protocol")
+            answer = err.reason not in ("tls", "deadline", "admission")  # not into TLS, nor to the silent or cut off
             if err.reason == "tls-plain":
                 err.reason = "tls"
             refused(self.sink, address, err)
@@ -488,16 +521,11 @@ class TcpServer:
             return sock, Peer(cert_identity(sock), address, "tls")
         return sock, Peer(hs.peer_name if self.config.secret else "", address, "hmac" if self.config.secret else "none")
 
-    def _serve(self, raw: socket.socket, address: str, host: str) -> None:
+    def _serve(self, raw: socket.socket, address: str, place, cut: socket.socket) -> None:
         try:
-            got = self._handshake(raw, address)
+            got = self._handshake(raw, address, place)
         finally:
-            with self._lock:
-                left = self._handshaking.get(host, 1) - 1
-                if left > 0:
-                    self._handshaking[host] = left
-                else:
-                    self._handshaking.pop(host, None)
+            cut.close()  # the place is given back: the reaper no longer reaches this socket
         if got is None:
             return
         sock, peer = got
@@ -567,6 +595,7 @@ class TcpServer:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._places.stop()
         end = time.monotonic() + timeout_s
         for t in [self._accept_thread, *threads]:
             t.join(timeout=max(0.0, end - time.monotonic()))

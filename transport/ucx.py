@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from .admission import Dropped, Handshakes
 from .auth import HELLO_BYTES, AuthError, Peer, ServerHandshake, refusal
 from .config import TransferConfig
 from .protocol import (BATCH_BYTES, FRAME_BYTES, Frame, FrameType, ProtocolError, TransferError,
@@ -37,6 +38,7 @@ log = logging.getLogger("kvstore.transport")
 _DATA_BIT = 1 << 31
 _FULL_MASK = (1 << 64) - 1
 _REPLY_MAX = FRAME_BYTES + 8192
+MAX_HANDSHAKES = 256  # UCX connections in their handshake at once (admission.py)
 
 
 def ctrl_tag(api, rx: int):
@@ -188,10 +190,20 @@ class _Inbound(_Conn):
         self.fused = None  # the _fused module once the handshake found this endpoint's lanes copy by CPU
         self.pending: collections.deque = collections.deque()  # chunks and control frames, in order
         # The handshake: nothing but its four messages is received until it succeeds, and the
-        # engine's ticker drops a peer that has not finished it within connect_timeout_s.
+        # listener's place table (admission.py) cuts off a peer that has not finished it within
+        # connect_timeout_s of connecting, or whose place goes to a newer connection.
         self.hs = ServerHandshake(server.config.secret, server.config.node_name, self.rx)
-        self.hello_deadline = time.monotonic() + server.config.connect_timeout_s
+        self.close_at: float | None = None  # a refused peer is closed then, once it could read why
+        self.place = server.places.admit("", lambda why: self.engine.call_soon(self._cut_off, why))
         self._hello_step(1)
+
+    def _cut_off(self, why: Dropped) -> None:
+        """The place table took this handshake's place (engine thread)."""
+        if self.closed or self.hs is None:  # gone already, or refused and counted
+            return
+        self._refuse(AuthError(f"UCX handshake not completed within {self.server.config.connect_timeout_s:g} s "
+                               f"of connecting" if why is Dropped.DEADLINE else "UCX handshake dropped: its place "
+                               "went to a new connection (the table was full)", why.value), False)
 
     def _hello_step(self, step: int) -> None:
         """Receive the dialer's handshake message ``step`` (1 or 3)."""
@@ -208,11 +220,12 @@ class _Inbound(_Conn):
             reply = (self.hs.second if step == 1 else self.hs.fourth)(buf.tobytes())
         except TransferError as exc:
             return self._refuse(exc if isinstance(exc, AuthError) else AuthError(exc.detail, "protocol"))
+        if step == 3 and self.server.places.finish(self.place) is not None:
+            return  # cut off as it finished: _cut_off, queued, refuses it
         out = hello_buf(reply)
         self.track(self.ep.stream_send(self.engine.Array(out)), lambda r, _keep=out: self.on_sent(r))
         if step == 1:
             return self._hello_step(3)
-        self.hello_deadline = None
         self.peer_rx = self.hs.peer_rx
         via = "hmac" if self.server.config.secret else "none"
         self.session.authenticated(Peer(self.hs.peer_name if self.server.config.secret else "", self.peer, via))
@@ -226,13 +239,14 @@ class _Inbound(_Conn):
     def _refuse(self, err: AuthError, answer: bool = True) -> None:
         """Drop a peer that failed the handshake: tell it why (once that has left, close), count it."""
         refused(self.server.sink, self.peer, err)
-        self.hs = None  # counted: the handshake deadline that closes it is not counted again
+        self.hs = None  # counted once
+        self.server.places.finish(self.place)
         if not answer:
             return self.lost(err)
         out = hello_buf(refusal(0, err))
         # Closed by the ticker half a second on, not when the send completes: closing at once
         # can reset the endpoint before the peer has read why.
-        self.hello_deadline = time.monotonic() + 0.5
+        self.close_at = time.monotonic() + 0.5
         self.track(self.ep.stream_send(self.engine.Array(out)), lambda r, _keep=out: None)
 
     def on_frame(self, frame: Frame, data: bytes) -> None:
@@ -319,12 +333,8 @@ class _Inbound(_Conn):
             self.lost(err)
 
     def tick(self, now: float) -> None:
-        if self.hello_deadline is not None and now > self.hello_deadline:
-            err = AuthError("UCX handshake not completed in time", "timeout")
-            if self.session.identity is None and self.hs is not None:
-                refused(self.server.sink, self.peer, err)
-                self.hs = None  # counted once
-            self.lost(err)
+        if self.close_at is not None and now > self.close_at:
+            self.lost(AuthError("refused in the handshake", "protocol"))
         elif self.session.deadline is not None and now >= self.session.deadline:
             self.lost(self.session.expire())
 
@@ -344,6 +354,7 @@ class _Inbound(_Conn):
                 self.engine.progress_until(lambda: req.completed, 0.5)  # let it leave first
             except Exception:
                 pass
+        self.server.places.finish(self.place)  # a handshake that ended with the connection
         self.teardown()
         self.session.fail(err)
         self.server.conns.discard(self)
@@ -359,6 +370,9 @@ class UcxServer:
         self.max_ctrl = FRAME_BYTES + max(max_manifest_bytes(config.max_blocks, config.max_meta_bytes), BATCH_BYTES)
         self.conns: set[_Inbound] = set()
         self.stopping = False
+        # ucxx does not say who connects: only the total is bounded, a full table giving the
+        # oldest handshake's place to the newcomer. Handshakes here cost no thread.
+        self.places = Handshakes(config.connect_timeout_s, per_host=None, total=MAX_HANDSHAKES, name="kvt-ucx-handshakes")
         try:
             self._listener = self.engine.call(self._listen)
         except Exception as exc:
@@ -394,4 +408,5 @@ class UcxServer:
         try:
             self.engine.call(shut, timeout_s=timeout_s)
         finally:
+            self.places.stop()
             self.engine.stop(timeout_s)

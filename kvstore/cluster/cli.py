@@ -112,7 +112,11 @@ def main(argv: list[str]) -> int:
     if not cfg.endpoints():
         print("kvstore cluster: no etcd endpoints: set --etcd-endpoints or cluster.etcd_endpoints", file=sys.stderr)
         return 2
-    etcd = Etcd(cfg.endpoints(), EtcdTls(cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
+    try:
+        etcd = Etcd(cfg.endpoints(), EtcdTls(cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
+    except ValueError as e:  # a TLS file that is not a regular file, or cannot be read
+        print(f"kvstore cluster: {e}", file=sys.stderr)
+        return 2
     try:
         out = collect(etcd, cfg.prefix, args.timeout)
     except EtcdError as e:

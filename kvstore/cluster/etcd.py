@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.cluster.etcdpb import kv_pb2, rpc_pb2 as epb, rpc_pb2_grpc as egrpc
+from kvstore.transport.auth import read_regular
 
 KeyValue = kv_pb2.KeyValue
 Event = kv_pb2.Event
@@ -41,13 +42,11 @@ class EtcdTls:
     key_file: str = ""
 
     def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: str) -> bytes | None:
-            if not path:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
+        def read(path: str, key: str) -> bytes | None:
+            return read_regular(path, f"cluster.{key}") if path else None
 
-        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+        return grpc.ssl_channel_credentials(read(self.ca_file, "etcd_ca_file"), read(self.key_file, "etcd_key_file"),
+                                            read(self.cert_file, "etcd_cert_file"))
 
 
 # HTTP/2 pings find a silently dead etcd (a partition, not a reset) under a watch stream. etcd

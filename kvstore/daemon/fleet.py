@@ -12,7 +12,6 @@ sending here at once; :meth:`Fleet.close` then lets go of the peer channels and 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Callable
 
@@ -58,10 +57,10 @@ class Fleet:
         from kvstore.cluster.membership import Membership, State
 
         c = self.cfg.cluster
-        for f in (c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file):
-            if f and not os.access(f, os.R_OK):
-                raise StartupError(f"cluster.etcd_*_file: cannot read {f}")
-        etcd = Etcd(c.endpoints(), EtcdTls(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file))
+        try:  # each file read once, never blocking (a FIFO is refused at once)
+            etcd = Etcd(c.endpoints(), EtcdTls(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file))
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         return Membership(c, etcd, c.node_id or socket.gethostname(), metrics=metrics,
                           on_state=lambda st: on_registered(st is State.REGISTERED))
 

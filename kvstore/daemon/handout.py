@@ -9,10 +9,11 @@ import os
 import socket
 import struct
 import threading
+import time
 
 from kvstore.config import ServerConfig
 from kvstore.daemon.core import Core
-from kvstore.tiers.arena import Arena, send_fd
+from kvstore.tiers.arena import Arena, send_fd, send_refusal
 
 log = logging.getLogger("kvstore.daemon.handout")
 # Connections served at once, all users together: each costs a thread for at most
@@ -63,6 +64,7 @@ class ArenaHandout:
             why = self._admit(uid)
             if why:
                 log.warning("arena handout: uid %d turned away: %s", uid, why)
+                send_refusal(conn, f"arena handout busy: {why}; retry", retryable=True)
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, uid), name="arena-handout-conn", daemon=True).start()
@@ -82,18 +84,24 @@ class ArenaHandout:
     def _serve(self, conn: socket.socket, uid: int) -> None:
         try:
             with conn:
-                conn.settimeout(self.cfg.handout_timeout_s)  # the request comes in one write
-                req = conn.recv(17)  # session id, then b"H" for the HBM pool's handle
+                req = self._request(conn)  # session id, then b"H" for the HBM pool's handle
+                if req is None:
+                    log.debug("arena handout: uid %d sent no request within %.2f s", uid, self.cfg.handout_timeout_s)
+                    send_refusal(conn, f"no request within server.handout_timeout_s "
+                                       f"({self.cfg.handout_timeout_s:g} s)", retryable=False)
+                    return
                 sid, what = req[:16], req[16:]
                 with self.core.lock:
                     known = sid in self.core.sessions
-                if known and what == b"H":
-                    if self.hbm_cache is not None:  # without an HBM tier the connection just closes
+                if not known:
+                    send_refusal(conn, "unknown or expired session (register again)", retryable=False)
+                elif what == b"H":
+                    if self.hbm_cache is None:
+                        send_refusal(conn, "this daemon has no HBM tier (hbm.capacity_bytes)", retryable=False)
+                    else:
                         self.hbm_cache.handout(conn)
-                elif known:
+                else:
                     send_fd(conn, self.arena.fd, self.arena.size_bytes)
-        except TimeoutError:
-            log.debug("arena handout: uid %d sent no request within %.2f s", uid, self.cfg.handout_timeout_s)
         except OSError as e:
             log.warning("arena handout failed: %s", e)
         finally:
@@ -103,6 +111,32 @@ class ArenaHandout:
                     del self._open[uid]
                 else:
                     self._open[uid] -= 1
+
+    def _request(self, conn: socket.socket) -> bytes | None:
+        """The 16- or 17-byte request, read within ``handout_timeout_s`` of accept however the
+        client paces its bytes; None if it did not come in time (or the client left)."""
+        deadline = time.monotonic() + self.cfg.handout_timeout_s
+        req = b""
+        while len(req) < 16:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            conn.settimeout(left)
+            try:
+                piece = conn.recv(17 - len(req))
+            except TimeoutError:
+                return None
+            if not piece:
+                return None
+            req += piece
+        if len(req) == 16:  # a 17th byte (b"H") comes in the same write as the id
+            conn.setblocking(False)  # in timeout mode Python would wait out EAGAIN
+            try:
+                req += conn.recv(1)
+            except BlockingIOError:
+                pass
+            conn.settimeout(max(0.05, deadline - time.monotonic()))  # the answer goes out in time too
+        return req
 
     def stop(self) -> None:
         self._stopping.set()

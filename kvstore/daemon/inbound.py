@@ -130,7 +130,7 @@ class DaemonSink:
         self.svc.metrics.transfer_auth_failures.labels(reason=reason if reason in _AUTH_REASONS else "protocol").inc()
 
 
-_AUTH_REASONS = ("tls", "hmac", "mode", "timeout", "protocol")
+_AUTH_REASONS = ("tls", "hmac", "mode", "deadline", "admission", "protocol")
 
 
 class _Target:

@@ -50,6 +50,7 @@ from kvstore.tiers.arena import SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mod
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
 from kvstore.transport import Sender, TransferConfig
+from kvstore.transport.auth import open_regular, read_regular
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2_grpc as peer_grpc
 
@@ -59,6 +60,10 @@ PEER_SERVICE = "kvstore.v1.Peer"
 CLUSTER_HEALTH = "kvstore.v1.Cluster"  # SERVING while registered in etcd; the daemon serves locally either way
 SESSION_EXPIRY_BATCH = 64  # sessions ended per hold of the core lock by the reaper
 RPC_DRAIN_S = 1.0  # at shutdown, how long in-flight calls may hold up the write-out of DRAM
+# A connection to a gRPC listener that has not finished its TLS handshake this long after
+# accept is closed by gRPC itself (its default is 120 s), as the transfer listeners do at 5 s.
+HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_OPTION = ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -178,9 +183,12 @@ class Daemon:
         if cfg.server.tcp_listen:
             check_port_free("server.tcp_listen", *split_host_port(cfg.server.tcp_listen), "listen")
             s = cfg.server
-            for f in (s.tls_key_file, s.tls_cert_file, s.tls_client_ca_file):
-                if f and not os.access(f, os.R_OK):
-                    raise StartupError(f"server.tls_*: cannot read {f}")
+            for key in ("tls_key_file", "tls_cert_file", "tls_client_ca_file"):
+                if getattr(s, key):
+                    try:
+                        os.close(open_regular(getattr(s, key), f"server.{key}"))
+                    except ValueError as e:
+                        raise StartupError(str(e)) from None
 
     def _open_hbm(self):
         """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
@@ -280,7 +288,7 @@ class Daemon:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.grpc_workers,
                                                              thread_name_prefix="grpc"),
                                   options=[("grpc.max_receive_message_length", 64 << 20),
-                                           ("grpc.max_send_message_length", 64 << 20)])
+                                           ("grpc.max_send_message_length", 64 << 20), HANDSHAKE_OPTION])
         self.health = health.HealthServicer()
         if cfg.cluster.etcd_endpoints:
             self.health.set(CLUSTER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -370,14 +378,14 @@ class Daemon:
         and a bearer token when one is configured. It serves the same servicer."""
         s = self.cfg.server
         try:
-            key, cert = open(s.tls_key_file, "rb").read(), open(s.tls_cert_file, "rb").read()
-            ca = open(s.tls_client_ca_file, "rb").read() if s.tls_client_ca_file else None
-        except OSError as e:
-            raise StartupError(f"server.tls_*: cannot read {e.filename}: {e.strerror}") from None
+            key, cert = read_regular(s.tls_key_file, "server.tls_key_file"), read_regular(s.tls_cert_file, "server.tls_cert_file")
+            ca = read_regular(s.tls_client_ca_file, "server.tls_client_ca_file") if s.tls_client_ca_file else None
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
         interceptors = [TokenInterceptor(s.auth_token)] if s.auth_token else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc-tcp"),
-                             interceptors=interceptors)
+                             interceptors=interceptors, options=[HANDSHAKE_OPTION])
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         peer_grpc.add_PeerServicer_to_server(peer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -65,7 +65,7 @@ class Metrics:
         self.transfer_chunks = Counter("kvstore_transfer_chunks", "Layer chunks shipped", ["direction", "backend"], registry=r)
         self.transfer_failures = Counter("kvstore_transfer_failures", "Transfers failed", ["reason"], registry=r)
         self.transfer_auth_failures = Counter("kvstore_transfer_auth_failures", "Peers the transfer listener dropped "
-                                              "in the handshake (tls, hmac, mode, timeout, protocol)", ["reason"], registry=r)
+                                              "in the handshake (tls, hmac, mode, deadline, admission, protocol)", ["reason"], registry=r)
         self.transfer_latency = Histogram("kvstore_transfer_latency_seconds", "Whole transfer latency", ["backend"],
                                           buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -92,7 +92,7 @@ class Metrics:
             self.policy_decisions.labels(decision=d)
         for reason in ("peer", "timeout", "checksum", "auth", "forbidden", "other"):
             self.transfer_failures.labels(reason=reason)
-        for reason in ("tls", "hmac", "mode", "timeout", "protocol"):
+        for reason in ("tls", "hmac", "mode", "deadline", "admission", "protocol"):
             self.transfer_auth_failures.labels(reason=reason)
         for d in ("send", "recv"):
             for b in ("ucx", "tcp"):

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -40,9 +41,12 @@ class NamespaceFile:
         its hash) is logged and moved aside as ``namespaces.json.bad-<time>`` for a look, never
         a traceback: the blocks of the namespaces it cannot vouch for are dropped and the
         entries it can are written back at once."""
-        try:
-            with open(self.path, "rb") as f:
-                os.fchmod(f.fileno(), PRIVATE_FILE)  # older daemons left it world-readable; it holds tenant salts
+        try:  # never blocking: a FIFO or a link in its place is moved aside, not waited on
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError("not a regular file")
+                os.fchmod(fd, PRIVATE_FILE)  # older daemons left it world-readable; it holds tenant salts
                 known = json.loads(f.read())
         except FileNotFoundError:
             return []

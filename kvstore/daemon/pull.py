@@ -35,6 +35,7 @@ from kvstore.daemon.outbound import Outbound
 from kvstore.daemon.service import MAX_TRANSFER_DEADLINE_S, finite, rpc
 from kvstore.errors import Code, KVError, invalid
 from kvstore.tiers.base import TierKind
+from kvstore.transport.auth import read_regular
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
 if TYPE_CHECKING:
@@ -100,12 +101,9 @@ class PeerLinks:
             "pulls need server.tcp_listen with mutual TLS (server.tls_client_ca_file: the fleet's CA)"
         self._creds = None
         if not self.why_off:
-            def read(path: str) -> bytes:
-                with open(path, "rb") as f:
-                    return f.read()
-
-            self._creds = grpc.ssl_channel_credentials(read(s.tls_client_ca_file), read(s.tls_key_file),
-                                                       read(s.tls_cert_file))
+            self._creds = grpc.ssl_channel_credentials(read_regular(s.tls_client_ca_file, "server.tls_client_ca_file"),
+                                                       read_regular(s.tls_key_file, "server.tls_key_file"),
+                                                       read_regular(s.tls_cert_file, "server.tls_cert_file"))
             if s.auth_token:
                 self._creds = grpc.composite_channel_credentials(
                     self._creds, grpc.access_token_call_credentials(s.auth_token))

@@ -146,8 +146,11 @@ class DataFiles:
 
     @staticmethod
     def _open(path: str, size: int, preallocate: bool) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+        # Never blocking, never through a link: a FIFO or a link in a data file's place is an error.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, PRIVATE_FILE)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, f"{path} is not a regular file")
             os.fchmod(fd, PRIVATE_FILE)  # a file an older daemon made keeps its mode through O_CREAT
             old = os.fstat(fd).st_size
             if preallocate:
@@ -172,7 +175,7 @@ class DataFiles:
         try:
             for i in range(len(self.fds)):
                 direct.append(os.open(os.path.join(self.directory, f"data-{i:05d}.kvd"),
-                                      os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC))
+                                      os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW))
             probe = aligned_buffer(ALIGN)
             os.preadv(direct[0], [probe], 0)
         except OSError as e:
