@@ -376,6 +376,7 @@ class UcxServer:
         try:
             self._listener = self.engine.call(self._listen)
         except Exception as exc:
+            self.places.stop()
             self.engine.stop()
             raise OSError(f"UCX transfer listener cannot listen on port {config.port}: {exc}") from None
         self.host, self.port = config.host, self._listener.port
