@@ -469,7 +469,6 @@ class TcpServer:
         serve and who is on it, or None once a refused peer has been told why, reported and
         closed."""
         deadline = place.deadline
-        hs = None
         try:
             try:
                 tune(sock, self.config.tcp_keepalive_s)
