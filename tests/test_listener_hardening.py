@@ -26,6 +26,7 @@ from kvstore.transport import ucx_available
 from kvstore.transport.admission import Dropped, Handshakes, network_of
 from kvstore.transport.auth import HELLO_BYTES
 from kvstore.transport.protocol import Frame, FrameType
+from test_no_stall import _arena_conns
 from test_tls import _cert, _pem
 from wait_util import wait_for
 
@@ -228,20 +229,11 @@ def test_a_trickled_handout_request_is_refused_with_a_reason_at_its_deadline(mod
     assert b"no request within server.handout_timeout_s" in got and took <= 0.5 + SLACK_S, (took, got)
 
 
-def _idle(path: str, n: int) -> list[socket.socket]:
-    out = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        out.append(s)
-    return out
-
-
 def test_a_client_the_handout_turns_away_retries_and_then_fails_naming_the_cap(module_daemons):
     # Default handout_timeout_s (0.5 s): idle connections are dropped, and a client that found
     # every place of its user taken gets its arena a moment later.
     d = module_daemons(name="handout-retry")
-    idle = _idle(d.socket_path + ".arena", 20)
+    idle = _arena_conns(d.socket_path + ".arena", 20)
     try:
         c = KVStoreClient(d.socket_path, timeout_s=10)
         c.register(LAYOUT, MODEL)
@@ -256,7 +248,7 @@ def test_a_client_the_handout_turns_away_retries_and_then_fails_naming_the_cap(m
     # A daemon that waits long for requests (30 s): the idle connections stay, and a client
     # with a 1.5 s timeout fails with the daemon's reason, not a broken pipe.
     slow = module_daemons("--server-handout-timeout-s", "30", name="handout-slow")
-    idle = _idle(slow.socket_path + ".arena", 8)
+    idle = _arena_conns(slow.socket_path + ".arena", 8)
     try:
         c = KVStoreClient(slow.socket_path, timeout_s=1.5)
         with pytest.raises(KVStoreError) as e:
