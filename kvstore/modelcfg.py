@@ -7,6 +7,12 @@ elements per token and layer. Parameter counts follow the Llama / Mistral / Mixt
 DeepSeek-V2/V3 module structure; other architectures still size their KV correctly, and
 ``plan --params`` overrides the count.
 
+Hybrid models name each layer's kind: ``layer_types`` (``full_attention``, ``sliding_attention``,
+``linear_attention``: Gemma-3, gpt-oss, Qwen3-Next), or Gemma-3's older ``sliding_window_pattern``
+and Qwen3-Next's ``full_attention_interval``. Windowed layers keep KV for ``sliding_window``
+tokens only; linear-attention (gated delta net) layers keep a fixed-size state per sequence
+instead of KV per token, so the KV layout holds the attention layers only.
+
 Presets are HF-style config files shipped in ``kvstore/presets/<name>.json``.
 """
 
@@ -75,6 +81,42 @@ class ModelConfig:
     shared_experts: int = 0
     first_dense_layers: int = 0
     moe_layer_freq: int = 1
+    layer_kinds: tuple[str, ...] = ()  # per layer, LAYER_KINDS; (): every layer full attention
+    sliding_window: int = 0            # tokens a "sliding" layer attends to
+    linear_num_key_heads: int = 0      # linear-attention (gated delta net) layers' state shape
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+
+    # -- layer kinds ---------------------------------------------------------------------------
+
+    def layers_of(self, kind: str) -> int:
+        """How many layers are of ``kind`` (``full``, ``sliding`` or ``linear``)."""
+        if not self.layer_kinds:
+            return self.num_layers if kind == "full" else 0
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(k != "full" for k in self.layer_kinds)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep KV per token (full and sliding-window attention)."""
+        return self.num_layers - self.layers_of("linear")
+
+    def state_bytes_per_layer(self, tp: int = 1) -> int:
+        """One linear-attention layer's state per sequence on one GPU of a TP group, as vLLM
+        keeps it: the causal-conv window over q, k and v (``conv_kernel - 1`` positions, model
+        dtype) and the delta-net state (value heads x key dim x value dim, fp32). Heads split
+        over the group."""
+        if not self.layers_of("linear"):
+            return 0
+        kh, vh = self.linear_num_key_heads // tp or 1, self.linear_num_value_heads // tp or 1
+        conv_dim = 2 * kh * self.linear_key_head_dim + vh * self.linear_value_head_dim
+        conv = max(self.linear_conv_kernel_dim - 1, 0) * conv_dim * self.weight_dtype.bits // 8
+        return conv + vh * self.linear_key_head_dim * self.linear_value_head_dim * 4
 
     @property
     def is_mla(self) -> bool:
@@ -119,11 +161,11 @@ class ModelConfig:
     def _layout(self, dtype: DType | str, block_tokens: int, kv_heads: int) -> KVLayout:
         dt = dtype if isinstance(dtype, DType) else DType.parse(dtype)
         if self.is_mla:
-            return KVLayout(num_layers=self.num_layers, dtype=dt, kind=AttnKind.MLA,
+            return KVLayout(num_layers=self.kv_layers, dtype=dt, kind=AttnKind.MLA,
                             block_tokens=block_tokens, kv_lora_rank=self.kv_lora_rank,
                             qk_rope_head_dim=self.qk_rope_head_dim)
         kind = self.kind if kv_heads == self.num_kv_heads else (AttnKind.MQA if kv_heads == 1 else AttnKind.GQA)
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=self.head_dim,
+        return KVLayout(num_layers=self.kv_layers, num_kv_heads=kv_heads, head_dim=self.head_dim,
                         dtype=dt, kind=kind, block_tokens=block_tokens)
 
     @property
@@ -138,7 +180,7 @@ class ModelConfig:
         """Bytes per token the same model would store as full MHA: K and V for every attention
         head in every layer (for MLA, the decompressed per-head K and V). Used for GQA/MLA saving."""
         dt = dtype if isinstance(dtype, DType) else DType.parse(dtype)
-        elements = self.num_heads * (self.qk_head_dim + self.attn_v_head_dim) * self.num_layers
+        elements = self.num_heads * (self.qk_head_dim + self.attn_v_head_dim) * self.kv_layers
         return elements * dt.bits // 8
 
     def scale_bytes_per_token(self, dtype: DType | str, kv_heads: int | None = None) -> int:
@@ -148,7 +190,7 @@ class ModelConfig:
         if dt not in (DType.INT8, DType.INT4):
             return 0
         scales = 1 if self.is_mla else 2 * (self.num_kv_heads if kv_heads is None else kv_heads)
-        return scales * 2 * self.num_layers
+        return scales * 2 * self.kv_layers
 
     # -- parameters and FLOPs ------------------------------------------------------------------
 
@@ -202,9 +244,37 @@ class ModelConfig:
     def attn_flops_per_pair(self) -> int:
         """FLOPs per (query, key) pair summed over layers: QK^T and attention-times-V, 2 FLOPs
         per multiply-add, over all query heads. A causal prefill of n tokens has n(n+1)/2 pairs."""
-        return 2 * self.num_heads * (self.qk_head_dim + self.attn_v_head_dim) * self.num_layers
+        return 2 * self.num_heads * (self.qk_head_dim + self.attn_v_head_dim) * self.kv_layers
 
 
+# layer_types values (HF) -> kvstore's layer kinds
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
+LAYER_KINDS = ("full", "sliding", "linear")
+
+
+def _layer_kinds(d: Mapping[str, Any], layers: int, src: str) -> tuple[str, ...]:
+    types = d.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ModelConfigError(f"layer_types: expected a list of {layers} layer types in {src}, got {types!r}")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ModelConfigError(f"layer_types: {bad[0]!r} in {src} is not a layer type kvstore knows "
+                                   f"(known: {', '.join(LAYER_TYPES)})")
+        kinds = tuple(LAYER_TYPES[t] for t in types)
+    elif d.get("sliding_window_pattern") is not None and d.get("sliding_window") is not None:
+        every = _int(d, "sliding_window_pattern", src)  # Gemma-3: every n-th layer is global
+        kinds = tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
+    elif d.get("full_attention_interval") is not None:
+        every = _int(d, "full_attention_interval", src)  # Qwen3-Next: every n-th layer is attention
+        kinds = tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
+    else:
+        return ()
+    if "sliding" in kinds:
+        _int(d, "sliding_window", src)
+    if all(k == "linear" for k in kinds):
+        raise ModelConfigError(f"layer_types: every layer of {src} is linear attention; there is no KV to store")
+    return kinds if any(k != "full" for k in kinds) else ()
 def _weight_dtype(d: Mapping[str, Any], source: str) -> DType:
     quant = d.get("quantization_config") or {}
     if isinstance(quant, Mapping) and str(quant.get("quant_method", "")).lower() == "fp8":
@@ -247,6 +317,8 @@ def from_hf(d: Mapping[str, Any], name: str = "config.json") -> ModelConfig:
     moe_inter = _int(d, "moe_intermediate_size", src, required=False)
     inter = _int(d, "intermediate_size", src, required=False)
     tie = d.get("tie_word_embeddings", False)
+    kinds = _layer_kinds(d, layers, src)
+    linear = "linear" in kinds
     return ModelConfig(
         name=str(d.get("_name_or_path") or name), num_layers=layers, hidden_size=hidden,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -269,6 +341,13 @@ def from_hf(d: Mapping[str, Any], name: str = "config.json") -> ModelConfig:
         shared_experts=_int(d, "n_shared_experts", src, required=False, minimum=0),
         first_dense_layers=_int(d, "first_k_dense_replace", src, required=False, minimum=0),
         moe_layer_freq=_int(d, "moe_layer_freq", src, required=False, default=1),
+        layer_kinds=kinds,
+        sliding_window=_int(d, "sliding_window", src, required=False) if "sliding" in kinds else 0,
+        linear_num_key_heads=_int(d, "linear_num_key_heads", src, required=linear),
+        linear_num_value_heads=_int(d, "linear_num_value_heads", src, required=linear),
+        linear_key_head_dim=_int(d, "linear_key_head_dim", src, required=linear),
+        linear_value_head_dim=_int(d, "linear_value_head_dim", src, required=linear),
+        linear_conv_kernel_dim=_int(d, "linear_conv_kernel_dim", src, required=False, default=4 if linear else 0),
     )
 
 

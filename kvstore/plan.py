@@ -235,7 +235,8 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
                           "calibration": (
                               f"{opts.prefill_tokens_per_s} tokens/s at {opts.prefill_ref_tokens} tokens"
                               if opts.prefill_tokens_per_s else f"{opts.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU x {tp}")},
-        "crossover": crossover, "disaggregated": None, "assumptions": list(ASSUMPTIONS), "warnings": [],
+        "crossover": crossover, "disaggregated": None, "hybrid": _hybrid(model, opts, tok_gpu),
+        "assumptions": list(ASSUMPTIONS), "warnings": [],
     }
     if headroom <= 0:
         report["warnings"].append(f"weights ({weights_gpu:,} B per GPU) plus overhead exceed --gpu-mem; raise --tp")
@@ -249,6 +250,30 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
                                    "bytes_per_request": shipped * tok_all, "bytes_per_s": need,
                                    "links_needed": {name: math.ceil(need / bw) for name, bw in opts.links}}
     return report
+
+
+def _hybrid(model: ModelConfig, opts: PlanOptions, tok_gpu: int) -> dict | None:
+    """Per-GPU KV of a hybrid model's request by layer kind: full layers per token, windowed
+    layers for at most ``sliding_window`` tokens (rounded up to whole blocks, plus the block a
+    window straddles, as vLLM's hybrid manager keeps them), linear-attention layers one state
+    per sequence. Against the same request when every windowed layer keeps the whole context
+    (vLLM with its hybrid manager off)."""
+    if not model.is_hybrid:
+        return None
+    bt, ctx = opts.block_tokens, opts.context_tokens
+    per_layer = tok_gpu // max(model.kv_layers, 1)          # B/token of one attention layer on one GPU
+    full, sliding, linear = (model.layers_of(k) for k in ("full", "sliding", "linear"))
+    window_tokens = min(ctx, (math.ceil(model.sliding_window / bt) + 1) * bt) if sliding else 0
+    state = model.state_bytes_per_layer(opts.tp)
+    hma = full * per_layer * ctx + sliding * per_layer * window_tokens + linear * state
+    whole = (full + sliding) * per_layer * ctx + linear * state
+    return {"full_layers": full, "sliding_layers": sliding, "linear_layers": linear,
+            "sliding_window": model.sliding_window, "kv_bytes_per_token_per_layer_per_gpu": per_layer,
+            "full_layer_bytes_per_token_per_gpu": full * per_layer,
+            "windowed_tokens_kept": window_tokens, "windowed_bytes_per_request_per_gpu": sliding * per_layer * window_tokens,
+            "state_bytes_per_layer_per_gpu": state, "state_bytes_per_request_per_gpu": linear * state,
+            "bytes_per_request_per_gpu": hma, "bytes_per_request_per_gpu_every_layer_whole": whole,
+            "saving_factor": whole / hma if hma else None}
 
 
 def _gb(n: float) -> str:
@@ -289,6 +314,20 @@ def render(r: dict) -> str:
              c["max_requests_paged"], f"   ({c['kv_blocks_per_gpu']:,} blocks of {r['block_tokens']} tokens per GPU)"),
             ("paged, shared prefix stored once", c["max_requests_paged_shared_prefix"], "")]
     out += [f"    {label:<48}{n:>8,}{note}" for label, n, note in rows if n is not None]
+    hy = r["hybrid"]
+    if hy:
+        out += ["", f"Hybrid layers per GPU for one {c['context_tokens']:,}-token request "
+                    f"({hy['full_layers']} full, {hy['sliding_layers']} sliding-window, {hy['linear_layers']} linear-attention)",
+                f"  full attention             {hy['full_layer_bytes_per_token_per_gpu']:,} B/token "
+                f"x {c['context_tokens']:,} tokens"]
+        if hy["sliding_layers"]:
+            out.append(f"  sliding window {hy['sliding_window']:<11,} {hy['windowed_bytes_per_request_per_gpu']:,} B "
+                       f"({hy['windowed_tokens_kept']:,} tokens kept x {hy['sliding_layers']} layers)")
+        if hy["linear_layers"]:
+            out.append(f"  linear-attention state     {hy['state_bytes_per_request_per_gpu']:,} B "
+                       f"({hy['state_bytes_per_layer_per_gpu']:,} B per layer, any length)")
+        out.append(f"  per request                {hy['bytes_per_request_per_gpu']:,} B; with every windowed layer "
+                   f"whole {hy['bytes_per_request_per_gpu_every_layer_whole']:,} B ({hy['saving_factor']:.2f}x)")
     out += ["", f"Prefix caching (shared prefix {p['shared_prefix_tokens']:,} tokens, "
                 f"{p['cached_tokens_per_block_boundary']:,} in whole blocks; hit rate {p['hit_rate']:g}; "
                 f"mean prompt {p['mean_prompt_tokens']:,})",

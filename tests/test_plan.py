@@ -333,3 +333,68 @@ def test_cli_list_presets_and_help(capsys):
     assert rc == 0 and "usage: kvstore plan" in out
     rc, _, err = run(capsys, "--bogus")
     assert rc == 2 and "unrecognized arguments: --bogus" in err
+
+
+# -- hybrid models: windowed and linear-attention layers -----------------------------------------
+
+GEMMA3 = dict(model_type="gemma3_text", num_hidden_layers=6, hidden_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, sliding_window=128, vocab_size=512, intermediate_size=256,
+              layer_types=["sliding_attention"] * 5 + ["full_attention"])
+QWEN3_NEXT = dict(model_type="qwen3_next", num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=512, intermediate_size=256, torch_dtype="bfloat16",
+                  layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
+
+
+def test_layer_kinds_from_layer_types_and_the_older_patterns():
+    g = from_hf(GEMMA3)
+    assert g.layer_kinds == ("sliding",) * 5 + ("full",) and g.sliding_window == 128 and g.kv_layers == 6
+    older = {k: v for k, v in GEMMA3.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
+    assert from_hf(older).layer_kinds == ("sliding", "sliding", "full") * 2
+    q = from_hf(QWEN3_NEXT)
+    assert q.layers_of("linear") == 3 and q.kv_layers == 1
+    # the KV layout holds the attention layers only: 1 layer x 2 heads x 32 x K,V x 2 bytes
+    assert q.layout("bf16", 32).bytes_per_token == 1 * 2 * 32 * 2 * 2
+    interval = {k: v for k, v in QWEN3_NEXT.items() if k != "layer_types"} | {"full_attention_interval": 2}
+    assert from_hf(interval).layer_kinds == ("linear", "full") * 2
+    assert from_hf(dict(GEMMA3, layer_types=["full_attention"] * 6)).layer_kinds == ()  # not hybrid
+    # the gated delta net state as vLLM sizes it (MambaSpec shapes ((3, 256), (4, 32, 32))):
+    # conv window 3 x (2*2*32 + 4*32) bf16, state 4 x 32 x 32 fp32
+    assert q.state_bytes_per_layer() == 3 * 256 * 2 + 4 * 32 * 32 * 4
+    assert q.state_bytes_per_layer(tp=2) == 3 * (2 * 1 * 32 + 2 * 32) * 2 + 2 * 32 * 32 * 4
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["full_attention"] * 5 + ["chunked_attention"]}, "'chunked_attention'"),
+    ({"layer_types": ["full_attention"] * 5}, "list of 6"),
+    ({"sliding_window": None}, "sliding_window: missing"),
+    ({"layer_types": ["linear_attention"] * 6, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+      "linear_key_head_dim": 8, "linear_value_head_dim": 8}, "no KV to store"),
+])
+def test_bad_layer_kinds_are_named(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        from_hf({**GEMMA3, **change})
+
+
+def test_linear_layers_need_their_state_shape():
+    with pytest.raises(ModelConfigError, match="linear_key_head_dim: missing"):
+        from_hf({k: v for k, v in QWEN3_NEXT.items() if k != "linear_key_head_dim"})
+
+
+def test_plan_sizes_windowed_and_state_layers(capsys, tmp_path):
+    opts = PlanOptions(block_tokens=32, context_tokens=2048, params=10**6)
+    h = build_plan(from_hf(GEMMA3), opts)["hybrid"]
+    per_layer = 2 * 32 * 2 * 2  # B/token of one layer, bf16
+    assert (h["full_layers"], h["sliding_layers"], h["linear_layers"]) == (1, 5, 0)
+    assert h["windowed_tokens_kept"] == 160  # 128 in whole blocks, plus the block a window straddles
+    assert h["bytes_per_request_per_gpu"] == per_layer * 2048 + 5 * per_layer * 160
+    assert h["bytes_per_request_per_gpu_every_layer_whole"] == 6 * per_layer * 2048
+    assert h["saving_factor"] == pytest.approx(6 * 2048 / (2048 + 5 * 160))
+    q = build_plan(from_hf(QWEN3_NEXT), opts)["hybrid"]
+    assert q["state_bytes_per_request_per_gpu"] == 3 * from_hf(QWEN3_NEXT).state_bytes_per_layer()
+    assert build_plan(load_preset("llama-3-8b"), opts)["hybrid"] is None
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3))
+    rc, out, _ = run(capsys, "--config", str(path), "--context", "2048", "--block-tokens", "32", "--params", "1000000")
+    assert rc == 0 and "5 sliding-window" in out and f"{h['bytes_per_request_per_gpu']:,} B" in out
+
