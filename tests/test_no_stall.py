@@ -52,10 +52,9 @@ def test_awaits_whose_client_gave_up_leave_workers_for_stats(tmp_path):
                 waits = [pool.submit(_await, stub, c.session_id, keys, 300.0, 1.0) for _ in range(16)]
                 [w.result() for w in waits]
                 gave_up = time.monotonic() - t0
-            t1 = time.monotonic()
-            st = stub.Stats(pb.StatsRequest(), timeout=2.0)
-            assert st is not None and time.monotonic() - t1 < 1.0
-            assert gave_up < 5.0
+            st = stub.Stats(pb.StatsRequest(), timeout=5.0)  # the waits asked for 300 s
+            assert st is not None
+            assert gave_up < 30.0  # the clients gave up after 1 s, the waits asked for 300
             ch.close()
     finally:
         stop_all(d)
@@ -80,7 +79,7 @@ def test_waits_over_the_bound_are_refused_at_once_and_a_cancelled_wait_frees_its
             time.sleep(0.2)
             code, msg = _await(stub, b.session_id, keys, 30.0, 30.0)  # the fourth in all
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in all" in msg
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < 10.0  # refused, not held for the waits' 30 s
             # Other calls still answer, and a cancelled wait gives its place back promptly.
             stub.Stats(pb.StatsRequest(), timeout=2.0)
             held[0].cancel()
@@ -116,17 +115,30 @@ def _answer(s: socket.socket, timeout_s: float) -> bytes:
     return got
 
 
+def _still_open(s: socket.socket) -> bool:
+    """True while the daemon has neither written to nor closed ``s``."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
 def test_idle_arena_connections_do_not_block_a_registration(tmp_path):
-    d = start_daemon(tmp_path, "--dram-prefault", "false")
+    # The idle connections are held for 6 s; a registration that queued behind them would find
+    # them already dropped. No wall-clock bound: the proof is that they are still pending.
+    d = start_daemon(tmp_path, "--dram-prefault", "false", "--server-handout-timeout-s", "6")
     idle = _arena_conns(d.socket_path + ".arena", 6)  # under the per-user cap (8)
     try:
-        t0 = time.monotonic()
         with KVStoreClient(d.socket_path) as c:
             c.register(LAYOUT, "stall")  # maps the arena through the handout
             assert c.arena is not None
-        assert time.monotonic() - t0 < 1.0
+        assert all(_still_open(s) for s in idle), "the registration waited for idle connections"
         for s in idle:  # each idle connection is dropped at its deadline, told why
-            assert b"no request within server.handout_timeout_s" in _answer(s, 3.0)
+            assert b"no request within server.handout_timeout_s" in _answer(s, 15.0)
     finally:
         for s in idle:
             s.close()
@@ -262,9 +274,7 @@ def test_prefetch_waits_whose_client_gave_up_leave_workers_for_stats(tmp_path):
 
             with ThreadPoolExecutor(8) as pool:
                 codes = list(pool.map(status, range(8)))
-            t1 = time.monotonic()
-            stub.Stats(pb.StatsRequest(), timeout=2.0)
-            assert time.monotonic() - t1 < 1.0
+            stub.Stats(pb.StatsRequest(), timeout=5.0)  # answers while the statuses wait 30 s
             assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes  # 2 of 4 workers may wait
             lease.abort()
             ch.close()
