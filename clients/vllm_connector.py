@@ -55,10 +55,12 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_events import KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                              KVConnectorTransferResults, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.clients.vllm_hybrid import HybridScheduler, HybridWorker, IdleWorker, Refused, ReuseOff, hybrid_sides
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata
 from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link, kv_layout,
                                         tp_rank)
@@ -68,9 +70,11 @@ from kvstore.keys import Namespace
 log = logging.getLogger("kvstore.vllm")
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector backed by a kvstore daemon on this node (see module docstring).
-    A subclass may name its own sides (``scheduler_class``, ``worker_class``)."""
+    A subclass may name its own sides (``scheduler_class``, ``worker_class``). Models of
+    several KV cache groups (vLLM's hybrid KV cache manager stays on) run on
+    :mod:`kvstore.clients.vllm_hybrid`'s sides instead."""
 
     scheduler_class = ConnectorScheduler
     worker_class = ConnectorWorker
@@ -97,9 +101,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.layout = kv_layout(vllm_config, bt)
         model_id = s.model_id or str(getattr(vllm_config.model_config, "model", "model"))
         tp_world = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
-        self.link = Link(s, self.layout, model_id, 0 if scheduler_side else tp_rank(s), tp_world)
+        rank = 0 if scheduler_side else tp_rank(s)
         self._scheduler: ConnectorScheduler | None = None
-        self._worker: ConnectorWorker | None = None
+        self._worker: ConnectorWorker | HybridWorker | IdleWorker | None = None
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            self._init_hybrid(vllm_config, kv_cache_config, model_id, rank, tp_world, bt, scheduler_side)
+            return
+        self.link = Link(s, self.layout, model_id, rank, tp_world)
+        self.links = [self.link]
         if scheduler_side:
             self._scheduler = self.scheduler_class(s, self.link, bt, bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer))
         else:
@@ -107,6 +116,28 @@ class KVStoreConnector(KVConnectorBase_V1):
             root0 = Namespace(model_id, self.layout, 0, tp_world, s.tenant_salt).root
             self._worker = self.worker_class(vllm_config, kv_cache_config, s, self.link, self.layout, bt, block_size,
                                              root0)
+
+    def _init_hybrid(self, vllm_config, kv_cache_config, model_id: str, rank: int, tp_world: int, bt: int,
+                     scheduler_side: bool) -> None:
+        """Sides for several KV cache groups, one session each; a model kvstore cannot restore
+        exactly runs as plain vLLM, said once at start-up (by the scheduler's connector)."""
+        s, ktc = self.settings, vllm_config.kv_transfer_config
+        try:
+            groups, self.links, layouts, roots = hybrid_sides(vllm_config, kv_cache_config, s, self.layout,
+                                                              model_id, rank, tp_world)
+        except Refused as e:
+            if scheduler_side:
+                log.warning("kvstore: prefix reuse is off for %s: %s; the engine runs as plain vLLM (no lookups, "
+                            "no saves)", model_id, e)
+            self.links, self.link = [], None
+            self._scheduler = ReuseOff(s, None, bt, False, False) if scheduler_side else None
+            self._worker = None if scheduler_side else IdleWorker()
+            return
+        self.link = self.links[0]
+        if scheduler_side:
+            self._scheduler = HybridScheduler(s, self.links, bt, bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer))
+        else:
+            self._worker = HybridWorker(vllm_config, kv_cache_config, s, groups, self.links, layouts, bt, roots)
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -157,6 +188,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: every group's blocks (saves are committed inside
+        their steps, so none of them is held)."""
+        return self.scheduler.request_finished(request, block_ids[0] if block_ids else [])
+
     # ==== worker side: ConnectorWorker ============================================================
     def _step_meta(self) -> KVStoreConnectorMetadata | None:
         return self._get_connector_metadata() if self.has_connector_metadata() else None
@@ -179,6 +215,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        w = self.worker
+        if isinstance(w, ConnectorWorker):
+            return super().get_transfer_results(finished_req_ids)
+        return w.get_transfer_results(finished_req_ids)  # several groups: failures by request
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
@@ -193,7 +235,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        self.link.close()
+        for link in self.links:
+            link.close()
 
 
 __all__ = ["BlockSpan", "ConnectorScheduler", "ConnectorSettings", "ConnectorWorker", "KVStoreConnector",

@@ -57,7 +57,8 @@ class PullFetcher:
         self._jobs: dict[str, tuple[Future, KVStoreClient]] = {}
 
     def submit(self, req_id: str, client: KVStoreClient, keys: list[bytes], start: int, holder: str) -> None:
-        """Pull ``keys`` (a chain from its first block) from ``holder`` and pin ``keys[start:]``."""
+        """Pull ``keys`` (a chain from its first block) from ``holder`` and pin ``keys[start:]``;
+        ``holder`` "": the blocks are this node's (a hybrid model's asynchronous load), pin only."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvstore-pull")
         job = self._pool.submit(self._fetch, req_id, client, client.session_id, keys, start, holder)
@@ -77,16 +78,7 @@ class PullFetcher:
 
     def _fetch(self, req_id: str, client: KVStoreClient, session: bytes, keys: list[bytes], start: int,
                holder: str) -> Fetched:
-        why, pulled = "", 0
-        try:
-            # The daemon answers a miss within pull_timeout_s (its Pull's gRPC deadline is a
-            # little later), so the job ends within that plus the pin below.
-            r = client.pull(keys, holder, self.pull_timeout_s)
-            pulled = r.pulled
-            if r.blocks < len(keys):
-                why = f"{r.blocks} of {len(keys)} blocks here after the pull: {r.detail or 'no holder had more'}"
-        except (KVStoreError, ValueError) as e:  # ValueError: the worker closed the client (daemon lost)
-            why = f"pull failed: {e}"  # what is here is still loaded, the rest recomputed
+        why, pulled = self._pull(client, keys, holder) if holder else ("", 0)
         try:
             resp = client.stub.Acquire(pb.AcquireRequest(session_id=session, keys=pack(keys[start:]), allow_partial=True,
                                                          wait_s=self.load_wait_s),
@@ -94,6 +86,18 @@ class PullFetcher:
         except (grpc.RpcError, ValueError) as e:
             return Fetched(req_id, client, None, pulled, f"{why}; pin failed: {e}".lstrip("; "))
         return Fetched(req_id, client, ReadLease(client, resp), pulled, why)
+
+    def _pull(self, client: KVStoreClient, keys: list[bytes], holder: str) -> tuple[str, int]:
+        """Pull ``keys`` from ``holder``: why some are missing ("" when none is), blocks pulled."""
+        try:
+            # The daemon answers a miss within pull_timeout_s (its Pull's gRPC deadline is a
+            # little later), so the job ends within that plus the pin.
+            r = client.pull(keys, holder, self.pull_timeout_s)
+        except (KVStoreError, ValueError) as e:  # ValueError: the worker closed the client (daemon lost)
+            return f"pull failed: {e}", 0  # what is here is still loaded, the rest recomputed
+        if r.blocks < len(keys):
+            return f"{r.blocks} of {len(keys)} blocks here after the pull: {r.detail or 'no holder had more'}", r.pulled
+        return "", r.pulled
 
     def close(self) -> None:
         """Stop taking jobs; those running end within their deadlines (their leases end with

