@@ -38,7 +38,9 @@ meanwhile the engine runs as if it had no connector.
 
 Keys and block sizes: kvstore keys full blocks of ``block_tokens`` tokens (default: vLLM's
 ``block_size``); loads start at a kvstore block boundary. The scheduler looks keys up in TP rank
-0's namespace; every rank stores the same token blocks in its own namespace.
+0's namespace; every rank stores the same token blocks in its own namespace, except for MLA,
+whose latent every rank holds whole: one namespace (TP=1's), written by rank 0, read by all.
+Models of several KV cache groups (vLLM's hybrid KV cache manager): :mod:`kvstore.clients.vllm_hybrid`.
 
 The two sides live in their own modules: :class:`~kvstore.clients.vllm_scheduler.ConnectorScheduler`
 and :class:`~kvstore.clients.vllm_worker.ConnectorWorker`; this class builds the one its role
@@ -66,18 +68,21 @@ from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats
                                         tp_rank)
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
+from kvstore.layout import AttnKind
 
 log = logging.getLogger("kvstore.vllm")
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector backed by a kvstore daemon on this node (see module docstring).
-    A subclass may name its own sides (``scheduler_class``, ``worker_class``). Models of
+    A subclass may name its own sides (``scheduler_class``, ``worker_class``,
+    ``hybrid_worker_class``). Models of
     several KV cache groups (vLLM's hybrid KV cache manager stays on) run on
     :mod:`kvstore.clients.vllm_hybrid`'s sides instead."""
 
     scheduler_class = ConnectorScheduler
     worker_class = ConnectorWorker
+    hybrid_worker_class = HybridWorker  # the worker side for several KV cache groups
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -102,6 +107,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         model_id = s.model_id or str(getattr(vllm_config.model_config, "model", "model"))
         tp_world = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
         rank = 0 if scheduler_side else tp_rank(s)
+        if self.layout.kind is AttnKind.MLA:
+            # The latent is the same on every rank: one copy, under TP=1's namespace, written by
+            # rank 0 and read by all (so engines of every TP size share it).
+            rank, tp_world, self.writes = 0, 1, rank == 0
+        else:
+            self.writes = True
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | HybridWorker | IdleWorker | None = None
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -110,12 +121,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.link = Link(s, self.layout, model_id, rank, tp_world)
         self.links = [self.link]
         if scheduler_side:
-            self._scheduler = self.scheduler_class(s, self.link, bt, bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer))
+            can_load = bool(ktc.is_kv_consumer) and not _prefill_ignores_context(vllm_config, model_id)
+            self._scheduler = self.scheduler_class(s, self.link, bt, can_load, bool(ktc.is_kv_producer))
         else:
             # The scheduler looks keys up in rank 0's namespace; events name blocks by those keys.
             root0 = Namespace(model_id, self.layout, 0, tp_world, s.tenant_salt).root
             self._worker = self.worker_class(vllm_config, kv_cache_config, s, self.link, self.layout, bt, block_size,
-                                             root0)
+                                             root0, writes=self.writes)
 
     def _init_hybrid(self, vllm_config, kv_cache_config, model_id: str, rank: int, tp_world: int, bt: int,
                      scheduler_side: bool) -> None:
@@ -137,7 +149,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if scheduler_side:
             self._scheduler = HybridScheduler(s, self.links, bt, bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer))
         else:
-            self._worker = HybridWorker(vllm_config, kv_cache_config, s, groups, self.links, layouts, bt, roots)
+            self._worker = self.hybrid_worker_class(vllm_config, kv_cache_config, s, groups, self.links, layouts, bt, roots)
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -237,6 +249,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         for link in self.links:
             link.close()
+
+
+def _prefill_ignores_context(vllm_config, model_id: str) -> bool:
+    """True where the engine's prefill cannot attend to a prefix it did not compute in the same
+    pass: vLLM's CPU MLA (without AMX) runs prefill over the new tokens alone, which is why vLLM
+    turns its own prefix caching and chunked prefill off there. A loaded prefix would be
+    ignored and the output wrong, so the connector loads nothing there (it still stores the
+    engine's blocks for engines that can load them), and says so once."""
+    from vllm.platforms import current_platform
+
+    mc = vllm_config.model_config
+    if not (getattr(mc, "use_mla", False) and current_platform.is_cpu()
+            and not vllm_config.cache_config.enable_prefix_caching):
+        return False
+    log.warning("kvstore: %s: vLLM's CPU MLA prefill does not attend to a cached prefix (vLLM turned its "
+                "own prefix caching off for it); kvstore stores this engine's blocks and loads none here", model_id)
+    return True
 
 
 __all__ = ["BlockSpan", "ConnectorScheduler", "ConnectorSettings", "ConnectorWorker", "KVStoreConnector",

@@ -28,6 +28,7 @@ from kvstore.clients.vllm_pull import PullFetcher
 from kvstore.clients.vllm_scheduler import BlockSpan, KVStoreConnectorMetadata
 from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
 from kvstore.keys import chain_keys
+from kvstore.tiers.hbm_paged import wait_events
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.vllm")
@@ -37,13 +38,15 @@ class ConnectorWorker:
     """One TP rank's half of :class:`~kvstore.clients.vllm_connector.KVStoreConnector`, over
     this rank's session (``link``). ``bt``: tokens per kvstore block, ``block_size``: vLLM's;
     ``event_root``: the namespace root whose keys name blocks in KV events (TP rank 0's, the
-    one the scheduler looks up)."""
+    one the scheduler looks up); ``writes``: False on a rank whose KV another rank stores (MLA:
+    the latent is the same on every rank, rank 0 writes it)."""
 
     def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings, link: Link, layout: KVLayout,
-                 bt: int, block_size: int, event_root: bytes) -> None:
+                 bt: int, block_size: int, event_root: bytes, writes: bool = True) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.settings, self.link, self.layout = settings, link, layout
         self.bt, self.block_size, self.event_root = bt, block_size, event_root
+        self.writes = writes
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._pages: list = []
@@ -172,12 +175,14 @@ class ConnectorWorker:
             raise
         return h
 
-    @staticmethod
-    def _issue_load(path: GpuKVPath, h: LoadHandle) -> None:
+    def _issue_load(self, path: GpuKVPath, h: LoadHandle) -> None:
         if path.emulated:
             # CPU caches: a copy thread per layer only competes with the forward for the cores
             # (and the GIL); one bulk copy before the forward costs less than it could hide.
-            h.load_all()
+            # Waited for here: vLLM's CPU MLA layers call their attention directly, without
+            # ``wait_for_layer_load`` (its hook is on the custom-op path only).
+            if not wait_events(h.load_all(), self.settings.load_wait_s):
+                raise TimeoutError(f"load copies not done within {self.settings.load_wait_s} s")
         else:
             for l in range(h.path.layout.num_layers):  # layer l+1 crosses the bus while layer l computes
                 h.load_layer(l)
@@ -279,7 +284,7 @@ class ConnectorWorker:
         if self._saves is not None:
             return self._saves
         self._saves = []
-        path = self._ensure_path() if meta is not None and meta.saves else None
+        path = self._ensure_path() if meta is not None and meta.saves and self.writes else None
         for span in (meta.saves if path is not None else ()):
             keys = path.client.keys(span.token_ids)
             try:

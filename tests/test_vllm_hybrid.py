@@ -4,12 +4,13 @@ a prefix only as far as every group holds it, and generates exactly what plain v
 
 Models: tiny seeded random Gemma-3 (5 sliding-window layers of a 128-token window, 1 global)
 and Qwen3-Next (3 gated-delta-net layers, 1 full-attention), saved at test time
-(:func:`kvstore.bench.vllm_engine.save_hybrid`). Every engine is a process of its own, so a hit
+(:func:`kvstore.bench.vllm_engine.save_family`). Every engine is a process of its own, so a hit
 in a new one can only come from kvstore.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_hybrid  # noqa: E402
+from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.vllm_scheduler import BlockSpan  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
@@ -38,16 +39,18 @@ SYSTEM = tokens(260, seed=11)
 P1 = SYSTEM + tokens(60, seed=12)     # 320 tokens: 9 blocks loadable, 2.5 windows long
 P2 = SYSTEM + tokens(40, seed=13)     # shares 8 blocks with P1
 P3 = tokens(290, seed=14)             # one group's blocks deleted: a miss
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
+P4 = tokens(300, seed=15)             # its load fails in one group: recomputed whole
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
+TESTS = Path(__file__).resolve().parent
 
 
 def loadable(p: list[int]) -> int:
     return (len(p) - 1) // BT * BT
 
 
-def connector(sock: str, **extra) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
-            "kv_role": "kv_both",
+def connector(sock: str, module: str = "kvstore.clients.vllm_connector", name: str = "KVStoreConnector",
+              **extra) -> dict:
+    return {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both",
             "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": GEMMA, **extra}}
 
 
@@ -66,7 +69,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> str:
-    return str(save_hybrid(tmp_path_factory.mktemp("gemma3"), "gemma3"))
+    return str(save_family(tmp_path_factory.mktemp("gemma3"), "gemma3"))
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +87,17 @@ def engines(gemma, workdir, daemon):
     """Plain vLLM (the reference: no connector, no prefix cache), a writer (chunked prefill:
     saves land chunk by chunk), a reader (vLLM's engine-core process, as `vllm serve` runs it)
     and "fresh", for the daemon restarted on the NVMe directory (it starts before that daemon:
-    the connector finds it at the first request)."""
+    the connector finds it at the first request). The reader records each group's load span
+    and fails P4's load in group 0 (tests/vllm_faults.py)."""
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "KVSTORE_TEST_LOAD_LOG": str(workdir / "loads.log"),
+           "KVSTORE_TEST_FAIL_PREFIX": ",".join(map(str, P4[:8])), "KVSTORE_TEST_FAIL_GROUP": "0"}
+    recording = connector(daemon.socket_path, module="vllm_faults", name="RecordingHybridConnector")
     es = EngineProc.start_all([
         (EngineSpec(gemma, prefix_caching=False), workdir / "plain.log"),
         (EngineSpec(gemma, kv_transfer=connector(daemon.socket_path), max_num_batched_tokens=64),
          workdir / "writer.log"),
-        (EngineSpec(gemma, kv_transfer=connector(daemon.socket_path), multiprocessing=True), workdir / "reader.log"),
+        (EngineSpec(gemma, kv_transfer=recording, multiprocessing=True, env=env), workdir / "reader.log"),
         (EngineSpec(gemma, kv_transfer=connector(str(workdir / "restarted.sock"), reconnect_s=0.5)),
          workdir / "fresh.log")])
     yield dict(zip(("plain", "writer", "reader", "fresh"), es))
@@ -109,7 +117,12 @@ def test_gemma3_keeps_vllms_hybrid_manager_on(engines):
     assert engines["writer"].call(op="config")["prefix_caching"] is True
 
 
-def test_gemma3_prefix_from_dram_in_a_fresh_engine(engines, ref, daemon):
+def loads(workdir: Path) -> list[list[str]]:
+    path = workdir / "loads.log"
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_gemma3_prefix_from_dram_in_a_fresh_engine(engines, ref, daemon, workdir):
     same(engines["writer"].generate([P1])["results"][0], ref["P1"])
     ns = namespaces(daemon.socket_path)
     groups = sorted(m for m in ns if m.startswith(GEMMA + "#kv-group:"))
@@ -120,6 +133,14 @@ def test_gemma3_prefix_from_dram_in_a_fresh_engine(engines, ref, daemon):
     got = engines["reader"].generate([P1])["results"][0]
     assert got["cached_tokens"] == loadable(P1)
     same(got, ref["P1"])
+    # What each group loaded: the global layer every block, each windowed layer the blocks its
+    # 128-token window needs for the token after the hit (blocks 5-8 of 0-8).
+    kind = {int(g.rsplit(":", 1)[1]): g.split(":")[1] for g in groups}
+    spans = {kind[int(g)]: set() for _, g, *_ in loads(workdir)}
+    for _, g, start, end in loads(workdir):
+        spans[kind[int(g)]].add((int(start), int(end)))
+    n = loadable(P1) // BT
+    assert spans == {"full": {(0, n)}, "sliding": {(n - WINDOW // BT, n)}}
     # A prompt sharing a prefix: the shared blocks load, the rest is computed and saved.
     got = engines["reader"].generate([P2])["results"][0]
     assert got["cached_tokens"] == (len(SYSTEM) // BT) * BT
@@ -135,6 +156,13 @@ def test_a_prefix_one_group_lost_is_a_miss(engines, ref, daemon):
     got = engines["reader"].generate([P3])["results"][0]
     assert got["cached_tokens"] == 0  # nothing loaded: not the other groups' blocks alone
     same(got, ref["P3"])
+
+
+def test_a_load_one_group_failed_is_recomputed_whole(engines, ref, workdir):
+    same(engines["writer"].generate([P4])["results"][0], ref["P4"])
+    got = engines["reader"].generate([P4])["results"][0]
+    assert [line for line in loads(workdir) if line[-1] == "failed"]  # the fault fired
+    same(got, ref["P4"])  # vLLM recomputed the prompt: no group's KV was used alone
 
 
 def test_gemma3_prefix_from_nvme_after_a_daemon_restart(engines, ref, daemon, daemons, nvme, workdir):
@@ -170,7 +198,7 @@ def test_a_sliding_group_loads_only_the_blocks_its_window_holds():
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> str:
-    return str(save_hybrid(tmp_path_factory.mktemp("qwen3next"), "qwen3-next"))
+    return str(save_family(tmp_path_factory.mktemp("qwen3next"), "qwen3-next"))
 
 
 def test_qwen3_next_starts_with_hma_on_and_caches_nothing_it_cannot_restore(qwen3_next, workdir, module_daemons):

