@@ -46,6 +46,14 @@ class PageFormat:
     ``[layers, 2, page, heads, head_dim]`` (MLA: ``[layers, page, latent + rope]``)."""
 
     def __init__(self, pool, kv_dtype: str | None = None) -> None:
+        kinds = {c.__name__ for c in type(pool).__mro__}
+        if not kinds & {"MHATokenToKVPoolHost", "MLATokenToKVPoolHost"}:
+            # A hybrid model's HostPoolGroup (sliding-window, Mamba state or DSA indexer pools
+            # beside the KV pool), a K-only pool, ...: stored in part it would be served wrong.
+            raise EngineTierConfigError(f"kvstore: SGLang host pool {type(pool).__name__} is not supported: kvstore "
+                                        "stores models with one MHA or MLA KV pool (hybrid models' pool groups, "
+                                        "with sliding-window, Mamba state or indexer pools, are refused, not stored "
+                                        "in part)")
         self.pool, self.kind = pool, pool.layout
         what = f"{type(pool).__name__} (layout {pool.layout})"
         dtype = _DTYPES.get(pool.dtype)

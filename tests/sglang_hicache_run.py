@@ -62,9 +62,10 @@ import torch  # noqa: E402
 
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
@@ -182,6 +183,15 @@ def main(socket_path: str, workdir: str) -> dict:
     canon = [a.host.get_data_page(int(src[p]), flat=False).permute(2, 0, 1, 3, 4) for p in range(0, len(toks), PAGE)]
     other = [b.host.get_data_page(int(dst_b[p]), flat=False).permute(1, 0, 2, 3, 4) for p in range(0, len(toks), PAGE)]
     out["other_layout_exact"] = all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(canon, other))
+    # A hybrid model's host pool group (here: a KV pool and a sliding-window pool) is refused
+    # at attach, naming it, not stored in part.
+    group = HostPoolGroup([PoolEntry(PoolName.KV, a.host, None, lambda l: l, True),
+                           PoolEntry(PoolName.SWA, b.host, None, lambda l: l)])
+    try:
+        type(a.backend)(a.backend.storage_config, {}).register_mem_pool_host(group)
+        out["hybrid_refused"] = ""
+    except EngineTierConfigError as e:
+        out["hybrid_refused"] = str(e)
     # A prefix of the chain is found, a longer prompt loads only what is stored.
     found_l, loaded_l, _ = a.prefetch(toks + tokens_of(9, 3 * PAGE))
     out["longer_found"], out["longer_loaded"] = found_l, loaded_l

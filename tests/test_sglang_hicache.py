@@ -45,6 +45,11 @@ def test_pages_are_canonical_across_host_layouts(run):
     assert run["other_layout_loaded"] == 6 * PAGE and run["other_layout_exact"]
 
 
+def test_hybrid_pool_group_is_refused_naming_it(run):
+    # a hybrid model's HostPoolGroup (KV + sliding-window pools) is refused at attach, not stored in part
+    assert "HostPoolGroup" in run["hybrid_refused"] and "refused" in run["hybrid_refused"]
+
+
 def test_mla_pages_round_trip(run):
     assert run["mla_layout"]["kind"] == "mla" and run["mla_layout"]["kv_lora_rank"] == 16
     assert run["mla"] == {"written": 3 * PAGE, "found": 3 * PAGE, "loaded": 3 * PAGE, "exact": True}
