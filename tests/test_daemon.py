@@ -98,8 +98,10 @@ def _hold_leases_and_die(sock: str, ready) -> None:
     time.sleep(60)
 
 
-def test_sigkilled_client_leaks_nothing_after_ttl(daemons):
-    # The TTL must outlast the checks made before the kill (spawned child, new client, stats).
+def test_a_stopped_client_leaks_nothing_after_the_lease_ttl(daemons):
+    # A client that hangs (SIGSTOP: alive, so its session stays, but silent) loses its leases at
+    # their TTL; one that exits loses them at once (test_sessions.py). The TTL must outlast the
+    # checks made before the stop (spawned child, new client, stats).
     d = daemons("--server-lease-ttl-s", "5", "--server-reaper-interval-s", "0.1")
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -110,9 +112,10 @@ def test_sigkilled_client_leaks_nothing_after_ttl(daemons):
     c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
     dram = c.stats().tiers[0]
     assert dram.blocks == 4  # 2 reserved + 2 committed
+    os.kill(p.pid, signal.SIGSTOP)
+    wait_for(lambda: c.stats().counters["leases"] == 0, 30, "the silent client's leases to expire")
     os.kill(p.pid, signal.SIGKILL)
     p.join()
-    wait_for(lambda: c.stats().counters["leases"] == 0, 30, "the dead client's leases to expire")
     st = c.stats()
     assert st.counters["leases"] == 0
     assert st.tiers[0].blocks == 2  # reserved slots freed, committed blocks kept

@@ -13,6 +13,7 @@ import time
 
 from kvstore.config import ServerConfig
 from kvstore.daemon.core import Core
+from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.tiers.arena import Arena, send_fd, send_refusal
 
 log = logging.getLogger("kvstore.daemon.handout")
@@ -28,8 +29,10 @@ class ArenaHandout:
     one uid may have at most ``server.handout_per_user`` open (more are closed at once), so a
     user can only ever stall its own handouts."""
 
-    def __init__(self, path: str, cfg: ServerConfig, arena: Arena, core: Core, hbm_cache=None) -> None:
+    def __init__(self, path: str, cfg: ServerConfig, arena: Arena, core: Core, hbm_cache=None,
+                 peers: PeerWatch | None = None) -> None:
         self.path = path
+        self.peers = peers  # the process that asks for a session's memory is watched: its exit ends it
         self.cfg = cfg
         self.arena = arena
         self.core = core
@@ -93,6 +96,8 @@ class ArenaHandout:
                 sid, what = req[:16], req[16:]
                 with self.core.lock:
                     known = sid in self.core.sessions
+                    if known and self.peers is not None:
+                        self.peers.watch(sid, conn)
                 if not known:
                     send_refusal(conn, "unknown or expired session (register again)", retryable=False)
                 elif what == b"H":

@@ -39,6 +39,7 @@ from kvstore.config import ARENA_SUFFIX, EVENTS_EXTRA, Config
 from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.fleet import Fleet
 from kvstore.daemon.handout import ArenaHandout
+from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
 from kvstore.daemon.remote import LinkMeter
@@ -154,7 +155,9 @@ class Daemon:
             self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
             self.link_meter = LinkMeter(cfg.cluster, self.cluster_metrics) if cfg.cluster.etcd_endpoints else None
             self.nvme_error = nvme_error
-            self.handout = ArenaHandout(self.arena_socket, cfg.server, self.arena, self.core, self.hbm_cache)
+            self.peers = PeerWatch(self.core)
+            self.handout = ArenaHandout(self.arena_socket, cfg.server, self.arena, self.core, self.hbm_cache,
+                                        self.peers)
         except BaseException:  # a part that opened (NVMe's lock and LMDB, the pinned arena) is let go
             self._close_tiers()
             raise
@@ -278,6 +281,7 @@ class Daemon:
 
     def _remove_sockets(self) -> None:
         self.handout.stop()
+        self.peers.stop()
         try:
             os.unlink(self.socket_path)
         except OSError:
@@ -306,6 +310,7 @@ class Daemon:
             if not self.server.add_insecure_port(f"unix:{self.socket_path}"):
                 raise StartupError(f"server.socket_path: cannot bind {self.socket_path}")
             self.handout.start()
+            self.peers.start()
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, cfg.server.socket_mode)

@@ -38,8 +38,9 @@ class Metrics:
         self.lease_expiries = Counter("kvstore_lease_expiries", "Leases reclaimed after their TTL", ["kind"], registry=r)
         self.leases_active = Gauge("kvstore_leases_active", "Open leases", ["kind"], registry=r)
         self.sessions = Gauge("kvstore_sessions", "Registered client sessions", registry=r)
-        self.session_ends = Counter("kvstore_session_ends", "Sessions ended: closed by their client, or expired "
-                                    "after server.session_ttl_s without a call (a worker that died)", ["reason"], registry=r)
+        self.session_ends = Counter("kvstore_session_ends", "Sessions ended: closed by their client, exited with "
+                                    "their client's process, or expired after server.session_ttl_s without a call "
+                                    "(a worker that hangs or cannot be watched)", ["reason"], registry=r)
         self.namespaces = Gauge("kvstore_namespaces", "Namespaces with state in the daemon", registry=r)
         self.rejections = Counter("kvstore_rejected_requests", "Requests refused, by gRPC status", ["method", "code"], registry=r)
         self.rpc_latency = Histogram("kvstore_rpc_latency_seconds", "Server-side RPC latency", ["method"],

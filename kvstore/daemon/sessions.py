@@ -1,5 +1,6 @@
-"""Client sessions: one per registered client, ended by CloseSession or, for a client that died
-or hangs, by the reaper once the daemon has heard no call of it for ``session_ttl_s``.
+"""Client sessions: one per registered client, ended by CloseSession, by the exit of the process
+that mapped the arena for it (:mod:`kvstore.daemon.peer_watch`) or, for a client that hangs or
+cannot be watched, by the reaper once the daemon has heard no call of it for ``session_ttl_s``.
 
 :class:`SessionTable` is the core's table of them (single-threaded: called with the core lock
 held). It is kept in order of last use (every call naming a session moves it to the end), so
@@ -27,6 +28,7 @@ ENDED_REMEMBERED = 4096  # ids of recently ended sessions, kept to say why one i
 
 class SessionEnd(enum.Enum):
     CLOSED = "closed"    # its client sent CloseSession
+    EXITED = "exited"    # the process that mapped the arena for it exited
     EXPIRED = "expired"  # no call for session_ttl_s: the client died or hangs
 
 
@@ -95,6 +97,8 @@ class SessionTable:
         ago = self.clock() - when
         if how is SessionEnd.CLOSED:
             return f"session: closed by its client {ago:.1f} s ago (CloseSession); call Register again"
+        if how is SessionEnd.EXITED:
+            return f"session: ended {ago:.1f} s ago when its client's process exited; call Register again"
         return (f"session: expired {ago:.1f} s ago after {self.ttl_s:g} s without a call "
                 "(server.session_ttl_s; clients send KeepAlive every third of it), and its leases with it; "
                 "call Register again")
