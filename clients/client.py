@@ -122,16 +122,19 @@ class LookupResult:
 class KVStoreClient:
     def __init__(self, socket_path: str | None = None, timeout_s: float = 30.0, *, target: str | None = None,
                  root_ca: bytes | None = None, client_cert: bytes | None = None, client_key: bytes | None = None,
-                 token: str | None = None, prefault: bool = True) -> None:
+                 token: str | None = None, prefault: bool = True, map_arena: bool = True) -> None:
         """Connect over the daemon's unix socket (default), or to ``target`` ("host:port") over
         TLS for cross-node control (``root_ca`` PEM; ``client_cert``/``client_key`` for mutual
         TLS; ``token`` for the bearer token). Over TCP there is no arena: put/get need the socket.
         ``prefault``: after register, map the arena's page tables in a background thread
         (``arena_mapped`` is set when done) so the first copies into each slot do not fault
-        on every page (they run at a third of their speed when they do)."""
+        on every page (they run at a third of their speed when they do). ``map_arena=False``: a
+        client of control calls only (lookups, deletes, transfers) that never maps the arena; its
+        session still ends with its process, like one that maps it."""
         self.socket_path = socket_path or default_socket_path()
         self.timeout_s = timeout_s
         self.prefault = prefault
+        self.map_arena = map_arena
         self.arena_mapped = threading.Event()  # the arena's page tables are filled (prefault)
         self.remote = bool(target)
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -243,8 +246,13 @@ class KVStoreClient:
                                f"({self.layout.block_bytes} bytes); versions differ")
         self.info, self.session_id, self._registration, self.slot_stride_bytes = resp, resp.session_id, req, stride
         self._keeper = SessionKeeper(self, resp.session_id, resp.session_ttl_s)
-        if not self.remote:  # no shared memory across nodes: control calls only
+        if self.remote:  # no shared memory across nodes: control calls only
+            return
+        if self.map_arena:
             self._map_arena(resp)
+        else:  # no memory, only the watch that ends the session with this process
+            _, _, s = self._handout(resp.arena_socket, resp.session_id + b"W", want_fd=False)
+            s.close()
 
     def _handout(self, path: str, request: bytes, want_fd: bool):
         """Ask the daemon's arena socket for what ``request`` names: ``(fd or None, size, socket)``

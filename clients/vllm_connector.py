@@ -118,7 +118,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             self._init_hybrid(vllm_config, kv_cache_config, model_id, rank, tp_world, bt, scheduler_side)
             return
-        self.link = Link(s, self.layout, model_id, rank, tp_world)
+        self.link = Link(s, self.layout, model_id, rank, tp_world, map_arena=not scheduler_side)
         self.links = [self.link]
         if scheduler_side:
             can_load = bool(ktc.is_kv_consumer) and not _prefill_ignores_context(vllm_config, model_id)
@@ -136,7 +136,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         s, ktc = self.settings, vllm_config.kv_transfer_config
         try:
             groups, self.links, layouts, roots = hybrid_sides(vllm_config, kv_cache_config, s, self.layout,
-                                                              model_id, rank, tp_world)
+                                                              model_id, rank, tp_world, not scheduler_side)
         except Refused as e:
             if scheduler_side:
                 log.warning("kvstore: prefix reuse is off for %s: %s; the engine runs as plain vLLM (no lookups, "

@@ -148,6 +148,7 @@ class HybridScheduler(ConnectorScheduler):
                 r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=False)
             except KVStoreError as e:
                 link.lost(e)
+                link.retire()
                 return 0, False
             blocks = min(blocks, r.hit_blocks, r.load_blocks if self.settings.follow_policy else r.hit_blocks)
             tiers = tiers or bytes(r.tiers)
@@ -356,14 +357,17 @@ class IdleWorker:
 
 
 def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layout: KVLayout, model_id: str,
-                 rank: int, tp_world: int) -> tuple[list[CacheGroup], list[Link], list[KVLayout], list[bytes]]:
-    """Each group's layout, session (on rank ``rank``) and event root (TP rank 0's namespace)."""
+                 rank: int, tp_world: int, map_arena: bool = True
+                 ) -> tuple[list[CacheGroup], list[Link], list[KVLayout], list[bytes]]:
+    """Each group's layout, session (on rank ``rank``; ``map_arena`` on the worker side) and
+    event root (TP rank 0's namespace)."""
     groups = cache_groups(kv_cache_config)
     if settings.transfer_peer:
         raise ValueError("kvstore: transfer_peer is not supported for models of several KV cache groups "
                          f"({len(groups)} here)")
     layouts = [group_layout(layout, g) for g in groups]
-    links = [Link(settings, lay, g.model_id(model_id), rank, tp_world) for g, lay in zip(groups, layouts)]
+    links = [Link(settings, lay, g.model_id(model_id), rank, tp_world, map_arena)
+             for g, lay in zip(groups, layouts)]
     roots = [Namespace(g.model_id(model_id), lay, 0, tp_world, settings.tenant_salt).root
              for g, lay in zip(groups, layouts)]
     return groups, links, layouts, roots

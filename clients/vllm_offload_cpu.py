@@ -11,21 +11,53 @@ secondary tiers) is vLLM's. On a GPU the spec is ``TieringOffloadingSpec`` itsel
 with ``"spec_name": "KVStoreTieringSpec", "spec_module_path": "kvstore.clients.vllm_offload_cpu"``
 in ``kv_connector_extra_config`` (docs/vllm-offloading.md).
 
+The primary tier is one file, ``/dev/shm/vllm_offload_<engine id>.mmap``, that every worker
+and the scheduler map (vLLM's ``SharedOffloadRegion``). vLLM unlinks it only in the cleanup of
+the worker that created it, which a force-killed worker (``vllm serve``'s default shutdown)
+never runs: the whole tier would stay in memory. Here the scheduler unlinks it as soon as it
+has mapped it, which is once everyone has: vLLM builds the scheduler only after every worker
+registered its KV caches (``EngineCore``: ``_initialize_kv_caches``, then the ``Scheduler``),
+and a worker maps the file when it registers. The mappings stay valid; the kernel frees the
+memory when the last process that maps it exits, however it exits.
+
 Supported: the direct layout (vLLM's default; ``canonical_layout`` is refused), any number of
 engine blocks per offloaded chunk, several KV cache groups.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import time
 
 import torch
 from vllm.platforms import current_platform
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingManager,
+                                     OffloadingWorker, TransferResult)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+log = logging.getLogger("kvstore.vllm")
+
+
+def region_path(engine_id: str) -> str:
+    """The file of an engine's primary tier (vLLM's ``SharedOffloadRegion.mmap_path``)."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+class WorkerRegion(SharedOffloadRegion):
+    """vLLM's region, whose file the scheduler may have unlinked before this worker's cleanup
+    (vLLM's cleanup warns when the file its creator unlinks is gone)."""
+
+    def cleanup(self) -> None:
+        if self._creator:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.mmap_path)
+            self._creator = False
+        super().cleanup()
 
 
 class CPUCopyWorker(OffloadingWorker):
@@ -90,7 +122,26 @@ class CPUCopyWorker(OffloadingWorker):
 
 
 class KVStoreTieringSpec(TieringOffloadingSpec):
-    """``TieringOffloadingSpec`` whose worker also runs on vLLM's CPU platform (see above)."""
+    """``TieringOffloadingSpec`` whose worker also runs on vLLM's CPU platform, and whose
+    primary tier's file is unlinked once the scheduler has mapped it (see above)."""
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is not None or not current_platform.is_cpu():
+            return super().get_manager()
+        path = region_path(self._engine_id)
+        # The workers create the file, and all of them have mapped it before vLLM builds the
+        # scheduler; a file not there yet means a caller without workers (or a vLLM that builds
+        # them later), and then the name stays for whoever maps it next.
+        workers_mapped = os.path.exists(path)
+        if not workers_mapped:
+            log.warning("the scheduler maps the primary tier before any worker: %s stays until a clean "
+                        "shutdown of the engine (a killed engine leaves it behind)", path)
+        try:
+            return super().get_manager()
+        finally:
+            if workers_mapped:  # even when the manager failed: no one else will open it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if not current_platform.is_cpu():
@@ -100,9 +151,9 @@ class KVStoreTieringSpec(TieringOffloadingSpec):
                 raise ValueError("KVStoreTieringSpec on the CPU platform copies vLLM's direct layout only; "
                                  "remove canonical_layout from kv_connector_extra_config")
             rank = 0 if self.replicated_layout else self.config.parallel.rank
-            region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
-                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                                         cpu_page_size=self.cpu_page_size_per_worker)
+            region = WorkerRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                                  kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                  cpu_page_size=self.cpu_page_size_per_worker)
             try:
                 self._worker = CPUCopyWorker(kv_caches, self.blocks_per_chunk, region)
             except BaseException:
@@ -111,4 +162,4 @@ class KVStoreTieringSpec(TieringOffloadingSpec):
         return self._worker
 
 
-__all__ = ["CPUCopyWorker", "KVStoreTieringSpec"]
+__all__ = ["CPUCopyWorker", "KVStoreTieringSpec", "WorkerRegion", "region_path"]

@@ -107,6 +107,7 @@ class ConnectorScheduler:
             r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=s.ask_peers)
         except KVStoreError as e:
             self.link.lost(e)
+            self.link.retire()  # nothing of it in flight here: unmap the lost daemon's memory now
             return 0, False
         # A request back here after its pull (a whole miss leaves it nothing computed) is not
         # pulled again: a holder that just missed (stopped, cut off) would miss again until its

@@ -146,12 +146,13 @@ class KVStoreKVEvents(LMCacheKVEvents):
 
 class Link:
     """The client and its session, re-made when the daemon went away (at most every
-    ``reconnect_s``). ``client`` is None while there is no daemon to talk to."""
+    ``reconnect_s``). ``client`` is None while there is no daemon to talk to. ``map_arena``:
+    the worker's link maps the daemon's arena; the scheduler's (lookups only) does not."""
 
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str, tp_rank: int,
-                 tp_world: int) -> None:
+                 tp_world: int, map_arena: bool = True) -> None:
         self.settings, self.layout, self.model_id = settings, layout, model_id
-        self.tp_rank, self.tp_world = tp_rank, tp_world
+        self.tp_rank, self.tp_world, self.map_arena = tp_rank, tp_world, map_arena
         self.client: KVStoreClient | None = None
         self.generation = 0          # bumped on every new session: views into the old arena are stale
         self._next_try = 0.0
@@ -160,7 +161,7 @@ class Link:
 
     def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
         s = self.settings
-        c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s)
+        c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s, map_arena=self.map_arena)
         try:
             c.register(self.layout, self.model_id, tp_rank=self.tp_rank, tp_world=self.tp_world,
                        tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),
@@ -184,7 +185,9 @@ class Link:
         return self.client
 
     def lost(self, e: Exception) -> None:
-        """A call failed: drop the session if the daemon is gone or forgot it."""
+        """A call failed: drop the session if the daemon is gone or forgot it. Its client is
+        closed (and its arena unmapped) by :meth:`retire`, at once on a side that has nothing of
+        it in flight (the scheduler), after the step on the worker."""
         code = getattr(getattr(e, "code", None), "name", "")
         if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
             log.warning("kvstore daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)

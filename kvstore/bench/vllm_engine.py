@@ -123,6 +123,28 @@ def save_family(directory: Path, family: str, seed: int = 0, max_positions: int 
     return directory
 
 
+def save_tokenizer(directory: Path, vocab_size: int = 512) -> Path:
+    """A word-level tokenizer for a model of ``vocab_size`` tokens, saved beside it (idempotent),
+    for what needs text (vLLM's OpenAI server): token ``i`` is the word ``t<i>``, so the prompt
+    ``"t5 t17"`` is ids ``[5, 17]`` and a completion's text names its token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    if (directory / "tokenizer.json").exists():
+        return directory
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", model_max_length=1 << 20).save_pretrained(directory)
+    return directory
+
+
+def words(ids) -> str:
+    """The prompt text :func:`save_tokenizer`'s tokenizer reads as ``ids``."""
+    return " ".join(f"t{i}" for i in ids)
+
+
 @dataclass
 class EngineSpec:
     """What one engine process runs. ``kv_transfer`` is vLLM's ``kv_transfer_config`` dict

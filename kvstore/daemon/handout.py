@@ -1,6 +1,8 @@
 """The arena handout: ``<socket>.arena``, where a registered client gets the DRAM arena's file
-descriptor (SCM_RIGHTS) or, asking with ``H``, the HBM pool's handle. Never a path: only a
-client that can reach the socket and names a live session gets the memory."""
+descriptor (SCM_RIGHTS) or, asking with ``H``, the HBM pool's handle; asking with ``W`` it gets
+nothing but the watch every handout gives (:mod:`kvstore.daemon.peer_watch`: the session ends
+with the process). Never a path: only a client that can reach the socket and names a live
+session gets the memory."""
 
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ class ArenaHandout:
                         self.peers.watch(sid, conn)
                 if not known:
                     send_refusal(conn, "unknown or expired session (register again)", retryable=False)
+                elif what == b"W":  # watch only: a client that maps no memory (a scheduler's lookups)
+                    conn.sendall((0).to_bytes(8, "little"))
                 elif what == b"H":
                     if self.hbm_cache is None:
                         send_refusal(conn, "this daemon has no HBM tier (hbm.capacity_bytes)", retryable=False)
