@@ -64,8 +64,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.vllm_hybrid import HybridScheduler, HybridWorker, IdleWorker, Refused, ReuseOff, hybrid_sides
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata
-from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link, kv_layout,
-                                        tp_rank)
+from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link,
+                                        join_vllm_logging, kv_layout, tp_rank)
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
 from kvstore.layout import AttnKind
@@ -92,6 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
         self.settings = s = ConnectorSettings.from_vllm(vllm_config)
         block_size = int(vllm_config.cache_config.block_size)
         bt = int(s.block_tokens or block_size)
@@ -171,7 +172,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: a full CUDA graph would replay attention without ``wait_for_layer_load``, over
-        blocks the side stream may still be writing."""
+        blocks the side stream may still be writing. vLLM asks this in the first process, while
+        it checks its config (where full CUDA graphs are on: GPUs), long before a model loads:
+        ``kv_connector_extra_config`` is checked here too, so a typo fails the start at once."""
+        ConnectorSettings.from_extra(extra_config)
         return True
 
     @classmethod

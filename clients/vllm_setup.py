@@ -21,6 +21,20 @@ from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 
 log = logging.getLogger("kvstore.vllm")
 
+
+def join_vllm_logging() -> None:
+    """Inside vLLM, kvstore logs the way vLLM does: the ``kvstore`` logger gets the handlers and
+    level vLLM gave its own (same format, process tag, stream; INFO visible at vLLM's default
+    level). Called when a connector or tier is built: vLLM has configured its logging by then. Left alone where vLLM configures no logging (``VLLM_CONFIGURE_LOGGING=0``) or the
+    user gave ``kvstore`` handlers of their own."""
+    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
 CACHE_DTYPES = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3, "fp8_e5m2": DType.FP8_E5M2}
 TORCH_DTYPES = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 HIT_SOURCES = {TierKind.HBM: CacheHitSource.HOST, TierKind.DRAM: CacheHitSource.HOST,
@@ -60,7 +74,12 @@ class ConnectorSettings:
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
-        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+        return cls.from_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+
+    @classmethod
+    def from_extra(cls, extra_config: dict | None) -> "ConnectorSettings":
+        """The settings of a ``kv_connector_extra_config``; ValueError naming a bad key or value."""
+        extra = dict(extra_config or {})
         unknown = sorted(set(extra) - set(cls.NAMES))
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(cls.NAMES))}")

@@ -61,6 +61,7 @@ from kvstore.clients.client import KVStoreClient, pack
 from kvstore.clients.leases import RESERVED, KVStoreError
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.clients.vllm_setup import join_vllm_logging
 
 log = logging.getLogger("kvstore.vllm_tier")
 
@@ -137,6 +138,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                  kvstore_socket: str | None = None, model_id: str = "", tenant_salt: str = "",
                  rpc_timeout_s: float = 5.0, load_wait_s: float = 10.0, enable_kv_events: bool = False,
                  locality: str | None = "LOCAL", backpressure_detector=None, **unknown: Any) -> None:
+        join_vllm_logging()
         if unknown:
             raise ValueError(f"kvstore secondary tier: unknown key {sorted(unknown)[0]!r}; known: enable_kv_events, "
                              "kvstore_socket, load_wait_s, locality, model_id, rpc_timeout_s, tenant_salt")

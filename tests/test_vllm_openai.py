@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,10 @@ def test_openai_server_hits_across_servers_and_sessions_end_with_the_default_shu
     d = daemons(dram="256MiB")
     a = Server(model, tmp_path / "a.log", d.socket_path).ready()
     assert sessions(d.socket_path) == 2                      # EngineCore (scheduler) and Worker
+    # kvstore's INFO lines are in vLLM's log, in vLLM's format, with the process tag.
+    said = a.log_path.read_text()
+    assert re.search(r"\(EngineCore pid=\d+\) INFO \d\d-\d\d [\d:]+ \[vllm_connector\.py:\d+\] kvstore: "
+                     r"kv_load_failure_policy 'fail' -> 'recompute'", said), said[-4000:]
     first = a.complete(PROMPT)
     assert first == {"text": plain[PROMPT], "cached": 0}
     wait_for(lambda: KVStoreClient(d.socket_path).stats().tiers[0].blocks >= 6, 30, "the prompt's blocks stored")
@@ -211,3 +216,15 @@ def _link(pid: int, fd: str) -> str:
         return os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return ""
+
+
+def test_a_typo_in_the_extra_config_fails_vllms_config_check():
+    # vLLM asks the connector class this while it checks its config, in the first process
+    # (where full CUDA graphs are on), before any engine process or model exists.
+    from kvstore.clients.vllm_connector import KVStoreConnector
+
+    assert KVStoreConnector.requires_piecewise_for_cudagraph({"kvstore_socket": "/run/kvstore/kvstore.sock"})
+    with pytest.raises(ValueError, match="unknown key 'kvstore_sockt'"):
+        KVStoreConnector.requires_piecewise_for_cudagraph({"kvstore_sockt": "/run/kvstore/kvstore.sock"})
+    with pytest.raises(ValueError, match="rpc_timeout_s must be a positive number"):
+        KVStoreConnector.requires_piecewise_for_cudagraph({"rpc_timeout_s": -1})
