@@ -142,6 +142,7 @@ class KVStoreTieringSpec(TieringOffloadingSpec):
             if workers_mapped:  # even when the manager failed: no one else will open it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+                log.info("unlinked %s: the workers and the scheduler map it, the memory goes with them", path)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if not current_platform.is_cpu():

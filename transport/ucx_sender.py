@@ -159,7 +159,9 @@ class UcxChannel(_Conn):
             self.lost(parse_status(frame, data) or ProtocolError(f"unexpected {frame.type.name} frame"))
 
     def lost(self, err: TransferError) -> None:
-        if self.err is None:
+        # The receiver's own reason (its ERROR frame) wins over the reset of the endpoint it
+        # closes just after: UCX may report the reset first.
+        if self.err is None or (self.err.status is TransferStatus.PEER_LOST and err.status is not TransferStatus.PEER_LOST):
             self.err = err
         self.queue.clear()
         fut, self.waiting = self.waiting, None
