@@ -65,12 +65,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.clients.vllm_hybrid import HybridScheduler, HybridWorker, IdleWorker, Refused, ReuseOff, hybrid_sides
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata
 from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link,
-                                        join_vllm_logging, kv_layout, tp_rank)
+                                        check_on_import, join_vllm_logging, kv_layout, tp_rank)
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
 from kvstore.layout import AttnKind
 
 log = logging.getLogger("kvstore.vllm")
+
+# vLLM's first process imports this module while it checks its config, long before a model
+# loads: the config is checked (and the daemon reached) now, so a typo fails the start at once.
+check_on_import(__name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -174,7 +178,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """True: a full CUDA graph would replay attention without ``wait_for_layer_load``, over
         blocks the side stream may still be writing. vLLM asks this in the first process, while
         it checks its config (where full CUDA graphs are on: GPUs), long before a model loads:
-        ``kv_connector_extra_config`` is checked here too, so a typo fails the start at once."""
+        ``kv_connector_extra_config`` is checked here too (as on this module's import by that
+        check), so a typo fails the start at once."""
         ConnectorSettings.from_extra(extra_config)
         return True
 

@@ -1,19 +1,22 @@
 """The vLLM connector's setup around the connector itself: its settings from
-``kv_connector_extra_config``, the KV layout a TP rank holds, the stats and KV-event containers
-it hands vLLM, and the link to the daemon that is re-made when the daemon goes away."""
+``kv_connector_extra_config``, checked (and the daemon reached) as vLLM starts; kvstore's logs
+joined to vLLM's; the KV layout a TP rank holds, the stats and KV-event containers it hands
+vLLM, and the link to the daemon that is re-made when the daemon goes away."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.clients.client import KVStoreClient, KVStoreError
+from kvstore.clients.client import KVStoreClient, KVStoreError, default_socket_path
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
 from kvstore.tiers.base import TierKind
@@ -21,19 +24,32 @@ from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 
 log = logging.getLogger("kvstore.vllm")
 
+UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # gRPC codes of a daemon that is not there
+
+
+# --- logs -------------------------------------------------------------------------------------
+
+class ToVllmHandlers(logging.Handler):
+    """Hands a record to the handlers vLLM's ``vllm`` logger has at the time: vLLM configures
+    its logging again in each of its processes (and may in one), and kvstore follows."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
 
 def join_vllm_logging() -> None:
-    """Inside vLLM, kvstore logs the way vLLM does: the ``kvstore`` logger gets the handlers and
-    level vLLM gave its own (same format, process tag, stream; INFO visible at vLLM's default
-    level). Called when a connector or tier is built: vLLM has configured its logging by then. Left alone where vLLM configures no logging (``VLLM_CONFIGURE_LOGGING=0``) or the
-    user gave ``kvstore`` handlers of their own."""
+    """Inside vLLM, kvstore logs the way vLLM does: the ``kvstore`` logger hands its records to
+    vLLM's handlers (same format, process tag, stream) at vLLM's level (so kvstore's INFO lines
+    show at vLLM's default). Idempotent. Left alone where vLLM configured no logging of its own
+    (``VLLM_CONFIGURE_LOGGING=0``: its logger has no handlers) or the user configured
+    ``kvstore`` (handlers or a level of their own)."""
     ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
         return
-    for h in theirs.handlers:
-        ours.addHandler(h)
-    ours.setLevel(theirs.level)
-    ours.propagate = False
+    ours.addHandler(ToVllmHandlers())
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False  # vLLM's own logger does not propagate either: no second copy at the root
+
 
 CACHE_DTYPES = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3, "fp8_e5m2": DType.FP8_E5M2}
 TORCH_DTYPES = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
@@ -64,13 +80,15 @@ class ConnectorSettings:
     pull: bool = True                    # "pull": act on a PULL advice (a peer holds more of the prefix)
     pull_timeout_s: float = 5.0          # "pull_timeout_s": deadline of one pull; past it, a miss
     ask_peers: bool = False              # "ask_peers": Lookup asks the peers too (a round trip, see docs)
+    require_daemon: bool = False         # "require_daemon": an unreachable daemon fails vLLM's start
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
              "model_params": "model_params", "follow_policy": "follow_policy", "load_wait_s": "load_wait_s",
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
              "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path", "pull": "pull",
-             "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers"}
+             "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers",
+             "require_daemon": "require_daemon"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -88,7 +106,7 @@ class ConnectorSettings:
             if not isinstance(getattr(s, name), (int, float)) or getattr(s, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config: {name} must be a positive number of seconds, "
                                  f"got {getattr(s, name)!r}")
-        for name in ("follow_policy", "pull", "ask_peers"):
+        for name in ("follow_policy", "pull", "ask_peers", "require_daemon"):
             if not isinstance(getattr(s, name), bool):
                 raise ValueError(f"kv_connector_extra_config: {name} must be true or false, got {getattr(s, name)!r}")
         if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
@@ -99,6 +117,56 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config: {e}") from None
         return s
 
+
+# --- checked at start -------------------------------------------------------------------------
+
+def daemon_unreachable(s: ConnectorSettings, e: KVStoreError) -> RuntimeError:
+    return RuntimeError(f"kvstore: daemon not reachable at {s.socket_path or default_socket_path()} ({e}); "
+                        "kv_connector_extra_config sets require_daemon, so vLLM does not start without it")
+
+
+def reach_daemon(s: ConnectorSettings) -> None:
+    """One control call to the daemon (at most ``rpc_timeout_s``): a daemon that does not answer
+    is an error where ``require_daemon`` is set, else one warning (vLLM would run without it)."""
+    c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s, map_arena=False)
+    try:
+        c.stats()
+    except KVStoreError as e:
+        if e.code.name not in UNREACHABLE:
+            return  # it answered: it is there
+        if s.require_daemon:
+            raise daemon_unreachable(s, e) from None
+        log.warning("kvstore: daemon not reachable (%s); vLLM will run without it and try again every %s s",
+                    e, s.reconnect_s)
+    finally:
+        c.close()
+
+
+def vllm_config_in_check() -> VllmConfig | None:
+    """The VllmConfig whose own methods (its ``__post_init__`` check) are further up this
+    thread's stack, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(me := frame.f_locals.get("self"), VllmConfig):
+            return me
+        frame = frame.f_back
+    return None
+
+
+def check_on_import(module: str) -> None:
+    """Check the config vLLM is starting with, at once, when ``module`` (a connector named by
+    ``kv_connector_module_path``) is imported by vLLM's config check: that import, in vLLM's
+    first process, is the one call into kvstore before any model loads (vLLM 0.32 builds the
+    connectors after the model; on CPUs and with ``enforce_eager`` it asks the connector class
+    nothing earlier). A bad key or value, or an unreachable daemon with ``require_daemon``,
+    fails vLLM's start there. Elsewhere (another importer, the module already imported) the
+    connector's constructor checks the same."""
+    vllm_config = vllm_config_in_check()
+    ktc = vllm_config.kv_transfer_config if vllm_config is not None else None
+    if ktc is None or ktc.kv_connector_module_path != module:
+        return
+    join_vllm_logging()
+    reach_daemon(ConnectorSettings.from_extra(ktc.kv_connector_extra_config))
 
 
 def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
@@ -176,7 +244,9 @@ class Link:
         self.generation = 0          # bumped on every new session: views into the old arena are stale
         self._next_try = 0.0
         self._retired: list[KVStoreClient] = []
-        self.connect(raise_errors=True)
+        if self.connect(raise_errors=True) is not None:
+            log.info("kvstore: connected to the daemon at %s (%s, TP rank %d of %d); session %s",
+                     self.client.socket_path, model_id, tp_rank, tp_world, self.client.session_id.hex()[:8])
 
     def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
         s = self.settings
@@ -188,10 +258,13 @@ class Link:
         except KVStoreError as e:
             c.close()
             self._next_try = time.monotonic() + s.reconnect_s
-            if raise_errors and e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            if raise_errors and e.code.name not in UNREACHABLE:
                 raise  # a real refusal (layout too large, ...) is a configuration error
-            log.warning("kvstore daemon not reachable (%s); vLLM runs without it and retries every %s s",
-                        e, s.reconnect_s)
+            if raise_errors and s.require_daemon:
+                raise daemon_unreachable(s, e) from None
+            # Said once, when the engine starts without it (or by lost()); not at every retry.
+            log.log(logging.WARNING if raise_errors else logging.DEBUG,
+                    "kvstore: daemon not reachable (%s); vLLM runs without it and retries every %s s", e, s.reconnect_s)
             return None
         self.client = c
         self.generation += 1
@@ -200,7 +273,7 @@ class Link:
     def get(self) -> KVStoreClient | None:
         if self.client is None and time.monotonic() >= self._next_try:
             if self.connect() is not None:
-                log.info("kvstore daemon reached again; session %s", self.client.session_id.hex()[:8])
+                log.info("kvstore: daemon reached again; session %s", self.client.session_id.hex()[:8])
         return self.client
 
     def lost(self, e: Exception) -> None:
@@ -209,7 +282,7 @@ class Link:
         it in flight (the scheduler), after the step on the worker."""
         code = getattr(getattr(e, "code", None), "name", "")
         if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
-            log.warning("kvstore daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
+            log.warning("kvstore: daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
             # This step's handles still hold the client: close it once they are done (retire).
             self._retired.append(self.client)
             self.client = None
