@@ -223,6 +223,10 @@ def test_a_trickled_handout_request_is_refused_with_a_reason_at_its_deadline(mod
             got += piece
         except BlockingIOError:
             pass
+        except ConnectionResetError:
+            # The daemon closed with one of our bytes unread (it came after its deadline): Linux
+            # resets the peer, after the refusal already queued here has been read.
+            break
         time.sleep(0.1)
     took = time.monotonic() - t0
     s.close()
