@@ -152,7 +152,14 @@ class ConnectorWorker:
         layer's copy; None when none is left."""
         client = path.client
         keys = client.keys(span.token_ids)[span.start:span.end]
-        return self._load_pinned(path, span, client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s))
+        lease = client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
+        if client.arena is not path.arena:
+            # The Acquire found the daemon restarted and registered again (a new arena): the
+            # lease's offsets are the new arena's, so copy through a path over it. Without this
+            # the first loads after a daemon restart failed and vLLM recomputed them (measured:
+            # 0.39-0.49 s each for 2 s, the link's retry interval, instead of a ~50 ms load).
+            path = self._ensure_path() or path
+        return self._load_pinned(path, span, lease)
 
     def _load_pinned(self, path: GpuKVPath, span: BlockSpan, lease: ReadLease) -> LoadHandle | None:
         """Issue every layer's copy of the span's leading blocks that ``lease`` pins; None
