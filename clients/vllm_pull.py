@@ -22,6 +22,7 @@ its request recomputes).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -56,12 +57,14 @@ class PullFetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: dict[str, tuple[Future, KVStoreClient]] = {}
 
-    def submit(self, req_id: str, client: KVStoreClient, keys: list[bytes], start: int, holder: str) -> None:
+    def submit(self, req_id: str, client: KVStoreClient, keys: list[bytes], start: int, holder: str,
+               wait_s: float = 0.0) -> None:
         """Pull ``keys`` (a chain from its first block) from ``holder`` and pin ``keys[start:]``;
-        ``holder`` "": the blocks are this node's (a hybrid model's asynchronous load), pin only."""
+        ``holder`` "": the blocks are this node's (a hybrid model's asynchronous load), pin only;
+        ``wait_s``: a transfer into this daemon was announced, wait up to that for the keys."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvstore-pull")
-        job = self._pool.submit(self._fetch, req_id, client, client.session_id, keys, start, holder)
+        job = self._pool.submit(self._fetch, req_id, client, client.session_id, keys, start, holder, wait_s)
         self._jobs[req_id] = (job, client)
 
     def done(self) -> list[Fetched]:
@@ -77,8 +80,10 @@ class PullFetcher:
         return out
 
     def _fetch(self, req_id: str, client: KVStoreClient, session: bytes, keys: list[bytes], start: int,
-               holder: str) -> Fetched:
+               holder: str, wait_s: float = 0.0) -> Fetched:
         why, pulled = self._pull(client, keys, holder) if holder else ("", 0)
+        if wait_s:
+            why = self._arrival(client, session, keys, wait_s)
         try:
             resp = client.stub.Acquire(pb.AcquireRequest(session_id=session, keys=pack(keys[start:]), allow_partial=True,
                                                          wait_s=self.load_wait_s),
@@ -86,6 +91,26 @@ class PullFetcher:
         except (grpc.RpcError, ValueError) as e:
             return Fetched(req_id, client, None, pulled, f"{why}; pin failed: {e}".lstrip("; "))
         return Fetched(req_id, client, ReadLease(client, resp), pulled, why)
+
+    def _arrival(self, client: KVStoreClient, session: bytes, keys: list[bytes], wait_s: float) -> str:
+        """Wait (at most ``wait_s``) until every one of ``keys`` is in the daemon: an announced
+        transfer landing. "" when they are, else why not (what is here is loaded, vLLM recomputes
+        the rest)."""
+        deadline, nap, have = time.monotonic() + wait_s, 0.001, 0
+        while True:
+            try:
+                have = client.stub.Lookup(pb.LookupRequest(session_id=session, keys=pack(keys)),
+                                          timeout=self.rpc_timeout_s).hit_blocks
+            except grpc.RpcError as e:
+                return f"lookup while waiting for the announced transfer failed: {e.code().name}"
+            if have >= len(keys):
+                return ""
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return (f"{have} of {len(keys)} announced blocks arrived within transfer_wait_s ({wait_s:g} s); "
+                        "the prefill's transfer failed or is late")
+            time.sleep(min(nap, left))
+            nap = min(nap * 2, 0.02)
 
     def _pull(self, client: KVStoreClient, keys: list[bytes], holder: str) -> tuple[str, int]:
         """Pull ``keys`` from ``holder``: why some are missing ("" when none is), blocks pulled."""

@@ -37,6 +37,7 @@ class BlockSpan:
     block_table: list[int]
     holder: str = ""         # pulls: the peer (node id) the scheduler's Lookup named
     tables: tuple = ()       # every KV cache group's block table (hybrid models; [0] is block_table)
+    wait_s: float = 0.0      # an announced transfer: wait this long for the span's blocks to arrive
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Match:
     external: int  # tokens to load from kvstore
     tiers: bytes   # tier of each hit block (kvstore.v1.Tier; TIER_REMOTE: to be pulled)
     holder: str = ""  # a pull: the peer holding the blocks after the local hits
+    wait_s: float = 0.0  # an announced transfer (prefill -> this daemon): wait this long for it
 
 
 # --- the scheduler side ---------------------------------------------------------------------
@@ -113,6 +115,16 @@ class ConnectorScheduler:
         # pulled again: a holder that just missed (stopped, cut off) would miss again until its
         # lease ends, and the request would wait out a deadline each time.
         again = request.request_id in self._pulled
+        announced = 0 if again else min(self._announced(request, client, prompt), cap)
+        if announced > r.hit_blocks:
+            # A prefill server said it ships this prompt's blocks here: wait for them (vLLM's
+            # asynchronous load) rather than race the transfer and recompute what is landing.
+            ext = announced * self.bt - num_computed_tokens
+            if ext > 0:
+                tiers = bytes(r.tiers[:r.hit_blocks]) + bytes([TierKind.REMOTE]) * (announced - r.hit_blocks)
+                self._matched[request.request_id] = _Match(num_computed_tokens, ext, tiers,
+                                                           wait_s=s.transfer_wait_s)
+                return ext, True
         wanted = r.advice == "pull" or not s.follow_policy
         remote = r.remote_blocks if s.pull and wanted and not again and r.remote_node_id else 0
         ext = (r.hit_blocks + remote) * self.bt - num_computed_tokens
@@ -125,6 +137,20 @@ class ConnectorScheduler:
         if ext:
             self._matched[request.request_id] = _Match(num_computed_tokens, ext, bytes(r.tiers[:blocks]))
         return ext, False
+
+    def _announced(self, request, client, prompt: list[int]) -> int:
+        """Blocks of ``prompt`` a prefill server announced it ships to this daemon (its
+        ``request_finished`` params, passed on by the router), 0 when none; an announcement
+        whose chain is not this engine's (another model, salt or TP layout) is ignored."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        n, last = params.get("kvstore_blocks"), params.get("kvstore_last_key")
+        if not isinstance(n, int) or n <= 0 or not isinstance(last, str) or n * self.bt > len(prompt):
+            return 0
+        if client.keys(prompt[:n * self.bt])[-1].hex() != last:
+            log.warning("kvstore: request %s announces %d blocks of another chain (model, tenant_salt or TP "
+                        "layout differ from the prefill's); not waiting for them", request.request_id, n)
+            return 0
+        return n
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """The loaded tokens by the tier that holds them (DRAM/HBM: host, NVMe: disk, a peer)."""
@@ -147,12 +173,12 @@ class ConnectorScheduler:
         if num_external_tokens <= 0:
             return
         m = self._matched.get(request.request_id)
-        if m is not None and m.holder:
+        if m is not None and (m.holder or m.wait_s):
             end = (m.local + num_external_tokens) // self.bt
             tables = blocks.get_block_ids()
             self._to_pull[request.request_id] = BlockSpan(
                 request.request_id, list(request.prompt_token_ids or [])[:end * self.bt], m.local // self.bt, end,
-                list(tables[0]), m.holder, tuple(list(t) for t in tables) if len(tables) > 1 else ())
+                list(tables[0]), m.holder, tuple(list(t) for t in tables) if len(tables) > 1 else (), m.wait_s)
         else:
             self._to_load[request.request_id] = num_external_tokens
 
@@ -245,4 +271,6 @@ class ConnectorScheduler:
                                  deadline_s=self.settings.save_timeout_s, pipelined=False)
         fut = client.stub.Transfer.future(req, timeout=self.settings.save_timeout_s)
         fut.add_done_callback(lambda f: f.exception() and log.warning("transfer to %s failed: %s", peer, f.exception()))
-        return False, {"kvstore_transfer_peer": peer, "kvstore_blocks": st.saved_blocks}
+        # The announcement a router passes to the decode server: it waits for these blocks.
+        return False, {"kvstore_transfer_peer": peer, "kvstore_blocks": st.saved_blocks,
+                       "kvstore_last_key": keys[-1].hex()}

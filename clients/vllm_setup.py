@@ -81,6 +81,7 @@ class ConnectorSettings:
     pull_timeout_s: float = 5.0          # "pull_timeout_s": deadline of one pull; past it, a miss
     ask_peers: bool = False              # "ask_peers": Lookup asks the peers too (a round trip, see docs)
     require_daemon: bool = False         # "require_daemon": an unreachable daemon fails vLLM's start
+    transfer_wait_s: float = 5.0         # "transfer_wait_s": a decode waits this long for an announced transfer
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
@@ -88,7 +89,7 @@ class ConnectorSettings:
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
              "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path", "pull": "pull",
              "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers",
-             "require_daemon": "require_daemon"}
+             "require_daemon": "require_daemon", "transfer_wait_s": "transfer_wait_s"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -102,7 +103,8 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(cls.NAMES))}")
         s = cls(**{cls.NAMES[k]: v for k, v in extra.items()})
-        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s", "pull_timeout_s"):
+        for name in ("load_wait_s", "save_timeout_s", "rpc_timeout_s", "reconnect_s", "pull_timeout_s",
+                     "transfer_wait_s"):
             if not isinstance(getattr(s, name), (int, float)) or getattr(s, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config: {name} must be a positive number of seconds, "
                                  f"got {getattr(s, name)!r}")

@@ -214,7 +214,8 @@ class ConnectorWorker:
             if path is None:
                 self._end_pull(span, span.start, "kvstore daemon not reachable")
                 continue
-            self._fetcher.submit(span.req_id, path.client, path.client.keys(span.token_ids), span.start, span.holder)
+            self._fetcher.submit(span.req_id, path.client, path.client.keys(span.token_ids), span.start, span.holder,
+                                 span.wait_s)
         for f in self._fetcher.done():
             span = self._pulling[f.req_id]
             self._stats.data["pulled_blocks"] += f.pulled

@@ -11,8 +11,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the real vLLM is installed by scripts/install_vllm.sh")
 
-from daemon_util import free_port  # noqa: E402
+from daemon_util import cluster_secret, free_port  # noqa: E402
 from kvstore.bench.vllm_engine import save_llama, save_tokenizer, words  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from wait_util import wait_for  # noqa: E402
@@ -29,6 +31,7 @@ from wait_util import wait_for  # noqa: E402
 BT = 32
 PROMPT = words((7 * i) % 500 + 1 for i in range(200))   # 6 whole blocks and 8 tokens
 OTHER = words((11 * i) % 500 + 1 for i in range(200))
+WARM, HELD, DROPPED = (words((k * i) % 500 + 1 for i in range(200)) for k in (17, 19, 23))
 START_S = 300   # a server's start on a loaded 2-core machine (about 35 s alone)
 SESSION_END_S = 1.0  # the issue's bound: sessions end within 1 s of their process's exit
 
@@ -41,7 +44,7 @@ def model(tmp_path_factory) -> Path:
 class Server:
     """One OpenAI server process (and the EngineCore and Worker it starts)."""
 
-    def __init__(self, model: Path, log: Path, socket_path: str | None) -> None:
+    def __init__(self, model: Path, log: Path, socket_path: str | None, role: str = "kv_both", **extra) -> None:
         self.port, self.log_path = free_port(), log
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "4096",
@@ -50,7 +53,7 @@ class Server:
         if socket_path:
             argv += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_socket": socket_path}})]
+                "kv_role": role, "kv_connector_extra_config": {"kvstore_socket": socket_path, **extra}})]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         with open(log, "ab") as f:
@@ -68,9 +71,9 @@ class Server:
                 time.sleep(0.5)
         raise RuntimeError(f"server not up in {START_S} s:\n{self.log_path.read_text()[-6000:]}")
 
-    def complete(self, prompt: str, max_tokens: int = 8) -> dict:
+    def complete(self, prompt: str, max_tokens: int = 8, port: int | None = None) -> dict:
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
+        req = urllib.request.Request(f"http://127.0.0.1:{port or self.port}/v1/completions", body,
                                      {"content-type": "application/json"})
         r = json.load(urllib.request.urlopen(req, timeout=120))
         return {"text": r["choices"][0]["text"], "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
@@ -134,7 +137,7 @@ def plain(model, tmp_path_factory) -> dict:
     """Plain vLLM's answers (no connector), the reference for every server here."""
     s = Server(model, tmp_path_factory.mktemp("plain") / "plain.log", None).ready()
     try:
-        return {p: s.complete(p)["text"] for p in (PROMPT, OTHER)}
+        return {p: s.complete(p)["text"] for p in (PROMPT, OTHER, WARM, HELD, DROPPED)}
     finally:
         s.stop()
 
@@ -228,3 +231,97 @@ def test_a_typo_in_the_extra_config_fails_vllms_config_check():
         KVStoreConnector.requires_piecewise_for_cudagraph({"kvstore_sockt": "/run/kvstore/kvstore.sock"})
     with pytest.raises(ValueError, match="rpc_timeout_s must be a positive number"):
         KVStoreConnector.requires_piecewise_for_cudagraph({"rpc_timeout_s": -1})
+
+
+# --- a prefill and a decode server behind examples/pd_proxy.py, on two daemons -----------------
+
+class Relay:
+    """A TCP relay between daemon A's transfer sender and daemon B's listener that can hold
+    (``hold``) or drop (``drop``) what A sends: a late or failed transfer, on demand."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target, self.open, self.dropping, self.conns = (host, int(port)), threading.Event(), False, []
+        self.open.set()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.dropping:
+                a.close()
+                continue
+            b = socket.create_connection(self.target)
+            self.conns += [a, b]
+            threading.Thread(target=self._pump, args=(a, b, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, False), daemon=True).start()
+
+    def _pump(self, src, dst, gated: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if gated:
+                    self.open.wait()
+                if self.dropping:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def drop(self) -> None:
+        self.dropping = True
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_prefill_and_decode_servers_behind_the_proxy_wait_for_the_announced_transfer(model, plain, daemons, tmp_path):
+    secret = ("--transport-secret-file", cluster_secret(tmp_path))
+    a = daemons(*secret, dram="256MiB", transfer="tcp", name="a")
+    b = daemons(*secret, dram="256MiB", transfer="tcp", name="b")
+    relay = Relay(b.transfer_addr)
+    prefill = Server(model, tmp_path / "prefill.log", a.socket_path, "kv_producer", transfer_peer=relay.addr)
+    decode = Server(model, tmp_path / "decode.log", b.socket_path, "kv_consumer", transfer_wait_s=8)
+    prefill.ready(), decode.ready()
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "examples" / "pd_proxy.py"),
+                              "--prefill", f"http://127.0.0.1:{prefill.port}", "--decode",
+                              f"http://127.0.0.1:{decode.port}", "--port", str(port)])
+    try:
+        wait_for(lambda: _up(port), 30, "the proxy to listen")
+        # The transfer connection is made (and authenticated) once; then A's sends are held.
+        assert decode.complete(WARM, port=port) == {"text": plain[WARM], "cached": 6 * BT}
+        relay.open.clear()
+        got = {}
+        t = threading.Thread(target=lambda: got.update(decode.complete(HELD, port=port)))
+        t.start()
+        t.join(2.0)
+        assert t.is_alive(), "the decode server answered while its prompt's transfer was held"
+        relay.open.set()
+        t.join(120)
+        # It waited: the blocks that landed after the request came are what it loaded.
+        assert got == {"text": plain[HELD], "cached": 6 * BT}
+        # A transfer that never lands: the decode server recomputes after transfer_wait_s.
+        relay.drop()
+        assert decode.complete(DROPPED, port=port)["text"] == plain[DROPPED]
+        assert "announced blocks arrived within transfer_wait_s" in decode.log_path.read_text()
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        prefill.stop(), decode.stop()
+
+
+def _up(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
