@@ -369,12 +369,19 @@ def test_prefix_from_nvme_after_a_daemon_restart(restart_engines, daemons, ref):
     d = daemons(*r["nvme"], dram="64MiB", socket_path=r["socks"]["fresh"], name="restarted")
     assert blocks_in(d.socket_path) == loadable(P1) // BT
     e = r["fresh"]  # a process of its own: a prefix hit can only come from kvstore
+    e.generate([P3], max_tokens=1)  # the engine registers with d (P3 shares no block with P1)
+    # Restarted again under the engine, with no request between: the worker's first Acquire
+    # registers anew (a new arena), and its load must copy out of the new arena, not fail
+    # and be recomputed (vLLM still counts recomputed tokens as cached, so the log says it).
+    d.stop_cleanly()
+    d = daemons(*r["nvme"], dram="64MiB", socket_path=r["socks"]["fresh"], name="restarted-again")
     got = e.generate([P1])["results"][0]
     assert got["cached_tokens"] == loadable(P1)
     same(got, ref["P1"])
     m = e.metrics()["metrics"]
     assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
     e.stop()
+    assert "vLLM recomputes" not in e.log_path.read_text()
 
 
 def test_daemon_killed_while_vllm_serves(restart_engines, daemons, ref):
