@@ -193,14 +193,17 @@ class GpuKVPath:
     ``kv_caches``: one tensor per layer (see module docstring), all on one CUDA device or
     all on the CPU (emulated). The client's arena is page-locked for this path's lifetime;
     call :meth:`close` before closing the client. ``copy_path``: the batched kernels
-    (``zerocopy``, ``staged``) or the per-block ``legacy`` copies (:mod:`kvstore.tiers.kv_copy`)."""
+    (``zerocopy``, ``staged``) or the per-block ``legacy`` copies (:mod:`kvstore.tiers.kv_copy`).
+    ``inline``: CPU caches whose copies the caller waits for at once run them in its thread
+    (:class:`~kvstore.tiers.hbm_device.InlineStream`), not on a copy thread."""
 
-    def __init__(self, client, kv_caches: Sequence[torch.Tensor], copy_path: CopyPath | str = DEFAULT_COPY_PATH) -> None:
+    def __init__(self, client, kv_caches: Sequence[torch.Tensor], copy_path: CopyPath | str = DEFAULT_COPY_PATH,
+                 inline: bool = False) -> None:
         client.require_data_session()
         self.client, self.layout = client, client.layout
         self.paged = PagedKV(kv_caches, self.layout)
         self.arena = client.arena
-        self.mover = KVMover(self.paged, self.layout, client.arena.buf, copy_path)
+        self.mover = KVMover(self.paged, self.layout, client.arena.buf, copy_path, inline=inline)
 
     @property
     def copy_path(self) -> CopyPath:

@@ -268,6 +268,10 @@ class Link:
             log.log(logging.WARNING if raise_errors else logging.DEBUG,
                     "kvstore: daemon not reachable (%s); vLLM runs without it and retries every %s s", e, s.reconnect_s)
             return None
+        try:
+            c.warm_up()  # the first Lookup and Acquire cost their first-call price here
+        except KVStoreError as e:
+            log.debug("kvstore: warm-up round trip failed (the first hit pays for it): %s", e)
         self.client = c
         self.generation += 1
         return c

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -54,6 +55,10 @@ class ConnectorWorker:
         self._path_generation = 0
         self._loads: list[tuple[BlockSpan, LoadHandle]] = []
         self._saves: list[tuple[BlockSpan, StoreHandle]] | None = None  # None: not reserved this step
+        # This step's Reserves, sent on their own thread while its loads pin and copy (each is
+        # a daemon round trip of 1-3 ms on a busy host); their answers are taken in _begin_saves.
+        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-reserve")
+        self._reserving: tuple[KVStoreConnectorMetadata, GpuKVPath, Future] | None = None
         self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
         # vLLM blocks whose load failed in this step or the one before: with async scheduling
@@ -105,7 +110,10 @@ class ConnectorWorker:
         if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
             if self._path is not None:
                 self._path.close()
-            self._path = GpuKVPath(client, self._pages, copy_path=self.settings.copy_path)
+            # vLLM's CPU backend: the copies are waited for before the forward (_issue_load),
+            # so they run in vLLM's thread; a copy thread only competes with its OpenMP team.
+            cpu = self._pages[0].halves[0].device.type == "cpu"
+            self._path = GpuKVPath(client, self._pages, copy_path=self.settings.copy_path, inline=cpu)
             self._path_generation = self.link.generation
         return self._path
 
@@ -128,6 +136,8 @@ class ConnectorWorker:
         issued, behind this step's loads on the copy stream (the forward waits for those only;
         on steps without synchronous loads vLLM calls this after the forward)."""
         path = self._ensure_path() if meta.loads else None
+        if path is not None and meta.saves and self.writes and self._saves is None:
+            self._reserving = (meta, path, self._reserver.submit(_reserve_all, path.client, meta.saves, self.bt))
         for span in meta.loads:
             got = 0
             try:
@@ -292,25 +302,30 @@ class ConnectorWorker:
         if self._saves is not None:
             return self._saves
         self._saves = []
-        path = self._ensure_path() if meta is not None and meta.saves and self.writes else None
-        for span in (meta.saves if path is not None else ()):
-            keys = path.client.keys(span.token_ids)
-            try:
-                w = path.client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"",
-                                        token_ids=span.token_ids[span.start * self.bt:span.end * self.bt])
-            except Exception as e:  # noqa: BLE001 - a save is best effort: the blocks stay uncached
+        sent, self._reserving = self._reserving, None
+        if sent is not None and sent[0] is meta:
+            path, answers = sent[1], sent[2].result()
+        else:
+            if sent is not None:  # sent for a step whose saves never began: give the slots back
+                _abort_all(sent[2].result())
+            path = self._ensure_path() if meta is not None and meta.saves and self.writes else None
+            answers = _reserve_all(path.client, meta.saves, self.bt) if path is not None else []
+        for i, (span, (w, e)) in enumerate(zip(meta.saves if path is not None else (), answers)):
+            moved = False
+            if e is None:
+                try:
+                    path.check_arena([w])  # ends the lease when the client re-registered meanwhile
+                except KVStoreError as err:
+                    e, moved = err, True
+            if e is not None:  # a save is best effort: the blocks stay uncached
                 log.warning("kvstore save of %s skipped: %s", span.req_id, e)
-                if isinstance(e, KVStoreError):
-                    self.link.lost(e)
                 self._stats.data["save_failed_blocks"] += span.end - span.start
-                if self.link.client is None:
+                if isinstance(e, KVStoreError) and not moved:
+                    self.link.lost(e)
+                if moved or self.link.client is None:  # the rest are not this path's to fill
+                    _abort_all(answers[i + 1:])
                     break
                 continue
-            try:
-                path.check_arena([w])
-            except KVStoreError as e:
-                log.warning("kvstore save of %s skipped: %s", span.req_id, e)
-                break
             offsets = [o if st == RESERVED else None for st, o in zip(w.states, w.offsets)]
             self._saves.append((span, StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span)))))
         return self._saves
@@ -401,6 +416,10 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         self._fetcher.close()
+        sent, self._reserving = self._reserving, None
+        if sent is not None:
+            _abort_all(sent[2].result())
+        self._reserver.shutdown(wait=False)
         for _, h in self._saves or ():
             _quietly(h.abort)
         for _, h in [*self._loads, *((span, h) for span, h, _ in self._pull_loads)]:
@@ -409,6 +428,29 @@ class ConnectorWorker:
         if self._path is not None:
             _quietly(self._path.close)
             self._path = None
+
+
+def _reserve_all(client, spans: list[BlockSpan], bt: int) -> list[tuple]:
+    """Reserve each span's blocks: ``(WriteLease, None)`` or ``(None, error)`` per span, in
+    order, stopping after an error that loses the session (the rest are not sent)."""
+    out = []
+    for span in spans:
+        keys = client.keys(span.token_ids)
+        try:
+            out.append((client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"",
+                                       token_ids=span.token_ids[span.start * bt:span.end * bt]), None))
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which logs and counts it
+            out.append((None, e))
+            if getattr(getattr(e, "code", None), "name", "") in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED",
+                                                                  "CANCELLED"):
+                break
+    return out
+
+
+def _abort_all(answers) -> None:
+    for w, _ in answers:
+        if w is not None:
+            _quietly(w.abort)
 
 
 def _quietly(fn) -> None:

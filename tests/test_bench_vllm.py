@@ -12,7 +12,7 @@ CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
 
 
 def test_bench_vllm_json_tiny(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm", "--lengths", "256", "--reps", "1",
+    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm", "--lengths", "256", "--reps", "2",
                         "--size", "tiny", "--new-tokens", "4", "--json", "--dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-6000:] + p.stdout
@@ -29,8 +29,17 @@ def test_bench_vllm_json_tiny(tmp_path):
     t = row["ttft_ms"]
     assert abs(row["ratios"]["ttft_kvstore_dram_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 0.01
     assert abs(row["ratios"]["ttft_no_cache_over_kvstore_nvme"] - t["no_cache"] / t["kvstore_nvme"]) < 0.01
+    for c, v in row["ttft_ms_samples"].items():  # first hit apart from the steady ones, and the spread
+        assert len(v) == 2 and row["ttft_first_ms"][c] == v[0] and row["ttft_steady_ms"][c] == v[1]
+        assert row["ttft_spread_ms"][c] == [min(v), row["ttft_ms"][c], max(v)]
+    raw = r["raw"]  # the raw paths of the same run, and the floors made of them
+    assert raw["memcpy_gbps"] > 0 and raw["disk_read_gbps"] > 0 and raw["bytes"] == 224 * r["model"]["kv_bytes_per_token"]
+    for c, gbps in (("kvstore_dram", raw["memcpy_gbps"]), ("kvstore_nvme", raw["disk_read_gbps"])):
+        assert abs(row["floor_ms"][c] - (row["ttft_steady_ms"]["vllm_hit"] + raw["bytes"] / gbps / 1e6)) < 0.02
+        assert abs(row["ratios"][f"steady_{c}_over_floor"] - row["ttft_steady_ms"][c] / row["floor_ms"][c]) < 0.01
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
     from kvstore.bench.vllm import table
 
     text = table(r)  # the default output, from the same figures
     assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1
+    assert "first hit" in text and "floors" in text and "raw paths, same run" in text

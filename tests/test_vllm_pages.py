@@ -288,6 +288,41 @@ def test_canonical_bytes_scatter_where_the_backend_reads(case):
             assert got is None or torch.equal(bits(got), bits(expect))
 
 
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_whole_block_copies_move_the_bytes_token_rows_do(case):
+    """CPU caches copy whole blocks straight between slots and pages where each kvstore block
+    fills whole kernel blocks (``PagedKV.block_index``, no staging): the same bytes as the
+    token-row gather and scatter, in every page layout (tiled and split pages included), from
+    and into strided slot views."""
+    n_tokens = tokens_of(case)
+    names, views, table, _, kv = written(case, n_tokens)
+    layout = case.kv_layout()
+    paged = PagedKV(mapped(case, names, views), layout)
+    bt = case.block_size
+    full = n_tokens // bt * bt
+    n = full // bt
+    rows = paged.token_rows(table, full)
+    idx = paged.block_index(rows, bt)
+    assert idx is not None and tuple(idx.shape) == (n, paged.ratio)
+    assert paged.block_index(rows[paged.kernel_block // 2:][:bt], bt) is None  # not on a page boundary
+    if paged.ratio > 1:
+        assert paged.block_index(rows[:bt], paged.kernel_block // 2) is None  # blocks smaller than a page
+    for l in range(LAYERS):
+        slots = torch.zeros(paged.halves, n, bt, paged.row, dtype=torch.uint8).transpose(0, 1)  # strided
+        paged.gather_blocks(l, idx, slots)
+        assert torch.equal(slots.transpose(0, 1).reshape(paged.halves, full, paged.row), paged.gather(l, rows))
+    _, by_rows = engine_caches(case)
+    _, by_blocks = engine_caches(case)
+    p_rows, p_blocks = PagedKV(mapped(case, names, by_rows), layout), PagedKV(mapped(case, names, by_blocks), layout)
+    for l in range(LAYERS):
+        src = canonical(kv[l])[:, :full]
+        p_rows.scatter(l, rows, src)
+        p_blocks.scatter_blocks(l, idx, src.reshape(paged.halves, n, bt, paged.row).transpose(0, 1))
+    for a, b in zip(by_rows, by_blocks):
+        assert torch.equal(bits(a), bits(b))
+    assert any(bits(b).any() for b in by_blocks)
+
 GQA_FP16 = Case(FLASH, KVCacheLayout.LBNHC, "fp16")
 MLA_BF16 = Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64)
 REFUSED = {

@@ -167,6 +167,44 @@ class EmuStream:
             self._thread.join()
 
 
+
+class InlineStream(EmuStream):
+    """An :class:`EmuStream` whose work runs at once in the submitting thread, for CPU caches
+    that are the engine's real device (vLLM's CPU backend), not a GPU's stand-in: their
+    copies are waited for as soon as they are issued, so a copy thread only adds a hand-off
+    and competes with the forward's threads for the cores. Same API and error semantics:
+    an op that fails makes the next recorded event fail; ``wait_event`` blocks the caller."""
+
+    def __init__(self, name: str = "kvstore-inline-stream") -> None:
+        self._closed = False
+        self._pending: BaseException | None = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._closed:
+            raise TierError("stream closed")
+        if self._pending is None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the next event, as on a copy thread
+                self._pending = e
+
+    def record(self) -> EmuEvent:
+        ev = EmuEvent()
+        ev._fire(self._pending)
+        self._pending = None
+        return ev
+
+    def wait_event(self, ev, propagate: bool = True) -> None:
+        ev._set.wait()
+        if propagate and ev.error is not None and self._pending is None:
+            self._pending = TierError(f"an earlier transfer this one waited on failed: {ev.error}")
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._closed = True
+
 # --- CUDA stream and event ----------------------------------------------------------------
 
 class CudaEvent:
@@ -217,8 +255,12 @@ class CudaStream:
         self.raw.synchronize()
 
 
-def make_stream(choice: DeviceChoice, name: str = "kvstore-stream"):
-    return CudaStream(choice.index) if choice.kind is DeviceKind.CUDA else EmuStream(name)
+def make_stream(choice: DeviceChoice, name: str = "kvstore-stream", inline: bool = False):
+    """A CUDA stream on a CUDA choice; else an emulated one (a copy thread), or with ``inline``
+    an :class:`InlineStream`."""
+    if choice.kind is DeviceKind.CUDA:
+        return CudaStream(choice.index)
+    return InlineStream(name) if inline else EmuStream(name)
 
 
 # --- lanes: a stream plus the thread that completes its CopyHandle handles --------------------

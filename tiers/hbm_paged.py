@@ -150,6 +150,43 @@ class PagedKV:
         g = torch.stack([page_rows(h, b, n) for h in self.pages[l].halves])  # [halves, tokens, heads, dim]
         return g.view(torch.uint8).reshape(self.halves, rows.shape[0], self.row)
 
+    def block_index(self, rows: torch.Tensor, bt: int) -> torch.Tensor | None:
+        """The kernel blocks that hold ``rows`` (:meth:`token_rows`) as whole ``bt``-token
+        blocks: ``[n, bt // kernel_block]``, when each ``bt`` tokens fill whole kernel blocks in
+        order (vLLM's blocks are kvstore's, or split evenly for the kernels); else None."""
+        K = self.kernel_block
+        if bt % K or rows.shape[0] % bt:
+            return None
+        n, m = rows.shape[0] // bt, bt // K
+        r = rows.view(n, m, K, 2)
+        kb = r[:, :, 0, 0]
+        if not (torch.equal(r[..., 0], kb.unsqueeze(-1).expand(n, m, K))
+                and torch.equal(r[..., 1], torch.arange(K).expand(n, m, K))):
+            return None
+        return kb.contiguous()
+
+    def _block_view(self, h: torch.Tensor, blocks: torch.Tensor, m: int) -> torch.Tensor:
+        """Bytes ``[n, bt, row]`` of one half (any strides; rows contiguous) as the elements
+        ``h[idx]`` has for an index ``idx`` of ``[n, m]`` kernel blocks."""
+        v = blocks.view(self.dtype).unflatten(2, (h.shape[1], -1))  # [n, bt, heads, dim]
+        v = v.unflatten(1, (m, self.kernel_block)).permute(0, 1, 3, 2, 4)  # [n, m, heads, K, dim]
+        if h.dim() == 6:  # tiled: token t at (t // ni, t % ni), element d at (d // di, d % di)
+            v = v.unflatten(3, (h.shape[2], h.shape[3])).unflatten(5, (h.shape[4], h.shape[5]))
+        return v
+
+    def scatter_blocks(self, l: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+        """Write bytes ``src`` ``[n, halves, bt, row]`` (a view of slots: any strides, rows
+        contiguous) into layer ``l``'s kernel blocks ``idx`` (:meth:`block_index`): one
+        indexed copy per half, no staging."""
+        for i, h in enumerate(self.pages[l].halves):
+            h[idx] = self._block_view(h, src[:, i], idx.shape[1])
+
+    def gather_blocks(self, l: int, idx: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy layer ``l``'s kernel blocks ``idx`` into bytes ``dst`` ``[n, halves, bt, row]``
+        (a view of slots), the inverse of :meth:`scatter_blocks`."""
+        for i, h in enumerate(self.pages[l].halves):
+            self._block_view(h, dst[:, i], idx.shape[1]).copy_(h[idx])
+
     def scatter(self, l: int, rows: torch.Tensor, src: torch.Tensor) -> None:
         """Write bytes ``src`` ``[halves, tokens, row]`` into layer ``l`` at ``rows``."""
         b, n = rows[:, 0], rows[:, 1]
@@ -206,13 +243,19 @@ class KVMover:
     the batched Triton kernels of :mod:`kvstore.tiers.kv_copy` (one launch per layer, or per
     bulk step); ``legacy`` the per-(block, layer) copies below. Where the kernels cannot run
     (no Triton; CPU caches without ``TRITON_INTERPRET=1``) it is ``legacy``, and
-    ``copy_reason`` says why."""
+    ``copy_reason`` says why. On CPU caches the legacy copies move whole blocks straight
+    between the slots and the pages when each block fills whole pages (:meth:`PagedKV.block_index`),
+    else token rows through a staging buffer.
+
+    ``inline`` (CPU caches only): run each copy in the calling thread (:class:`InlineStream`)
+    instead of on a copy thread, for a caller that waits for its copies at once (vLLM's CPU
+    backend: the caches are the engine's device, not a GPU's stand-in)."""
 
     def __init__(self, paged: PagedKV, layout: KVLayout, host: np.ndarray,
-                 copy_path: CopyPath | str = DEFAULT_COPY_PATH) -> None:
+                 copy_path: CopyPath | str = DEFAULT_COPY_PATH, inline: bool = False) -> None:
         self.paged, self.layout = paged, layout
         self.choice = _choice_for(paged.device)
-        self.stream = make_stream(self.choice, "kvstore-gpu-side")
+        self.stream = make_stream(self.choice, "kvstore-gpu-side", inline=inline)
         self.pin = HostPin(self.choice, host.ctypes.data, host.nbytes)
         with torch.inference_mode(False):
             # Copies run on the side stream's thread, where the caller's inference mode (vLLM
@@ -235,6 +278,36 @@ class KVMover:
     @property
     def emulated(self) -> bool:
         return self.choice.emulated
+
+    def _block_index(self, rows: torch.Tensor, offsets: Sequence[int | None]) -> torch.Tensor | None:
+        """:meth:`PagedKV.block_index` of ``rows`` where whole-block copies can run (CPU
+        caches, element-aligned slots), else None."""
+        p = self.paged
+        if p.device.type != "cpu" or self.batched is not None:
+            return None
+        esize = p.pages[0].halves[0].element_size()
+        if self.chunk % esize or any(o % esize for o in offsets if o is not None):
+            return None
+        return p.block_index(rows, self.layout.block_tokens)
+
+    def _whole_blocks(self, idx: torch.Tensor, offsets: Sequence[int | None], layers, copy):
+        """Submit ``copy(l, idx_run, slots)`` (:meth:`PagedKV.scatter_blocks` or
+        :meth:`PagedKV.gather_blocks`) for each of ``layers`` and each run of adjacent slots,
+        straight between the slots and the pages; returns the op's event."""
+        def run() -> None:
+            for a, b, off in slot_runs(offsets, self.layout.block_bytes):
+                slots = self._slot_blocks(a, b, off)
+                for l in layers:
+                    copy(l, idx[a:b], slots[:, l])
+
+        self.stream.submit(run)
+        return self.stream.record()
+
+    def _slot_blocks(self, a: int, b: int, off: int) -> torch.Tensor:
+        """Slots of blocks ``[a, b)``, adjacent from ``off``, as bytes ``[b - a, layers, halves, bt, row]``."""
+        p = self.paged
+        return self.host[off:off + (b - a) * self.layout.block_bytes].view(
+            b - a, self.layout.num_layers, p.halves, self.layout.block_tokens, p.row)
 
     def device_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` on the cache's device, copied on the side stream (pinned, async)."""
@@ -279,6 +352,10 @@ class KVMover:
             self.stream.submit(lambda: self.batched.store_layer(l, rows, offsets))
             return self.stream.record()
 
+        idx = self._block_index(rows, offsets)
+        if idx is not None:
+            return self._whole_blocks(idx, offsets, (l,), self.paged.gather_blocks)
+
         def run() -> None:
             staged = self._gather(l, rows, len(offsets)).contiguous()
             for j, off in enumerate(offsets):
@@ -294,6 +371,10 @@ class KVMover:
         if self.batched is not None:
             self.stream.submit(lambda: self.batched.load_layer(l, rows, offsets))
             return self.stream.record()
+
+        idx = self._block_index(rows, offsets)
+        if idx is not None:
+            return self._whole_blocks(idx, offsets, (l,), p.scatter_blocks)
 
         def run() -> None:
             staged = torch.empty((len(offsets), p.halves, self.layout.block_tokens, p.row),
@@ -316,6 +397,9 @@ class KVMover:
         if self.batched is not None:
             self.stream.submit(lambda: self.batched.store_all(rows, offsets))
             return self.stream.record()
+        idx = self._block_index(rows, offsets)
+        if idx is not None:
+            return self._whole_blocks(idx, offsets, range(L), p.gather_blocks)
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):
@@ -336,6 +420,9 @@ class KVMover:
         if self.batched is not None:
             self.stream.submit(lambda: self.batched.load_all(rows, offsets))
             return [self.stream.record()] * L
+        idx = self._block_index(rows, offsets)
+        if idx is not None:
+            return [self._whole_blocks(idx, offsets, range(L), p.scatter_blocks)] * L
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):

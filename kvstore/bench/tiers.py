@@ -25,7 +25,7 @@ from kvstore.local import start_daemon
 from kvstore.config import parse_size
 
 
-def _reference(path: str, rw: str, block: int, total: int, depth: int) -> tuple[float, str]:
+def fio_reference(path: str, rw: str, block: int, total: int, depth: int) -> tuple[float, str]:
     from kvstore.tiers.nvme.bench import FIO_ENGINES, run_fio, run_python_reference
 
     if shutil.which("fio"):
@@ -114,8 +114,8 @@ def run(a) -> dict:
             if i % 2:
                 d = _daemon_round(work, layout, block, n, a.promotions)
             ref_file = os.path.join(work, "fio.dat")
-            fio_w, ref_name = _reference(ref_file, "write", block, total, a.depth)
-            fio_r, _ = _reference(ref_file, "read", block, total, a.depth)
+            fio_w, ref_name = fio_reference(ref_file, "write", block, total, a.depth)
+            fio_r, _ = fio_reference(ref_file, "read", block, total, a.depth)
             os.unlink(ref_file)
             if not i % 2:
                 d = _daemon_round(work, layout, block, n, a.promotions)

