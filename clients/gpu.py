@@ -168,13 +168,14 @@ class LoadHandle:
     def wait(self, timeout_s: float | None = None) -> bool:
         return wait_events(self._events, timeout_s)
 
-    def release(self) -> None:
-        """Wait for the issued copies, then end the read leases."""
+    def release(self, wait: bool = False) -> None:
+        """Wait for the issued copies, then end the read leases (``wait``: wait for the
+        daemon's answer too, see :meth:`ReadLease.release`)."""
         try:
             wait_events(self._events)
         finally:
             for lease in self.leases:
-                lease.release()
+                lease.release(wait=wait)
             self.leases = []
 
     def __enter__(self) -> "LoadHandle":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -246,6 +247,7 @@ class Link:
         self.generation = 0          # bumped on every new session: views into the old arena are stale
         self._next_try = 0.0
         self._retired: list[KVStoreClient] = []
+        self._retired_lock = threading.Lock()  # retire may run on the worker's Reserve/Release thread
         if self.connect(raise_errors=True) is not None:
             log.info("kvstore: connected to the daemon at %s (%s, TP rank %d of %d); session %s",
                      self.client.socket_path, model_id, tp_rank, tp_world, self.client.session_id.hex()[:8])
@@ -290,13 +292,15 @@ class Link:
         if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
             log.warning("kvstore: daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
             # This step's handles still hold the client: close it once they are done (retire).
-            self._retired.append(self.client)
+            with self._retired_lock:
+                self._retired.append(self.client)
             self.client = None
             self._next_try = time.monotonic() + self.settings.reconnect_s
 
     def retire(self) -> None:
         """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight."""
-        retired, self._retired = self._retired, []
+        with self._retired_lock:
+            retired, self._retired = self._retired, []
         for c in retired:
             try:
                 c.close()

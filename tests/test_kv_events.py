@@ -154,6 +154,13 @@ def test_a_subscriber_that_reconnects_gets_what_it_missed_by_replay(daemon):
     last = wait_for(lambda: seen(put_one()), what="the subscriber to hear a store")[-1]
     live.close()
     missed = [put_one() for _ in range(3)]
+
+    def stored_since(seq: int) -> set:
+        return {k for e in events_of(replay(daemon.replay, seq)) if isinstance(e, BlockStored) for k in e.block_hashes}
+
+    # Published before the subscriber is back (else they may share a batch with what it hears
+    # first: the daemon batches events, and a fast host makes all of this one batch).
+    wait_for(lambda: set(missed) <= stored_since(last + 1), what="the missed stores to be published")
     live = Live(daemon.pub)
     first = wait_for(lambda: seen(put_one()), what="the subscriber, reconnected, to hear a store")[0]
     assert first > last + 1  # it missed batches, and knows it by their numbers

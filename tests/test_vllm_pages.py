@@ -308,20 +308,29 @@ def test_whole_block_copies_move_the_bytes_token_rows_do(case):
     assert paged.block_index(rows[paged.kernel_block // 2:][:bt], bt) is None  # not on a page boundary
     if paged.ratio > 1:
         assert paged.block_index(rows[:bt], paged.kernel_block // 2) is None  # blocks smaller than a page
+    slots = torch.zeros(n, LAYERS, paged.halves, bt, paged.row, dtype=torch.uint8)  # as in the arena
     for l in range(LAYERS):
-        slots = torch.zeros(paged.halves, n, bt, paged.row, dtype=torch.uint8).transpose(0, 1)  # strided
-        paged.gather_blocks(l, idx, slots)
-        assert torch.equal(slots.transpose(0, 1).reshape(paged.halves, full, paged.row), paged.gather(l, rows))
+        paged.gather_blocks(l, idx, slots[:, l])
+        assert torch.equal(slots[:, l].transpose(0, 1).reshape(paged.halves, full, paged.row), paged.gather(l, rows))
     _, by_rows = engine_caches(case)
     _, by_blocks = engine_caches(case)
     p_rows, p_blocks = PagedKV(mapped(case, names, by_rows), layout), PagedKV(mapped(case, names, by_blocks), layout)
     for l in range(LAYERS):
-        src = canonical(kv[l])[:, :full]
-        p_rows.scatter(l, rows, src)
-        p_blocks.scatter_blocks(l, idx, src.reshape(paged.halves, n, bt, paged.row).transpose(0, 1))
+        p_rows.scatter(l, rows, canonical(kv[l])[:, :full])
+        p_blocks.scatter_blocks(l, idx, slots[:, l])
     for a, b in zip(by_rows, by_blocks):
         assert torch.equal(bits(a), bits(b))
     assert any(bits(b).any() for b in by_blocks)
+    # Consecutive blocks (one strided copy per run) and scattered ones (one indexed copy) alike.
+    runs = torch.arange(n).unsqueeze(1) * paged.ratio + torch.arange(paged.ratio)
+    for table_idx in (runs, runs.flip(0)):
+        _, out = engine_caches(case)
+        p_out = PagedKV(mapped(case, names, out), layout)
+        back = torch.zeros_like(slots)
+        for l in range(LAYERS):
+            p_out.scatter_blocks(l, table_idx, slots[:, l])
+            p_out.gather_blocks(l, table_idx, back[:, l])
+        assert torch.equal(back, slots)
 
 GQA_FP16 = Case(FLASH, KVCacheLayout.LBNHC, "fp16")
 MLA_BF16 = Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64)

@@ -174,18 +174,47 @@ class PagedKV:
             v = v.unflatten(3, (h.shape[2], h.shape[3])).unflatten(5, (h.shape[4], h.shape[5]))
         return v
 
+    @staticmethod
+    def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]] | None:
+        """``(first, end, kernel block)`` of each run of consecutive kernel blocks in ``idx``
+        (one kernel block per block), or None: blocks split in several kernel blocks, or so
+        many runs that one indexed copy does better."""
+        if idx.shape[1] != 1:
+            return None
+        flat = idx[:, 0]
+        cuts = (torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1).tolist()
+        if len(cuts) > 8:
+            return None
+        bounds = [0, *cuts, flat.numel()]
+        return [(a, b, int(flat[a])) for a, b in zip(bounds, bounds[1:])]
+
     def scatter_blocks(self, l: int, idx: torch.Tensor, src: torch.Tensor) -> None:
         """Write bytes ``src`` ``[n, halves, bt, row]`` (a view of slots: any strides, rows
-        contiguous) into layer ``l``'s kernel blocks ``idx`` (:meth:`block_index`): one
-        indexed copy per half, no staging."""
+        contiguous) into layer ``l``'s kernel blocks ``idx`` (:meth:`block_index`), no
+        staging: one strided copy per run of consecutive blocks and half (vLLM hands out a
+        fresh request's blocks mostly in runs), else one indexed copy per half."""
+        runs = self._runs(idx)
         for i, h in enumerate(self.pages[l].halves):
-            h[idx] = self._block_view(h, src[:, i], idx.shape[1])
+            v = self._block_view(h, src[:, i], idx.shape[1])
+            if runs is None:
+                h[idx] = v
+                continue
+            v = v[:, 0]
+            for a, b, k in runs:
+                h[k:k + b - a].copy_(v[a:b])
 
     def gather_blocks(self, l: int, idx: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy layer ``l``'s kernel blocks ``idx`` into bytes ``dst`` ``[n, halves, bt, row]``
         (a view of slots), the inverse of :meth:`scatter_blocks`."""
+        runs = self._runs(idx)
         for i, h in enumerate(self.pages[l].halves):
-            self._block_view(h, dst[:, i], idx.shape[1]).copy_(h[idx])
+            v = self._block_view(h, dst[:, i], idx.shape[1])
+            if runs is None:
+                v.copy_(h[idx])
+                continue
+            v = v[:, 0]  # a view: the copies below write the slots
+            for a, b, k in runs:
+                v[a:b].copy_(h[k:k + b - a])
 
     def scatter(self, l: int, rows: torch.Tensor, src: torch.Tensor) -> None:
         """Write bytes ``src`` ``[halves, tokens, row]`` into layer ``l`` at ``rows``."""
