@@ -11,12 +11,15 @@ clients, a peer whose pid the daemon's pid namespace cannot see on a kernel with
 
 One thread waits on every pidfd (a pidfd reads ready when its process has exited). Lock order:
 the core lock, then this watch's own; the thread takes the core lock only with its own let go.
+Processes are told apart by their pidfd, not their pid: a pid whose process has exited (its
+exit not yet handled) may already name another process, whose sessions must not end with it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import selectors
 import socket
 import struct
@@ -61,7 +64,8 @@ class PeerWatch:
     def __init__(self, core: "Core") -> None:
         self.core = core
         self._lock = threading.Lock()
-        self._peers: dict[int, tuple[int, set[bytes]]] = {}  # pid -> (pidfd, its session ids)
+        self._peers: dict[int, tuple[int, set[bytes]]] = {}  # pidfd -> (pid, its session ids)
+        self._by_pid: dict[int, int] = {}  # pid -> the pidfd of the latest process seen with it
         self._sel: selectors.BaseSelector | None = None  # from start to the thread's end
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -94,19 +98,21 @@ class PeerWatch:
             return
         pid, pidfd = peer
         with self._lock:
-            known = self._peers.get(pid)
-            if known is not None:
-                os.close(pidfd)  # one pidfd per process is enough
-                sids = known[1]
+            known = self._by_pid.get(pid)
+            if known is not None and not _has_exited(known):
+                os.close(pidfd)  # the same live process: one pidfd per process is enough
+                sids = self._peers[known][1]
                 sids.intersection_update(self.core.sessions)
                 sids.add(sid)
                 return
+            # New, or a pid whose process exited (its exit not handled yet) reused by another.
             if len(self._peers) >= MAX_WATCHED:
                 os.close(pidfd)
                 log.debug("peer watch: %d processes watched; pid %d's session ends by its TTL", MAX_WATCHED, pid)
                 return
-            self._peers[pid] = (pidfd, {sid})
-            self._sel.register(pidfd, selectors.EVENT_READ, pid)
+            self._peers[pidfd] = (pid, {sid})
+            self._by_pid[pid] = pidfd
+            self._sel.register(pidfd, selectors.EVENT_READ, pidfd)
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -115,15 +121,18 @@ class PeerWatch:
                     self._exited(key.data)
         self._sel.close()
         with self._lock:
-            for pidfd, _ in self._peers.values():
+            for pidfd in self._peers:
                 os.close(pidfd)
             self._peers.clear()
+            self._by_pid.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def _exited(self, pid: int) -> None:
+    def _exited(self, pidfd: int) -> None:
         with self._lock:
-            pidfd, sids = self._peers.pop(pid)
+            pid, sids = self._peers.pop(pidfd)
+            if self._by_pid.get(pid) == pidfd:
+                del self._by_pid[pid]
             self._sel.unregister(pidfd)
             os.close(pidfd)
         ended = leases = 0
@@ -135,3 +144,10 @@ class PeerWatch:
                     ended += 1
         if ended:
             log.info("process %d exited: %d session(s) ended, %d lease(s) with them", pid, ended, leases)
+
+
+def _has_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (its pidfd reads ready), without waiting."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
