@@ -277,7 +277,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if held[2] == 0:
                 del self._held[lid]
                 try:
-                    held[0].release()
+                    # Waited for (this is the adapter's own thread, not LMCache's): once the
+                    # unlock has run, the blocks are evictable. Fire-and-forget let a Delete or
+                    # an eviction right after it find them still pinned (CI saw it once).
+                    held[0].release(wait=True)
                 except Exception as e:  # the daemon drops it at its TTL
                     failed(e)
 
