@@ -26,6 +26,7 @@ from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 log = logging.getLogger("kvstore.vllm")
 
 UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # gRPC codes of a daemon that is not there
+LOST = (*UNREACHABLE, "NOT_FOUND", "CANCELLED")  # a call failing so: the session is gone (Link.lost)
 
 
 # --- logs -------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ class Link:
         closed (and its arena unmapped) by :meth:`retire`, at once on a side that has nothing of
         it in flight (the scheduler), after the step on the worker."""
         code = getattr(getattr(e, "code", None), "name", "")
-        if code in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED") and self.client is not None:
+        if code in LOST and self.client is not None:
             log.warning("kvstore: daemon lost (%s); retrying every %s s", e, self.settings.reconnect_s)
             # This step's handles still hold the client: close it once they are done (retire).
             with self._retired_lock:

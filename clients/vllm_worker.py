@@ -27,7 +27,7 @@ from kvstore.clients.leases import RESERVED, ReadLease
 from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
 from kvstore.clients.vllm_pull import PullFetcher
 from kvstore.clients.vllm_scheduler import BlockSpan, KVStoreConnectorMetadata
-from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
+from kvstore.clients.vllm_setup import LOST, ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
 from kvstore.keys import chain_keys
 from kvstore.tiers.hbm_paged import wait_events
 from kvstore.layout import KVLayout
@@ -440,8 +440,7 @@ def _reserve_all(client, spans: list[BlockSpan], bt: int) -> list[tuple]:
                                        token_ids=span.token_ids[span.start * bt:span.end * bt]), None))
         except Exception as e:  # noqa: BLE001 - handed to the caller, which logs and counts it
             out.append((None, e))
-            if getattr(getattr(e, "code", None), "name", "") in ("UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED",
-                                                                  "CANCELLED"):
+            if getattr(getattr(e, "code", None), "name", "") in LOST:  # Link.lost drops the session
                 break
     return out
 

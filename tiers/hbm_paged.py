@@ -175,7 +175,7 @@ class PagedKV:
         return v
 
     @staticmethod
-    def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    def runs(idx: torch.Tensor) -> list[tuple[int, int, int]] | None:
         """``(first, end, kernel block)`` of each run of consecutive kernel blocks in ``idx``
         (one kernel block per block), or None: blocks split in several kernel blocks, or so
         many runs that one indexed copy does better."""
@@ -188,12 +188,13 @@ class PagedKV:
         bounds = [0, *cuts, flat.numel()]
         return [(a, b, int(flat[a])) for a, b in zip(bounds, bounds[1:])]
 
-    def scatter_blocks(self, l: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+    def scatter_blocks(self, l: int, idx: torch.Tensor, src: torch.Tensor, runs=False) -> None:
         """Write bytes ``src`` ``[n, halves, bt, row]`` (a view of slots: any strides, rows
         contiguous) into layer ``l``'s kernel blocks ``idx`` (:meth:`block_index`), no
         staging: one strided copy per run of consecutive blocks and half (vLLM hands out a
-        fresh request's blocks mostly in runs), else one indexed copy per half."""
-        runs = self._runs(idx)
+        fresh request's blocks mostly in runs), else one indexed copy per half. ``runs``:
+        :meth:`runs` of ``idx`` where the caller has it (one op copies every layer)."""
+        runs = self.runs(idx) if runs is False else runs
         for i, h in enumerate(self.pages[l].halves):
             v = self._block_view(h, src[:, i], idx.shape[1])
             if runs is None:
@@ -203,10 +204,10 @@ class PagedKV:
             for a, b, k in runs:
                 h[k:k + b - a].copy_(v[a:b])
 
-    def gather_blocks(self, l: int, idx: torch.Tensor, dst: torch.Tensor) -> None:
+    def gather_blocks(self, l: int, idx: torch.Tensor, dst: torch.Tensor, runs=False) -> None:
         """Copy layer ``l``'s kernel blocks ``idx`` into bytes ``dst`` ``[n, halves, bt, row]``
         (a view of slots), the inverse of :meth:`scatter_blocks`."""
-        runs = self._runs(idx)
+        runs = self.runs(idx) if runs is False else runs
         for i, h in enumerate(self.pages[l].halves):
             v = self._block_view(h, dst[:, i], idx.shape[1])
             if runs is None:
@@ -297,6 +298,7 @@ class KVMover:
             self.copy_reason = ("the pages are tiled (the CPU backend's AMX layout); the batched kernels take "
                                 "[blocks, heads, tokens, dim] views: using the legacy per-block copies")
         self.batched = None
+        self._last_index: tuple = (None, None, None)  # (rows, offsets, _block_index of them)
         if self.copy_path is not CopyPath.LEGACY:
             try:
                 self.batched = BatchedKV(paged.pages, layout, self.host, self.copy_path, BULK_STAGING_BYTES)
@@ -314,10 +316,14 @@ class KVMover:
         p = self.paged
         if p.device.type != "cpu" or self.batched is not None:
             return None
+        if self._last_index[0] is rows and self._last_index[1] is offsets:
+            return self._last_index[2]  # a layer-wise op: the same rows and slots for every layer
         esize = p.pages[0].halves[0].element_size()
-        if self.chunk % esize or any(o % esize for o in offsets if o is not None):
-            return None
-        return p.block_index(rows, self.layout.block_tokens)
+        idx = None
+        if not (self.chunk % esize or any(o % esize for o in offsets if o is not None)):
+            idx = p.block_index(rows, self.layout.block_tokens)
+        self._last_index = (rows, offsets, idx)
+        return idx
 
     def _whole_blocks(self, idx: torch.Tensor, offsets: Sequence[int | None], layers, copy):
         """Submit ``copy(l, idx_run, slots)`` (:meth:`PagedKV.scatter_blocks` or
@@ -325,9 +331,10 @@ class KVMover:
         straight between the slots and the pages; returns the op's event."""
         def run() -> None:
             for a, b, off in slot_runs(offsets, self.layout.block_bytes):
-                slots = self._slot_blocks(a, b, off)
+                slots, part = self._slot_blocks(a, b, off), idx[a:b]
+                runs = self.paged.runs(part)  # once for every layer
                 for l in layers:
-                    copy(l, idx[a:b], slots[:, l])
+                    copy(l, part, slots[:, l], runs)
 
         self.stream.submit(run)
         return self.stream.record()
