@@ -127,8 +127,16 @@ def arena_mappings(pid: int) -> set[int]:
 
 
 def arena_inode(d) -> int:
-    (ino,) = {os.stat(f"/proc/{d.proc.pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{d.proc.pid}/fd")
-              if "kvstore-arena" in os.readlink(f"/proc/{d.proc.pid}/fd/{fd}")}
+    """Inode of the arena the daemon holds open. Its other fds (client sockets) come and go while
+    the engine reconnects, so an fd listed may be closed before it is read."""
+    found = set()
+    for fd in os.listdir(f"/proc/{d.proc.pid}/fd"):
+        try:
+            if "kvstore-arena" in os.readlink(f"/proc/{d.proc.pid}/fd/{fd}"):
+                found.add(os.stat(f"/proc/{d.proc.pid}/fd/{fd}").st_ino)
+        except FileNotFoundError:
+            continue
+    (ino,) = found
     return ino
 
 
