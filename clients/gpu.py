@@ -24,7 +24,7 @@ copies from before, for A/B); see :mod:`kvstore.tiers.kv_copy`.
 
 Layer-wise store for disaggregated prefill: ``h = path.begin_store(...)``, then
 ``h.store_layer(l)`` after each layer, then ``h.commit()``. The copies themselves are
-:class:`kvstore.tiers.hbm_paged.KVMover`; this module adds the daemon's leases. A worker maps
+:class:`kvstore.clients.hbm_paged.KVMover`; this module adds the daemon's leases. A worker maps
 the daemon's HBM pool with :func:`open_pool` (CUDA IPC).
 
 With CPU tensors (no GPU) the same calls run on an emulated device: the side stream is a copy
@@ -43,7 +43,7 @@ import torch
 
 from kvstore.tiers.hbm import PoolMapping, open_pool
 from kvstore.tiers.hbm_device import CudaEvent, EmuStream
-from kvstore.tiers.hbm_paged import KVMover, PagedKV, wait_events
+from kvstore.clients.hbm_paged import KVMover, PagedKV, wait_events
 from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 from kvstore.clients.leases import RESERVED, CommitOnExit, KVStoreError  # RESERVED: WriteLease state of a slot to fill
 

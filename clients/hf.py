@@ -58,7 +58,7 @@ from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.modelcfg import ModelConfig, from_hf
 from kvstore.tiers.hbm_device import DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin
 from kvstore.tiers.arena import slot_runs
-from kvstore.tiers.hbm_paged import BULK_STAGING_BYTES, LayerPages
+from kvstore.clients.hbm_paged import BULK_STAGING_BYTES, LayerPages
 from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, BatchedKV, CopyPath, resolve_copy_path
 
 log = logging.getLogger("kvstore.hf")

@@ -17,9 +17,9 @@ backend, ...), but what a cell holds is the attention backend's business:
   keep the same orders, pairs of bytes in the ``amx`` tiles (``cpu_attn_fp8.hpp``);
 - MLA backends: one head slot holding the latent, ``kv_lora_rank`` then the rope part.
 
-:func:`layer_pages` turns a view into :class:`~kvstore.tiers.hbm_paged.LayerPages`, logical
+:func:`layer_pages` turns a view into :class:`~kvstore.clients.hbm_paged.LayerPages`, logical
 ``[blocks, heads, tokens, dim]`` K and V views over the same memory, so the copies in
-:mod:`kvstore.tiers.hbm_paged` read and write token rows in kvstore's one canonical order
+:mod:`kvstore.clients.hbm_paged` read and write token rows in kvstore's one canonical order
 (per layer ``[2, block_tokens, kv_heads, head_dim]``, MLA ``[block_tokens, latent]``) whatever
 the backend. A block stored by vLLM on any backend, by the HF adapter or by ``put`` is the same
 bytes for the same tokens. A layout this module does not know is refused with an error naming
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.layout import AttnKind, KVLayout
-from kvstore.tiers.hbm_paged import LayerPages, page_rows
+from kvstore.clients.hbm_paged import LayerPages, page_rows
 
 # Backends whose page cell is [K | V] (each splits the cell at head_size).
 SPLIT_CELL_BACKENDS = frozenset({
@@ -110,7 +110,7 @@ FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 def amx_pages(name: str, view: torch.Tensor, d: int, ratio: int) -> LayerPages:
     """The ``amx`` kernels' halves (``AttentionImpl<ISA::AMX>::reshape_and_cache``, and for fp8
     caches ``reshape_and_cache_fp8_amx_impl``), with ``q = 2`` elements to a pair, as tiled
-    views (:class:`~kvstore.tiers.hbm_paged.LayerPages`):
+    views (:class:`~kvstore.clients.hbm_paged.LayerPages`):
 
     - K: groups of 16 tokens; in a group, for each pair of elements ``d // q``, the 16 tokens'
       ``q`` elements: token ``t``, element ``e`` at ``(t // 16) * 16 D + (e // q) * 16 q +

@@ -18,7 +18,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreError, pack
 from kvstore.clients.vllm_setup import HIT_SOURCES, ConnectorSettings, KVStoreKVEvents, Link
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")

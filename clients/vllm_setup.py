@@ -20,7 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.clients.client import KVStoreClient, KVStoreError, default_socket_path
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
 
 log = logging.getLogger("kvstore.vllm")

@@ -29,7 +29,7 @@ from kvstore.clients.vllm_pull import PullFetcher
 from kvstore.clients.vllm_scheduler import BlockSpan, KVStoreConnectorMetadata
 from kvstore.clients.vllm_setup import LOST, ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
 from kvstore.keys import chain_keys
-from kvstore.tiers.hbm_paged import wait_events
+from kvstore.clients.hbm_paged import wait_events
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.vllm")

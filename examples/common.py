@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from kvstore.bench.vllm_engine import llama_config
-from kvstore.local import LocalDaemon
-from kvstore.local import start_daemon as _start
+from kvstore.app.bench.vllm_engine import llama_config
+from kvstore.app.local import LocalDaemon
+from kvstore.app.local import start_daemon as _start
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -18,7 +18,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build_llama(size: str = "tiny", dtype: str = "fp32", seed: int = 0, max_positions: int = 8192):
     """A ``LlamaForCausalLM`` with seeded random weights (eval mode). The same (size, dtype,
     seed) gives the same weights in every process, and the same as the model
-    :func:`kvstore.bench.vllm_engine.save_llama` writes for vLLM (one config for both), so a
+    :func:`kvstore.app.bench.vllm_engine.save_llama` writes for vLLM (one config for both), so a
     test can hand a prefix from one engine to the other."""
     from transformers import LlamaForCausalLM
 

@@ -1,5 +1,5 @@
 import sys
 
-from kvstore.cli import main
+from kvstore.app.cli import main
 
 sys.exit(main())

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
 MEDIUM = {TierKind.HBM: MEDIUM_GPU, TierKind.DRAM: MEDIUM_CPU, TierKind.NVME: MEDIUM_STORAGE}

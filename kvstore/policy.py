@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,15 +120,23 @@ class _Fit:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
         self.t_last = 0.0
 
+    def copy(self) -> "_Fit":
+        c = _Fit()
+        c.w, c.x, c.y, c.xx, c.xy, c.t_last = self.w, self.x, self.y, self.xx, self.xy, self.t_last
+        return c
+
 
 class BandwidthEstimator:
-    """Online per-path bandwidth and per-transfer latency. Not thread-safe."""
+    """Online per-path bandwidth and per-transfer latency. Thread-safe: the demoter, the NVMe
+    I/O threads, transfers and gRPC threads observe while others read; its own lock guards the
+    fits (held for a few float operations)."""
 
     def __init__(self, config: LoadPolicyConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or LoadPolicyConfig()
         self.clock = clock
         self._fits: dict[str, _Fit] = {}
+        self._lock = threading.Lock()
 
     def observe(self, path: object, nbytes: int, seconds: float) -> None:
         """Record one finished transfer of ``nbytes`` bytes that took ``seconds``."""
@@ -137,20 +146,21 @@ class BandwidthEstimator:
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"seconds: must be a finite number > 0, got {seconds!r}")
         now = self.clock()
-        fit = self._fits.get(key)
-        if fit is None:
-            fit = self._fits[key] = _Fit()
-            keep = 0.0
-        else:
-            age = max(0.0, now - fit.t_last)
-            keep = (1.0 - self.config.alpha) * 0.5 ** (age / self.config.half_life_s)
         x, y = float(nbytes), float(seconds)
-        fit.w = fit.w * keep + 1.0
-        fit.x = fit.x * keep + x
-        fit.y = fit.y * keep + y
-        fit.xx = fit.xx * keep + x * x
-        fit.xy = fit.xy * keep + x * y
-        fit.t_last = now
+        with self._lock:
+            fit = self._fits.get(key)
+            if fit is None:
+                fit = self._fits[key] = _Fit()
+                keep = 0.0
+            else:
+                age = max(0.0, now - fit.t_last)
+                keep = (1.0 - self.config.alpha) * 0.5 ** (age / self.config.half_life_s)
+            fit.w = fit.w * keep + 1.0
+            fit.x = fit.x * keep + x
+            fit.y = fit.y * keep + y
+            fit.xx = fit.xx * keep + x * x
+            fit.xy = fit.xy * keep + x * y
+            fit.t_last = now
 
     @contextmanager
     def timed(self, path: object, nbytes: int) -> Iterator[None]:
@@ -167,7 +177,10 @@ class BandwidthEstimator:
         """The path's current model; the configured prior until its first transfer."""
         key = normalize_path(path)
         prior_bw, prior_lat = self._prior(key)
-        fit = self._fits.get(key)
+        with self._lock:  # one consistent set of sums
+            fit = self._fits.get(key)
+            if fit is not None:
+                fit = fit.copy()
         if fit is None:
             return PathEstimate(key, prior_bw, prior_lat, False, 0.0)
         mx, my = fit.x / fit.w, fit.y / fit.w
@@ -186,7 +199,9 @@ class BandwidthEstimator:
 
     def snapshot(self) -> dict[str, PathEstimate]:
         """Estimates of every measured path (for the bandwidth gauge)."""
-        return {key: self.estimate(key) for key in sorted(self._fits)}
+        with self._lock:
+            keys = sorted(self._fits)
+        return {key: self.estimate(key) for key in keys}
 
     def _prior(self, key: str) -> tuple[float, float]:
         priors = self.config.priors
@@ -304,13 +319,16 @@ def runs_of(paths: Iterable[object]) -> list[tuple[str, int]]:
 
 class LoadPolicy:
     """Decides load-or-recompute per block from measured paths and a prefill cost model.
-    ``counts`` tallies outcomes for the metrics exporter. Not thread-safe."""
+    ``counts`` tallies outcomes for the metrics exporter. Thread-safe: the bandwidth estimator
+    and the tallies carry their own locks, so movers and RPC threads call it without the
+    daemon's lock."""
 
     def __init__(self, config: LoadPolicyConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or LoadPolicyConfig()
         self.bandwidth = BandwidthEstimator(self.config, clock=clock)
         self.counts: dict[LoadChoice, int] = {o: 0 for o in LoadChoice}
+        self._count_lock = threading.Lock()
 
     def observe(self, path: object, nbytes: int, seconds: float) -> None:
         """Record a finished transfer on ``path`` (see :meth:`BandwidthEstimator.observe`)."""
@@ -356,7 +374,8 @@ class LoadPolicy:
         step = np.repeat(per_block_s, n_arr) + opens * np.repeat(latency_s, n_arr)
         matched = blocks * block_tokens
         if blocks == 0:
-            self.counts[LoadChoice.NONE] += 1
+            with self._count_lock:
+                self.counts[LoadChoice.NONE] += 1
             return Decision(LoadChoice.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
         load = np.concatenate([[0.0], np.cumsum(step)])            # load[j]: first j blocks
         starts = np.arange(blocks + 1, dtype=np.float64) * block_tokens
@@ -366,7 +385,8 @@ class LoadPolicy:
         slowest = min((ests[k] for k in used), key=lambda e: e.bytes_per_s)
         best = int(blocks - np.argmin(total[::-1]))                # last minimum: ties load more
         outcome = LoadChoice.LOAD if best == blocks else LoadChoice.RECOMPUTE if best == 0 else LoadChoice.PARTIAL
-        self.counts[outcome] += 1
+        with self._count_lock:
+            self.counts[outcome] += 1
         reason = (f"{outcome.value}: load {best}/{blocks} blocks in {load[best] * 1e3:.3f} ms + "
                   f"recompute {matched - best * block_tokens} tokens in {recompute[best] * 1e3:.3f} ms; "
                   f"all-load {load[-1] * 1e3:.3f} ms, all-recompute {recompute[0] * 1e3:.3f} ms; "

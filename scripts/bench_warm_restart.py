@@ -2,7 +2,7 @@
 """Warm restart figure: fill a daemon with DRAM tier D and an NVMe tier with chains of 1.5 x D,
 go idle, SIGTERM, restart, and report the fraction of blocks servable bit-exact (Lookup + get)
 and the shutdown time as a ratio to fio writing the same bytes (O_DIRECT, same directory, same
-run; tiers/nvme/bench.py's reference).
+run; kvstore/app/bench/nvme_tier.py's reference).
 
     .venv/bin/python scripts/bench_warm_restart.py --dir /tmp/warm --dram 1GiB 4GiB
 
@@ -25,8 +25,8 @@ import numpy as np
 
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
-from kvstore.local import start_daemon
-from kvstore.tiers.nvme.bench import parse_bytes, run_fio, run_python_reference
+from kvstore.app.local import start_daemon
+from kvstore.app.bench.nvme_tier import parse_bytes, run_fio, run_python_reference
 
 LAYOUT = KVLayout(32, 8, 128, "fp16", "mha")  # 2 MiB blocks of 16 tokens
 CHAIN = 32  # blocks per sequence (64 MiB)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from kvstore.cli import build_parser, cmd_serve
+from kvstore.app.cli import build_parser, cmd_serve
 from kvstore.daemon.main import Daemon
 
 

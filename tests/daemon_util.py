@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.local import wait_serving
+from kvstore.app.local import wait_serving
 
 LOG_TAIL = 4000  # characters of a daemon's log shown when it misbehaves
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from kvstore.cli import build_parser, cmd_serve
+from kvstore.app.cli import build_parser, cmd_serve
 from kvstore.daemon.main import Daemon
 from kvstore.transport import Sender
 

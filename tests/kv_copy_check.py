@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.hbm_paged import KVMover, PagedKV
+from kvstore.clients.hbm_paged import KVMover, PagedKV
 from kvstore.tiers.kv_copy import CopyPath
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.local import start_daemon
+from kvstore.app.local import start_daemon
 from kvstore.v1 import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(4, 2, 64, "fp16")
@@ -185,7 +185,7 @@ def test_bad_config_is_a_clear_error_before_anything_starts(tmp_path):
 
 
 def test_a_local_daemon_in_a_directory_too_deep_for_a_socket_path_still_starts(tmp_path):
-    """``kvstore.local.start_daemon`` (the benchmarks' daemons, ``--dir`` anywhere): a work
+    """``kvstore.app.local.start_daemon`` (the benchmarks' daemons, ``--dir`` anywhere): a work
     directory whose socket path would pass the 107-byte limit gets its sockets in a private
     directory of their own, removed at stop; the log stays in the work directory."""
     deep = tmp_path / ("d" * 100)

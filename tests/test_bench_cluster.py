@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstore.bench.cluster import table
+from kvstore.app.bench.cluster import table
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make sysdeps installs etcd-server)")

@@ -11,9 +11,9 @@ import sys
 import msgspec
 
 from kvstore import kv_events as ev
-from kvstore.bench.cluster_sim import SimNode, Workload
+from kvstore.app.bench.cluster_sim import SimNode, Workload
 from kvstore.cluster.directory import Directory
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 
 def test_cluster_sim_runs_from_the_cli_with_churn():

@@ -38,7 +38,7 @@ def test_bench_vllm_json_tiny(tmp_path):
         assert abs(row["floor_ms"][c] - (row["ttft_steady_ms"]["vllm_hit"] + raw["bytes"] / gbps / 1e6)) < 0.02
         assert abs(row["ratios"][f"steady_{c}_over_floor"] - row["ttft_steady_ms"][c] / row["floor_ms"][c]) < 0.01
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
-    from kvstore.bench.vllm import table
+    from kvstore.app.bench.vllm import table
 
     text = table(r)  # the default output, from the same figures
     assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1

@@ -13,7 +13,7 @@ import pytest
 from kvstore.cluster.directory import BYTES_PER_ENTRY, Directory, PrefixHit
 from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig, PeerStream, SyncState
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, stored_events
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from wait_util import wait_for
 
 DRAM, NVME, HBM = TierKind.DRAM, TierKind.NVME, TierKind.HBM

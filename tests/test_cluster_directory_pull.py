@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from kvstore.bench.cluster import fleet_certificates  # noqa: E402
+from kvstore.app.bench.cluster import fleet_certificates  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from tests.daemon_util import free_port  # noqa: E402

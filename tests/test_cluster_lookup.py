@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore import cli
-from kvstore.bench.cluster import fleet_certificates
+from kvstore.app import cli
+from kvstore.app.bench.cluster import fleet_certificates
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb, peer_pb2 as ppb, peer_pb2_grpc as peer_grpc

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.bench.cluster import fleet_certificates
+from kvstore.app.bench.cluster import fleet_certificates
 from kvstore.clients import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb, peer_pb2 as ppb, peer_pb2_grpc as peer_grpc

@@ -11,7 +11,7 @@ from kvstore.cluster.directory import Directory  # noqa: E402
 from kvstore.cluster.holders import DirectoryRemoteHits  # noqa: E402
 from kvstore.cluster.member import Member  # noqa: E402
 from kvstore.kv_events import stored_events  # noqa: E402
-from kvstore.tiers.base import TierKind  # noqa: E402
+from kvstore.tier_kind import TierKind  # noqa: E402
 
 K = [bytes([i]) * 32 for i in range(8)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import config as C
-from kvstore.bench.cluster import fleet_certificates
+from kvstore.app.bench.cluster import fleet_certificates
 from kvstore.cluster.etcd import prefix_end
 from kvstore.cluster.member import Member
 from kvstore.daemon.pull import PeerLinks

@@ -175,7 +175,7 @@ def test_namespace_quota_evicts_its_own_blocks_first(env):
 def _forest(rng, n):
     """``n`` DRAM blocks in random trees with random ticks, all in one Lru."""
     from kvstore.daemon.index import Block, BlockState, Lru
-    from kvstore.tiers.base import TierKind
+    from kvstore.tier_kind import TierKind
 
     blocks, lru = [], Lru()
     for i in range(n):
@@ -202,7 +202,7 @@ def test_victim_stream_is_exact_leaves_first_lru_order(seed):
     caller drops each victim; blocks it refused go back to the heap when it closes."""
     import numpy as np
 
-    from kvstore.tiers.base import TierKind
+    from kvstore.tier_kind import TierKind
 
     rng = np.random.default_rng(seed)
     blocks, lru = _forest(rng, 400)
@@ -239,7 +239,7 @@ def test_victim_stream_is_exact_leaves_first_lru_order(seed):
 def test_victim_stream_skips_blocks_discarded_meanwhile():
     import numpy as np
 
-    from kvstore.tiers.base import TierKind
+    from kvstore.tier_kind import TierKind
 
     blocks, lru = _forest(np.random.default_rng(7), 50)
     for b in blocks:
@@ -267,7 +267,7 @@ def test_reserve_evicts_a_long_chain_tail_first_in_one_pass(env):
     b = chain(6, 8)
     put(core, s, b)
     assert core.lower.evicted == a[31:23:-1]
-    assert core._passes is None  # the pass closed with the reservation
+    assert core.residency._passes is None  # the pass closed with the reservation
     assert len(core.lookup(s, b"".join(a))[0]) == 24
 
 
@@ -304,7 +304,7 @@ def test_slots_freed_tail_first_are_handed_out_in_ascending_order(env):
 
 def test_core_victims_merges_namespaces_by_recency(env):
     core, s, clock = env
-    from kvstore.tiers.base import TierKind
+    from kvstore.tier_kind import TierKind
 
     s2 = core.register(Namespace("m2", LAYOUT))
     order = []

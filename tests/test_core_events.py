@@ -13,7 +13,7 @@ from kvstore.errors import Code, KVError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.dram import DramTier
 
 LAYOUT = KVLayout(2, 1, 64, "fp16", block_tokens=16)  # 8 KiB blocks

@@ -14,7 +14,7 @@ from kvstore.clients.leases import KVStoreError
 from kvstore.daemon import transfer_meta
 from kvstore.daemon.index import Block
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from wait_util import wait_for

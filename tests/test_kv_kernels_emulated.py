@@ -22,7 +22,7 @@ from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig  # noqa: E402
-from kvstore.tiers.hbm_paged import KVMover, PagedKV  # noqa: E402
+from kvstore.clients.hbm_paged import KVMover, PagedKV  # noqa: E402
 from kvstore.tiers.kv_copy import CopyPath, copy_spans, resolve_copy_path  # noqa: E402
 
 KERNEL_PATHS = ["zerocopy", "staged"]

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from kvstore import config as C
-from kvstore.cli import build_parser
+from kvstore.app.cli import build_parser
 from kvstore.keys import Namespace, chain_keys
 from kvstore.layout import BLOCK_FORMAT, KVLayout, LayoutError
-from kvstore.plan import parse_plan_size
+from kvstore.app.plan import parse_plan_size
 
 
 def test_exact_sizes():

@@ -25,7 +25,7 @@ def test_concurrent_registers_write_every_namespace_and_a_whole_file(tmp_path):
                                    extent_bytes=EXTENT), metrics=Metrics())
     try:
         core = Core(DramTier(arena, EXTENT), CoreConfig())
-        tiering = Tiering(core, NvmeCopies(nvme, cfg.nvme), cfg.nvme, cfg.dram, metrics=Metrics(), policy=LoadPolicy())
+        tiering = Tiering(core.residency, NvmeCopies(nvme, cfg.nvme), cfg.nvme, cfg.dram, metrics=Metrics(), policy=LoadPolicy())
         layout = KVLayout(2, 1, 64, "fp16", block_tokens=16)
         for trial in range(20):
             states = [core.ns_state(Namespace(f"m{trial}", layout, rank, 8)) for rank in range(8)]  # a TP=8 engine

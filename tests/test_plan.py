@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.layout import DType, LayoutError
 from kvstore.modelcfg import ModelConfigError, from_hf, load_config, load_preset, preset_names
-from kvstore.plan import (GB, GIB, PlanError, PlanOptions, build_plan, main, parse_plan_size, parse_rate,
+from kvstore.app.plan import (GB, GIB, PlanError, PlanOptions, build_plan, main, parse_plan_size, parse_rate,
                           parse_tokens)
 from kvstore.policy import PrefillCostModel
 

@@ -135,7 +135,7 @@ def make(tmp_path):
         copies = NvmeCopies(tier, cfg)
         core = Core(DramTier(arena, EXTENT), CoreConfig(max_keys=1024), lower=copies, clock=clock)
         metrics = Metrics()
-        tiering = Tiering(core, copies, cfg, DramConfig(), metrics=metrics, policy=LoadPolicy(), clock=clock)
+        tiering = Tiering(core.residency, copies, cfg, DramConfig(), metrics=metrics, policy=LoadPolicy(), clock=clock)
         env = Env(core, tiering, tier, clock, metrics, tiering.recover())  # recovery first, as at start
         env.s = env.session()
         return env
@@ -307,6 +307,31 @@ def test_delete_and_read_while_a_demotion_is_in_flight(make):
         env.core.release(env.s, lease.id)
         assert env.core.delete(env.s, b[3]) == (1, 0)
     assert env.nvme_keys() == {c[3]}                     # deleting drops the NVMe copies too
+
+
+def test_a_block_pinned_while_its_demotion_writes_joins_the_nvme_lru(make):
+    """A reader pins a block while its NVMe write is in flight: the block keeps its DRAM copy and
+    gains an NVMe copy, which NVMe eviction and the namespace quota must see (the demoter once set
+    ``on_nvme`` by hand and left such a block out of the NVMe LRU, so a quota of 5 blocks let 6
+    stay on NVMe)."""
+    env = make(namespace_quota_bytes=5 * BLOCK)
+    a, b, c, *_ = fill(env)
+    seen = []
+
+    def meanwhile(keys):
+        with env.core.lock:
+            seen.append(env.core.acquire(env.s, b[3], allow_partial=False)[0])
+
+    env.nvme.during_next_put(meanwhile)
+    assert env.tiering.run_round() == 2
+    b3 = env.block(b[3])
+    assert (b3.tier, b3.ref_cnt) == (DRAM, 1)
+    on_nvme = {blk.key for blk in env.s.ns.blocks.values() if blk.on_nvme}
+    lru = env.core.lru(NVME, env.s.ns.id)
+    assert len(lru) == len(on_nvme) == len(env.nvme_keys()) == 5
+    assert on_nvme == env.nvme_keys()
+    if b3.on_nvme:
+        assert b3 in lru
 
 
 # --- promotion and prefetch -------------------------------------------------------------------

@@ -312,7 +312,7 @@ def test_print_config_and_help_name_the_files_never_a_secret(tmp_path):
     assert 'accept = {"node-a" = ["m1", "m2"], "*" = ["m3"]}' in p.stdout
     import tomllib
     assert tomllib.loads(p.stdout)["transport"]["accept"] == {"node-a": ["m1", "m2"], "*": ["m3"]}
-    from kvstore.cli import build_parser
+    from kvstore.app.cli import build_parser
     helptext = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--transport-secret-file", "--transport-tls-cert-file", "--transport-tls-key-file",
                  "--transport-tls-ca-file", "--transport-allow-unauthenticated", "--transport-accept",

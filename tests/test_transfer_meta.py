@@ -9,7 +9,7 @@ from kvstore.daemon.index import Block
 from kvstore.daemon.transfer_meta import TransferMeta, decode, encode
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 NS = Namespace("m", KVLayout(2, 1, 64, "fp16", block_tokens=16), tenant_salt="t")
 TOKENS = [bytes([i]) * 64 for i in range(3)]  # three blocks of 16 int32 ids

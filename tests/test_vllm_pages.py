@@ -32,7 +32,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath, PagedKV  # noqa: E402
 from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, cpu_pages, layer_pages  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
-from kvstore.tiers.hbm_paged import LayerPages  # noqa: E402
+from kvstore.clients.hbm_paged import LayerPages  # noqa: E402
 
 LAYERS, HEADS, NUM_BLOCKS = 2, 2, 12
 LORA, ROPE = 64, 16  # MLA latent: kv_lora_rank + qk_rope_head_dim elements per token

@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 
-from kvstore.bench.cluster import fleet_certificates  # noqa: E402
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
+from kvstore.app.bench.cluster import fleet_certificates  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.layout import DType  # noqa: E402
 from kvstore.modelcfg import from_hf  # noqa: E402

@@ -2,7 +2,7 @@
 ``kv_connector_extra_config`` or an unreachable daemon that is required fails the start before
 any model loads, and kvstore's log lines come out in vLLM's format at vLLM's level.
 
-The engines are fresh vLLM processes (:mod:`kvstore.bench.vllm_engine`) on a seeded tiny
+The engines are fresh vLLM processes (:mod:`kvstore.app.bench.vllm_engine`) on a seeded tiny
 Llama. "Before any model loads" is read from the engine's own log: vLLM's model runner logs
 ``Starting to load model`` as the load starts (the good engines show that line), so a start
 that fails without it failed before the load, however fast or slow the machine is.
@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama  # noqa: E402
 from kvstore.clients.vllm_setup import (ConnectorSettings, ToVllmHandlers, join_vllm_logging,  # noqa: E402
                                         reach_daemon)
 

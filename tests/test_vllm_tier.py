@@ -267,7 +267,7 @@ def test_chunk_formats_that_differ_get_different_namespaces(daemon):
 
 @pytest.fixture(scope="module")
 def offload_engine(module_daemon, tmp_path_factory):
-    from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+    from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama
 
     work = tmp_path_factory.mktemp("offload-engine")
     model = save_llama(work / "model", "tiny")
@@ -318,7 +318,7 @@ def test_the_primary_tier_file_is_gone_once_mapped_and_a_killed_engine_leaves_no
     serves a hit with the same tokens, and SIGKILL of every engine process leaves nothing."""
     import psutil
 
-    from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+    from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama
     from kvstore.clients.vllm_offload_cpu import region_path
 
     engine_id = f"kvstore-unlink-{uuid.uuid4().hex[:8]}"

@@ -22,7 +22,7 @@ from kvstore.errors import REFUSAL_KEY
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout, LayoutError
 from kvstore.tiers.arena import Arena, send_fd
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

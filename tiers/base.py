@@ -18,7 +18,6 @@ protocols. Sizes are bytes, times seconds (access times: Unix seconds).
 
 from __future__ import annotations
 
-import enum
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
@@ -29,16 +28,8 @@ if TYPE_CHECKING:
     from kvstore.tiers.arena import Arena
     from kvstore.tiers.nvme import NvmeBatch, NvmeEntry, PutItem
 
+from kvstore.tier_kind import TierKind  # noqa: F401 (the tiers' vocabulary, re-exported)
 from kvstore.v1 import kvstore_pb2 as pb
-
-
-class TierKind(enum.IntEnum):
-    """A tier; its value is the ``kvstore.v1.Tier`` the wire carries (TIER_UNSPECIFIED has none)."""
-
-    HBM = pb.TIER_HBM
-    DRAM = pb.TIER_DRAM
-    NVME = pb.TIER_NVME
-    REMOTE = pb.TIER_REMOTE
 
 
 class TierError(RuntimeError):

@@ -253,7 +253,7 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class BatchedKV:
-    """The batched gather/scatter of :class:`~kvstore.tiers.hbm_paged.KVMover` for the
+    """The batched gather/scatter of :class:`~kvstore.clients.hbm_paged.KVMover` for the
     zero-copy and staged paths: ``store_layer`` / ``load_layer`` are one launch (plus, staged,
     one DMA per run of adjacent slots), ``store_all`` / ``load_all`` one launch per staging
     step (zero-copy: one launch in all). Offsets are arena byte offsets (None: skip)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvstore.kv_events import TIER_OF_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 # Fastest first: the order a prefix's blocks are best read from.
 _SPEED = (TierKind.HBM, TierKind.DRAM, TierKind.NVME)

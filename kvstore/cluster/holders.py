@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstore.cluster.member import Member
 from kvstore.cluster.stream import ClusterDirectory
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 
 class DirectoryHolders:

@@ -9,7 +9,7 @@ from kvstore.config import PolicyConfig
 from kvstore.daemon.core import NsState
 from kvstore.daemon.metrics import Metrics
 from kvstore.policy import Decision, LoadPolicy, PrefillCostModel
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 
 class Advisor:

@@ -1,41 +1,37 @@
-"""The daemon's state: namespaces, sessions, the block index, what leases do to blocks (the
-table of them is :mod:`kvstore.daemon.leases`) and DRAM eviction.
+"""The daemon's state: namespaces, sessions, the block index and the write and read protocol
+(reserve, commit, acquire, release, delete), and what leases do to blocks (the table of them is
+:mod:`kvstore.daemon.leases`).
 
 Single-threaded and plain: every method is called with ``Core.lock`` held. The lock is taken at
 the edges of the daemon, never inside the core: by the gRPC servicer (one hold per RPC's
-metadata step) and by each background worker (tier movement, HBM copies, transfers, the reaper)
-for its short metadata steps, with the lock released while data moves. See
-docs/architecture.md.
+metadata step) and by the transfer sides and the reaper for their short metadata steps.
 
-What the core needs from the tiers around DRAM is :class:`~kvstore.daemon.seams.LowerTiers`,
-passed to its constructor: whether an NVMe copy exists, whether a block must reach NVMe before
-DRAM drops it, and notices when a copy or a DRAM slot goes; and it reports each block entering
-or leaving a tier to :class:`~kvstore.daemon.seams.BlockEvents`. The core never calls tier
-movement back; tier movement calls the core's public methods.
+Where a block lives is :class:`~kvstore.daemon.residency.Residency`'s (``Core.residency``; it
+owns the lock the core shares): the core places a block when it reserves it and asks the
+residency for everything else (slots, eviction, frees, NVMe copies). Tier movers work on the
+residency, never on the core. See docs/architecture.md.
 
-Eviction is leaves-first LRU: the least recently used unpinned block that has no cached
-children in its tier goes first. A miss is a normal answer; failures are :class:`KVError`.
+A miss is a normal answer; failures are :class:`KVError`.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
-from kvstore.daemon.index import Block, BlockState, Lru, TierLrus
+from kvstore.daemon.index import Block, BlockState, Lru, NsState
+from kvstore.daemon.residency import QuotaFlag, Residency
 from kvstore.daemon.leases import Lease, LeaseKind, LeaseTable
-from kvstore.daemon.seams import BlockEvents, DramOnly, LowerTiers, NoEvents
+from kvstore.daemon.seams import BlockEvents, LowerTiers
 from kvstore.keys import KEY_BYTES, Namespace, check_token_count
 from kvstore.daemon.sessions import Session, SessionEnd, SessionTable
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.dram import DramTier
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -58,52 +54,6 @@ class CoreConfig:
                    hot_after_reads=cfg.hbm.admit_reads if cfg.hbm.capacity_bytes else 0)
 
 
-_TIER_BITS = tuple((t, 1 << t) for t in (TierKind.HBM, DRAM, NVME))
-
-
-def held_tiers(b: Block) -> int:
-    """The tiers ``b`` is readable from, as bits ``1 << TierKind``: 0 unless committed (a
-    forgotten block is RESERVED again)."""
-    if b.state is not BlockState.COMMITTED:
-        return 0
-    bits = 0
-    if b.tier is DRAM and b.offset >= 0:
-        bits |= 1 << DRAM
-    if b.on_nvme:
-        bits |= 1 << NVME
-    if b.hbm_slot >= 0:
-        bits |= 1 << TierKind.HBM
-    return bits
-
-
-@dataclass(slots=True)
-class DramPressure:
-    """Back-pressure between writers and the demoter, shared by the core (which refuses a
-    reservation as transient while these say room is coming) and tier movement (which sets
-    ``moving`` and reads ``waiting`` and ``demand_bytes``)."""
-
-    waiting: bool = False  # a writer was refused for lack of room that demotion would make
-    moving: int = 0  # blocks whose DRAM slot is being copied to NVMe right now
-    demand_bytes: int = 0  # room the last such refusal needed
-
-
-@dataclass(slots=True)
-class QuotaFlag:
-    hit: bool = False  # an allocation failed on the namespace quota, not on the tier
-
-
-@dataclass(slots=True, eq=False)
-class NsState:
-    ns: Namespace
-    id: bytes
-    block_bytes: int
-    blocks: dict[bytes, Block] = field(default_factory=dict)
-    sessions: int = 0
-    prefill_tokens_per_s: float = 0.0
-    model_params: float = 0.0
-    cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
-
-
 def split_keys(packed: bytes, limit: int) -> list[bytes]:
     """Packed 32-byte keys -> list; INVALID_ARGUMENT on a bad length or over ``limit``."""
     if len(packed) % KEY_BYTES:
@@ -115,34 +65,34 @@ def split_keys(packed: bytes, limit: int) -> list[bytes]:
 
 
 class Core:
-    def __init__(self, dram: DramTier, cfg: CoreConfig, *, lower: LowerTiers | None = None,
+    def __init__(self, dram: DramTier, cfg: CoreConfig, *, lower: LowerTiers | None = None, hbm=None,
                  doorbells: Doorbells | None = None, metrics=None, events: BlockEvents | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.lock = threading.RLock()
-        # Notified (under the lock) when blocks finish moving between tiers: demotions and
-        # durable writes free DRAM, promotions land.
-        self.changed = threading.Condition(self.lock)
+        # Where blocks live, and the daemon's one lock: see kvstore.daemon.residency.
+        self.residency = res = Residency(dram, lower=lower, hbm=hbm, events=events, metrics=metrics,
+                                         ns_quota_bytes=lambda: self.cfg.ns_quota_bytes)
+        self.lock = res.lock
+        self.changed = res.changed  # notified (under the lock) when moves land
         self.dram = dram
         self.cfg = cfg
-        self.lower: LowerTiers = lower if lower is not None else DramOnly()
+        self.lower = res.lower
         self.doorbells = doorbells
         self.metrics = metrics
-        self.events: BlockEvents = events if events is not None else NoEvents()
-        self._quiet = events is None  # no stream: announce() costs nothing on the commit path
         # Token ids are for the KV events alone: a daemon without them neither hashes a
         # writer's token ids against its keys nor keeps them (about 100 bytes a block).
         self.keeps_tokens = events is not None
         self.clock = clock
-        self.namespaces: dict[bytes, NsState] = {}
+        self.namespaces: dict[bytes, NsState] = res.namespaces
         self.sessions = SessionTable(cfg.session_ttl_s, clock)
         self.leases = LeaseTable(cfg.lease_ttl_s, clock, doorbells)
-        self.lrus = TierLrus()
-        self.pressure = DramPressure()
-        self.tick = 0  # recency counter behind every Block.tick
+        self.lrus = res.lrus
         self._own_ids = itertools.count(1)
-        self._hot: list[Block] = []  # blocks read hot_after_reads times, for the HBM copier
-        self._passes: dict[bytes, Iterator[Block]] | None = None  # open DRAM victim streams (eviction_pass)
         self.writes_refused = ""  # why new blocks are refused (draining before a shutdown); "" = taken
+
+    @property
+    def pressure(self):
+        """DRAM back-pressure (read-only here: :class:`Residency` writes it)."""
+        return self.residency.pressure
 
     def configure(self, cfg: CoreConfig) -> None:
         """Apply a reloaded config (SIGHUP): TTLs and limits take effect on the next call."""
@@ -154,10 +104,7 @@ class Core:
     def ns_state(self, ns: Namespace) -> NsState:
         """The namespace's state, created on first use (Register, an incoming transfer, NVMe
         recovery)."""
-        st = self.namespaces.get(ns.root)
-        if st is None:
-            st = self.namespaces[ns.root] = NsState(ns, ns.root, ns.layout.block_bytes)
-        return st
+        return self.residency.ns_state(ns)
 
     def register(self, ns: Namespace, prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> Session:
         block_bytes = ns.layout.block_bytes
@@ -224,42 +171,26 @@ class Core:
             if b is None or b.state is not committed:
                 break
             append(b)
-        tick = self.tick + len(hits) + 1
+        res = self.residency
+        tick = res.tick + len(hits) + 1
         tiers = bytearray(len(hits))
         for i, b in enumerate(hits):  # root most recent: ancestors outlive their descendants
             tick -= 1
             b.tick = tick
             b.hits += 1
             tiers[i] = b.tier
-        self.tick += len(hits)
+        res.tick += len(hits)
         return hits, bytes(tiers)
 
     def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
-        return self.lrus.lru(tier, ns_id)
+        return self.residency.lru(tier, ns_id)
 
     def touch(self, b: Block) -> None:
-        self.tick += 1
-        b.tick = self.tick
+        self.residency.touch(b)
 
     def announce(self, b: Block) -> None:
-        """Tell the event stream which tiers ``b`` is in now. Idempotent: whoever changes a
-        block's tiers (commit, eviction, demotion, promotion, an HBM copy, forget) calls it
-        after the change."""
-        if self._quiet:
-            return
-        now = held_tiers(b)
-        was = b.announced
-        if now == was:
-            return
-        b.announced = now
-        for tier, bit in _TIER_BITS:
-            if was & bit and not now & bit:
-                self.events.removed(b, tier)
-        if now & ~was:
-            ns = self.namespaces[b.ns_id].ns
-            for tier, bit in _TIER_BITS:
-                if now & bit and not was & bit:
-                    self.events.stored(b, ns, tier)
+        """Tell the event stream which tiers ``b`` is in now (see :meth:`Residency.announce`)."""
+        self.residency.announce(b)
 
     # --- write path ------------------------------------------------------------------------
     def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False, tokens: bytes = b""
@@ -307,16 +238,14 @@ class Core:
         lease = self.leases.new(LeaseKind.WRITE, s, [])
         quota = QuotaFlag()
         try:
-            with self.eviction_pass():
+            with self.residency.eviction_pass():
                 for i in todo:
-                    off = self._allocate(ns, quota)
+                    off = self.residency.allocate_slot(ns, quota)
                     if off is None and quota.hit:
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       f"namespace quota of {self.cfg.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
                                       "is reached and none of this namespace's blocks can be evicted")
-                    if off is None and (self.pressure.waiting or self.pressure.moving):
-                        self.pressure.waiting = True
-                        self.pressure.demand_bytes = len(todo) * self.dram.slot_stride(ns.block_bytes)
+                    if off is None and self.residency.refuse_for_room(len(todo) * self.dram.slot_stride(ns.block_bytes)):
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
                                       transient=True, refusal=pb.REFUSAL_DRAM_DEMOTING)
@@ -340,168 +269,22 @@ class Core:
             b.offset = off
         for i, b in zip(todo, lease.blocks):
             offsets[i] = b.offset
-        self.pressure.demand_bytes = 0
-        self.pressure.waiting = False
+        self.residency.room_found()
         if doorbell and self.doorbells is not None:
             lease.doorbell = self.doorbells.alloc()
         self.leases.add(lease)
         return lease, offsets, bytes(states)
 
     def allocate_slot(self, ns: NsState) -> int | None:
-        """A DRAM slot for one of ``ns``'s blocks, evicting leaves-first to make room; None when
-        nothing more can be evicted."""
-        return self._allocate(ns, QuotaFlag())
-
-    def _allocate(self, ns: NsState, quota: QuotaFlag) -> int | None:
-        limit = self.cfg.ns_quota_bytes
-        if limit:  # over its quota a namespace makes room among its own blocks only
-            stride = self.dram.slot_stride(ns.block_bytes)
-            while self.dram.ns_bytes.get(ns.id, 0) + stride > limit:
-                if not self._evict_one(ns, own_only=True):
-                    quota.hit = True
-                    return None
-        off = self.dram.allocate(ns.id, ns.block_bytes)
-        while off is None:
-            if not self._evict_one(ns):
-                return None
-            off = self.dram.allocate(ns.id, ns.block_bytes)
-        return off
-
-    @contextmanager
-    def eviction_pass(self):
-        """Evictions inside (under one hold of the lock) share one pass over each namespace's
-        DRAM LRU (``Lru.victims``): making room for n blocks at the end of an m-block chain costs
-        O(m + n log m), where n single pops cost O(n m log m)."""
-        if self._passes is not None:
-            yield
-            return
-        self._passes = {}
-        try:
-            yield
-        finally:
-            streams, self._passes = self._passes, None
-            for g in streams.values():
-                g.close()
-
-    @staticmethod
-    def _dram_leaf(b: Block) -> bool:
-        return not b.busy and not b.has_kids_in(DRAM)
-
-    def _dram_victim(self, ns_id: bytes) -> Block | None:
-        """Pop ``ns_id``'s least recent evictable DRAM leaf, from the open pass if there is one."""
-        if self._passes is None:
-            return self.lru(DRAM, ns_id).pop_victim(self._dram_leaf)
-        g = self._passes.get(ns_id)
-        if g is None:
-            g = self._passes[ns_id] = self.lru(DRAM, ns_id).victims(self._dram_leaf)
-        return next(g, None)
-
-    def _evict_one(self, ns: NsState, own_only: bool = False) -> bool:
-        """Evict one DRAM block: this namespace's least recent leaf (its slots fit exactly),
-        else the least recent leaf of the namespace whose LRU head is oldest, until one of
-        that namespace's extents frees up."""
-        victim = self._dram_victim(ns.id)
-        if victim is None and not own_only:
-            victim = self.lrus.pop_victim(DRAM, self._dram_leaf, exclude=ns.id, take=self._dram_victim)
-        if victim is None:
-            return False
-        if self.lower.must_demote(victim):
-            # Its data would be lost: put it back and let the writer retry once the
-            # background demotion has moved it (back-pressure, not loss).
-            self.lru(DRAM, victim.ns_id).add(victim)
-            self.pressure.waiting = True
-            return False
-        self.evict_from_dram(victim)
-        return True
-
-    def evict_from_dram(self, b: Block) -> None:
-        """Drop ``b``'s DRAM copy for room: it stays as an NVMe block if its NVMe copy is
-        usable, else it is forgotten."""
-        self._drop_from_dram(b, "capacity")
-
-    def _drop_from_dram(self, b: Block, reason: str) -> None:
-        kept = reason == "capacity" and b.on_nvme and self.lower.holds_copy(b)
-        self.lru(DRAM, b.ns_id).discard(b)
-        self._free_slot(b, reason)
-        if kept:
-            b.tier, b.offset = NVME, -1
-            self.lru(NVME, b.ns_id).add(b)
-            self.announce(b)
-        else:
-            self.forget(b)
-        if self.metrics:
-            self.metrics.evictions.labels(tier="dram", reason=reason).inc()
-
-    def _free_slot(self, b: Block, reason: str) -> None:
-        self.lower.dram_freed(b, reason)
-        self.dram.free(b.ns_id, b.offset)
-
-    def free_dropped(self, b: Block) -> None:
-        """Free the DRAM slot of a block that was deleted or dropped while pinned or under I/O
-        (once its last reader or the I/O let go)."""
-        if b.tier is DRAM and b.offset >= 0 and b.ref_cnt == 0:
-            self._free_slot(b, "dropped")
-            b.offset = -1
+        """A DRAM slot for one of ``ns``'s blocks (see :meth:`Residency.allocate_slot`)."""
+        return self.residency.allocate_slot(ns)
 
     def forget(self, b: Block) -> None:
-        """Take ``b`` out of the index and its chain (its slots are the caller's business)."""
-        ns = self.namespaces.get(b.ns_id)
-        if ns is not None and ns.blocks.get(b.key) is b:
-            del ns.blocks[b.key]
-        if b.parent is not None:
-            b.parent.kids.discard(b)
-        for k in b.kids:
-            k.parent = None
-        b.kids = set()
-        b.state = BlockState.RESERVED
-        self.announce(b)
-
-    def add_recovered(self, st: NsState, key: bytes, parent_key: bytes | None) -> Block:
-        """Index a committed block found on NVMe at start (chains are linked by
-        :meth:`link_recovered` once every block is in)."""
-        b = Block(key, st.id, NVME, -1, state=BlockState.COMMITTED, parent_key=parent_key, on_nvme=True)
-        st.blocks[key] = b
-        self.touch(b)
-        self.announce(b)
-        return b
-
-    def link_recovered(self) -> list[Block]:
-        """Link recovered blocks into their chains; returns those a prefix read can never reach
-        (a chain parent that was not recovered, or whose own chain is broken), for the caller
-        to reclaim. They are already out of the index."""
-        for st in self.namespaces.values():
-            for b in st.blocks.values():
-                p = st.blocks.get(b.parent_key) if b.parent_key else None
-                if p is not None:
-                    b.parent = p
-                    p.kids.add(b)
-        reached, todo = set(), [b for st in self.namespaces.values() for b in st.blocks.values() if b.parent_key is None]
-        while todo:  # plain walk from the roots: start-up on millions of blocks needs no order
-            b = todo.pop()
-            reached.add(id(b))
-            todo.extend(b.kids)
-        lost = [b for st in self.namespaces.values() for b in st.blocks.values() if id(b) not in reached]
-        for b in lost:
-            self.forget(b)
-        return lost
+        self.residency.forget(b)
 
     def dram_only_chains(self) -> list[Block]:
-        """Committed blocks whose only copy is in DRAM and that a prefix read can reach, heads
-        of chains before their tails and otherwise most recent first: the order to write DRAM
-        out in at shutdown, so that any prefix of it that lands on NVMe is the most valuable set
-        of whole prefixes a restart can serve."""
-        heap = [(-b.tick, id(b), b) for st in self.namespaces.values() for b in st.blocks.values()
-                if b.parent_key is None and b.state is BlockState.COMMITTED]
-        heapq.heapify(heap)
-        out = []
-        while heap:  # a block enters the heap only once its parent is out: parents go first
-            _, _, b = heapq.heappop(heap)
-            if b.tier is DRAM and not b.on_nvme and not b.busy:
-                out.append(b)
-            for k in b.kids:
-                if k.state is BlockState.COMMITTED:
-                    heapq.heappush(heap, (-k.tick, id(k), k))
-        return out
+        """See :meth:`Residency.dram_only_chains`."""
+        return self.residency.dram_only_chains()
 
     def commit(self, s: Session, lease_id: int, packed: bytes) -> list[Block]:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)
@@ -557,9 +340,7 @@ class Core:
         n = 0
         for b in lease.blocks:
             if b.state is BlockState.RESERVED:
-                if b.ref_cnt == 0:  # a reader of the incoming slot frees it when it lets go
-                    self._free_slot(b, "abort")
-                self.forget(b)
+                self.residency.free_reserved(b)
                 n += 1
         lease.blocks = []
         return n
@@ -590,21 +371,14 @@ class Core:
         if not blocks:
             return None, []
         lru = self.lru(DRAM, s.ns.id)
-        hot_after = self.cfg.hot_after_reads
+        hot_after, res = self.cfg.hot_after_reads, self.residency
         for b in reversed(blocks):
-            self.touch(b)
-            b.reads += 1
-            if b.reads == hot_after:
-                self._hot.append(b)
+            res.touch(b)
+            res.note_read(b, hot_after)
             if b.ref_cnt == 0:
                 lru.discard(b)
             b.ref_cnt += 1
         return self.leases.open(LeaseKind.READ, s, blocks), blocks
-
-    def take_hot(self) -> list[Block]:
-        """Blocks that became hot (read ``hot_after_reads`` times) since the last call."""
-        hot, self._hot = self._hot, []
-        return hot
 
     def pin(self, s: Session, blocks: list[Block]) -> Lease:
         """A read lease over blocks in any state (a decode worker reading slots that a transfer
@@ -626,7 +400,7 @@ class Core:
                 if b.state is BlockState.COMMITTED and self.namespaces[b.ns_id].blocks.get(b.key) is b:
                     self.lru(b.tier, b.ns_id).add(b)
                 else:
-                    self.free_dropped(b)
+                    self.residency.free_dropped(b)
         self.leases.end(lease)
 
     def _drop_lease(self, lease: Lease) -> None:
@@ -669,31 +443,12 @@ class Core:
         return deleted, busy
 
     def _delete_block(self, b: Block) -> None:
-        if b.on_nvme:
-            self.drop_nvme_copy(b)
+        res = self.residency
+        res.drop_nvme_copy(b)
         if b.tier is DRAM:
-            self._drop_from_dram(b, "delete")
+            res.drop_from_dram(b)
         else:
-            self.forget(b)
-
-    def drop_nvme_copy(self, b: Block) -> None:
-        """Delete ``b``'s NVMe copy (the block is being deleted)."""
-        if b.on_nvme:
-            self.lose_nvme_copy(b)
-            self.lower.delete_copy(b)
-
-    def note_nvme_copy(self, b: Block) -> None:
-        """``b`` (in DRAM) now also has an NVMe copy: dropping its DRAM copy loses nothing."""
-        b.on_nvme = True
-        self.lru(NVME, b.ns_id).add(b)
-        self.announce(b)
-
-    def lose_nvme_copy(self, b: Block) -> None:
-        """``b``'s NVMe copy is gone (the tier lost it or it failed its checksum); nothing to
-        delete there."""
-        b.on_nvme = False
-        self.lru(NVME, b.ns_id).discard(b)
-        self.announce(b)
+            res.forget(b)
 
     def drop_namespace(self, ns_id_hex: str) -> tuple[int, int]:
         text = ns_id_hex.lower()

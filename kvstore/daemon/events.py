@@ -35,7 +35,7 @@ from kvstore import kv_events as ev
 from kvstore.config import EventsConfig
 from kvstore.daemon.index import Block
 from kvstore.keys import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 log = logging.getLogger("kvstore.events")
 BATCH_EVENTS = 1024  # events per published batch: a long queue goes out as several

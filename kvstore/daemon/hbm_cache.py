@@ -15,41 +15,21 @@ import logging
 import socket
 import threading
 
-from kvstore.daemon.core import Core
-from kvstore.daemon.seams import DramOnly
-from kvstore.daemon.index import Block, BlockState, Lru
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.residency import Residency
 from kvstore.tiers.arena import send_fd
-from kvstore.tiers.base import TierKind
 from kvstore.tiers.hbm import HbmTier
 
 log = logging.getLogger("kvstore.hbm")
 
 
-class HbmCopies(DramOnly):
-    """The HBM side of :class:`kvstore.daemon.seams.LowerTiers`: the blocks with an HBM copy, which go
-    when their DRAM copy goes. Built before the core (under whose lock it is called)."""
-
-    def __init__(self, hbm: HbmTier) -> None:
-        self.hbm = hbm
-        self.lru = Lru()  # blocks with an HBM copy, by recency
-
-    def dram_freed(self, b: Block, reason: str) -> None:
-        """The DRAM copy goes: its HBM copy goes with it."""
-        if b.hbm_slot >= 0:
-            self.lru.discard(b)
-            self.hbm.free(b.ns_id, b.hbm_slot)
-            b.hbm_slot = -1
-
-
 class HbmCache:
-    """The thread that copies hot DRAM blocks (``Core.take_hot``) into the HBM pool."""
+    """The thread that copies hot DRAM blocks into the HBM pool; the residency (built with the
+    same ``hbm``) plans each copy and records it."""
 
-    def __init__(self, core: Core, copies: HbmCopies, *, metrics: Metrics) -> None:
-        self.core = core
-        self.copies = copies
-        self.hbm = copies.hbm
-        self.lru = copies.lru
+    def __init__(self, res: Residency, hbm: HbmTier, *, metrics: Metrics) -> None:
+        self.res = res
+        self.hbm = hbm
         self.metrics = metrics
         self.kick = threading.Event()
         self.stopping = threading.Event()
@@ -68,47 +48,26 @@ class HbmCache:
             self.kick.wait(0.05)
             self.kick.clear()
             try:
-                self._round()
+                self.run_round()
             except Exception:  # noqa: BLE001 - HBM is a cache: DRAM keeps serving
                 log.exception("HBM promotion round failed")
 
-    def _round(self) -> None:
-        core, hbm = self.core, self.hbm
-        with core.lock:
-            hot = core.take_hot()
-            todo = []
-            for b in hot:
-                st = core.namespaces.get(b.ns_id)
-                if (st is None or st.blocks.get(b.key) is not b or b.state is not BlockState.COMMITTED
-                        or b.tier is not TierKind.DRAM or b.hbm_slot >= 0 or b.busy):
-                    continue
-                slot = hbm.allocate(b.ns_id, st.block_bytes)
-                while slot is None:
-                    victim = self.lru.pop_victim(lambda v: not v.busy)
-                    if victim is None:
-                        break
-                    hbm.free(victim.ns_id, victim.hbm_slot)
-                    victim.hbm_slot = -1
-                    core.announce(victim)
-                    slot = hbm.allocate(b.ns_id, st.block_bytes)
-                if slot is None:
-                    break
-                b.busy = True  # its DRAM slot is the copy's source
-                todo.append((b, slot, core.dram.view(b.offset, st.block_bytes)))
-        if not todo:
-            return
-        t = hbm.promote([(slot, src) for _, slot, src in todo])
-        t.wait()
-        with core.lock:
-            for b, slot, _ in todo:
-                b.busy = False
-                if t.error is None and core.namespaces[b.ns_id].blocks.get(b.key) is b and b.tier is TierKind.DRAM:
-                    b.hbm_slot = slot
-                    core.announce(b)
-                    self.lru.add(b)
-                    self.metrics.promotions.labels(src="dram", dst="hbm").inc()
-                else:
-                    hbm.free(b.ns_id, slot)
+    def run_round(self) -> int:
+        """Copy the blocks that became hot since the last round; returns how many gained an HBM
+        copy. A copy that fails (or raises) frees its HBM slots and leaves the blocks as they
+        were: the residency's ``complete_hbm_copy`` runs whatever happens."""
+        moves = self.res.prepare_hbm_copy()
+        if not moves:
+            return 0
+        ok = False
+        try:
+            t = self.hbm.promote([(m.slot, m.view) for m in moves])
+            t.wait()
+            ok = t.error is None
+        finally:
+            n = self.res.complete_hbm_copy(moves, ok)
+        self.metrics.promotions.labels(src="dram", dst="hbm").inc(n)
+        return n
 
     def handout(self, conn: socket.socket) -> None:
         """Send the pool's handle (JSON; the emulated pool's memfd rides along by SCM_RIGHTS)."""

@@ -29,7 +29,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.outbound import failure_reason
 from kvstore.errors import KVError
 from kvstore.keys import Namespace, check_tokens
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.transport import Listener, TransferConfig, TransferError, TransferHeader, TransferStatus
 from kvstore.transport.auth import Peer
 from kvstore.transport.sink import LayerProgress
@@ -102,8 +102,7 @@ class DaemonSink:
                 if state != pb.SLOT_RESERVED:  # already here (or arriving): receive into a scratch slot
                     off = core.allocate_slot(st)
                     if off is None:
-                        for o in scratch:
-                            core.dram.free(st.id, o)
+                        core.residency.free_scratch(st.id, scratch)
                         if lease:
                             core.abort(s, lease.id)
                         raise TransferError(TransferStatus.REFUSED, "receiving DRAM tier is full")
@@ -171,8 +170,7 @@ class _Target:
                     b.keep_digests(self.digests[i * n:(i + 1) * n])
             elif lease.id and lease.id in core.leases:
                 core.abort(s, lease.id)
-            for off in inc.scratch:
-                core.dram.free(s.ns.id, off)
+            core.residency.free_scratch(s.ns.id, inc.scratch)
             inc.ok = status is TransferStatus.OK
             self._count(status)  # before any waiter wakes: one that sees the end sees it counted
             if inc.bell:

@@ -13,7 +13,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from kvstore.tiers.base import TierKind
+from kvstore.keys import Namespace
+from kvstore.tier_kind import TierKind
 
 
 class BlockState(enum.Enum):
@@ -60,6 +61,20 @@ class Block:
         committed block already has some; see ``digests``."""
         if digests is not None and self.digests is None and self.state is BlockState.COMMITTED:
             self.digests = digests
+
+
+@dataclass(slots=True, eq=False)
+class NsState:
+    """One namespace's blocks (key -> Block) and what the daemon knows of its engine."""
+
+    ns: Namespace
+    id: bytes
+    block_bytes: int
+    blocks: dict[bytes, Block] = field(default_factory=dict)
+    sessions: int = 0
+    prefill_tokens_per_s: float = 0.0
+    model_params: float = 0.0
+    cost: object = None  # the namespace's prefill cost model (kvstore.policy.PrefillCostModel)
 
 
 class Lru:

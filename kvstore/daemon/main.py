@@ -43,7 +43,6 @@ from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
 from kvstore.daemon.remote import LinkMeter
-from kvstore.daemon.seams import TierCopies
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
@@ -135,10 +134,10 @@ class Daemon:
         self.dram = DramTier(self.arena, cfg.dram.extent_bytes, dram_bytes)
         self.hbm = self.nvme = None
         try:
-            self.hbm, hbm_copies = self._open_hbm()
+            self.hbm = self._open_hbm()
             self.nvme, nvme_copies, nvme_error = self._open_nvme()
             self.events = self._open_events()
-            self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=TierCopies(nvme_copies, hbm_copies),
+            self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=nvme_copies, hbm=self.hbm,
                              doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics,
                              events=self.events)
             self.policy = LoadPolicy()
@@ -146,12 +145,12 @@ class Daemon:
             if nvme_copies is not None:
                 from kvstore.daemon.tiering import Tiering
 
-                self.tiering = Tiering(self.core, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
+                self.tiering = Tiering(self.core.residency, nvme_copies, cfg.nvme, cfg.dram, metrics=self.metrics, policy=self.policy)
             self.hbm_cache = None
-            if hbm_copies is not None:
+            if self.hbm is not None:
                 from kvstore.daemon.hbm_cache import HbmCache
 
-                self.hbm_cache = HbmCache(self.core, hbm_copies, metrics=self.metrics)
+                self.hbm_cache = HbmCache(self.core.residency, self.hbm, metrics=self.metrics)
             self.outbound, self.inbound = self._transfer_sides() if cfg.transport.listen else (None, None)
             self.link_meter = LinkMeter(cfg.cluster, self.cluster_metrics) if cfg.cluster.etcd_endpoints else None
             self.nvme_error = nvme_error
@@ -194,10 +193,9 @@ class Daemon:
                         raise StartupError(str(e)) from None
 
     def _open_hbm(self):
-        """The HBM pool and the copies the core drops with their DRAM copy; (None, None) when off."""
+        """The HBM pool (its copies live as long as their DRAM copy); None when off."""
         if not self.cfg.hbm.capacity_bytes:
-            return None, None
-        from kvstore.daemon.hbm_cache import HbmCopies
+            return None
         from kvstore.tiers.hbm import HbmTier, HbmTierConfig
 
         try:
@@ -208,7 +206,7 @@ class Daemon:
         st = hbm.stats()
         log.info("HBM tier: %.2f GiB on %s", st.capacity_bytes / 2**30,
                  "an EMULATED device (" + st.extra.get("reason", "") + ")" if hbm.emulated else "the GPU")
-        return hbm, HbmCopies(hbm)
+        return hbm
 
     def _open_nvme(self):
         """(tier, its copies, error): the tier's failure to open leaves the daemon serving from
@@ -216,7 +214,7 @@ class Daemon:
         n = self.cfg.nvme
         if not n.dir:
             return None, None, ""
-        from kvstore.daemon.tiering import NvmeCopies
+        from kvstore.daemon.demoter import NvmeCopies
         from kvstore.tiers.nvme import NvmeError, NvmeTier, NvmeTierConfig
 
         extent = self.cfg.dram.extent_bytes

@@ -20,7 +20,7 @@ from kvstore.daemon.leases import LeaseKind
 from kvstore.daemon.metrics import Metrics
 from kvstore.errors import Code, KVError
 from kvstore.policy import LoadPolicy
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.transport import Sender, TransferConfig, TransferError, TransferStatus, parse_peer
 from kvstore.transport.auth import TlsFiles, default_node_name, read_secret
 from kvstore.transport.protocol import layer_digests, meta_limit
@@ -71,24 +71,18 @@ class Outbound:
         thread, outside the core lock (xxh3 releases the GIL; up to ~0.5 ms per 2 MiB block on
         a loaded 2-core VM); the blocks are busy meanwhile, so neither eviction nor demotion
         reuses their slots."""
-        core = self.core
-        with core.lock:
-            todo = [b for b in blocks if b.digests is None and not b.busy and b.tier is TierKind.DRAM
-                    and b.state is BlockState.COMMITTED]
-            for b in todo:
-                b.busy = True
-            work = [(core.dram.view(b.offset, core.namespaces[b.ns_id].block_bytes),
-                     core.namespaces[b.ns_id].ns.layout.layer_chunk_bytes) for b in todo]
-        sums: list = []
+        core, res = self.core, self.core.residency
+        with core.lock:  # the filter and the hold in one step: a block must not move in between
+            held = res.prepare_read(b for b in blocks if b.digests is None and not b.busy and b.tier is TierKind.DRAM
+                                    and b.state is BlockState.COMMITTED)
+            work = [(core.dram.view(m.block.offset, core.namespaces[m.ns_id].block_bytes),
+                     core.namespaces[m.ns_id].ns.layout.layer_chunk_bytes) for m in held]
+        sums: dict[int, array] = {}
         try:
-            for view, chunk in work:
-                sums.append(array("Q", layer_digests(view, chunk)))
+            for m, (view, chunk) in zip(held, work):
+                sums[id(m.block)] = array("Q", layer_digests(view, chunk))
         finally:
-            with core.lock:
-                for i, b in enumerate(todo):
-                    b.busy = False
-                    if i < len(sums):
-                        b.keep_digests(sums[i])
+            res.complete_read(held, sums)
 
     def transfer(self, s: Session, keys: list[bytes], peer: str, deadline_s: float, pipelined: bool,
                  lease_id: int, *, layer_major: bool = False) -> tuple[int, int, float]:
@@ -129,9 +123,7 @@ class Outbound:
                     if b.tier is not TierKind.DRAM:
                         raise KVError(Code.FAILED_PRECONDITION, f"key {i}: on {b.tier.name}; prefetch it into DRAM first")
                     blocks.append(b)
-            busy = [b for b in blocks if not b.busy]
-            for b in busy:
-                b.busy = True
+            held = core.residency.prepare_read(blocks)
         lay = st.ns.layout
         chunk = lay.layer_chunk_bytes
         buf = core.dram.arena.buf
@@ -174,10 +166,9 @@ class Outbound:
             # the transport's table (docs/transport.md): DATA_LOSS for a corrupted chunk, etc.
             raise KVError(Code(e.status.grpc_code), f"transfer to {peer}: {e}") from None
         finally:
-            with core.lock:
-                for b in busy:
-                    b.busy = False
-                if bell:
+            core.residency.complete_read(held)
+            if bell:
+                with core.lock:
                     core.doorbells.release(bell)
         with core.lock:  # the receiver verified every chunk against these
             for i, sums in fresh.items():

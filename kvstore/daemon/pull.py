@@ -34,7 +34,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.outbound import Outbound
 from kvstore.daemon.service import MAX_TRANSFER_DEADLINE_S, finite, rpc
 from kvstore.errors import Code, KVError, invalid
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.transport.auth import read_regular
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 

@@ -28,7 +28,7 @@ from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.config import ClusterConfig
 from kvstore.daemon.core import Core, NsState
 from kvstore.policy import Decision, LinkEstimator, LoadPolicy, RemoteHit, SourceChoice, choose_source
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb, peer_pb2 as ppb
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""The seams the core calls out through, under its lock: what it asks of the tiers below and
-beside DRAM (:class:`LowerTiers`) and where it reports each block entering or leaving a tier
+"""The seams the residency calls out through, under the daemon's lock: what it asks of the tier
+below DRAM (:class:`LowerTiers`) and where it reports each block entering or leaving a tier
 (:class:`BlockEvents`), with the implementations of a daemon that has neither."""
 
 from __future__ import annotations
@@ -8,13 +8,12 @@ from typing import Protocol
 
 from kvstore.daemon.index import Block
 from kvstore.keys import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 
 class LowerTiers(Protocol):
-    """What the core asks of the tiers below and beside DRAM (:class:`kvstore.daemon.tiering.NvmeCopies`,
-    :class:`kvstore.daemon.hbm_cache.HbmCopies`; :class:`DramOnly` when there are none). Called under
-    the core lock; none of them calls the core."""
+    """What the residency asks of the tier below DRAM (:class:`kvstore.daemon.demoter.NvmeCopies`;
+    :class:`DramOnly` when there is none). Called under the daemon's lock; it never calls back."""
 
     def holds_copy(self, b: Block) -> bool:
         """``b`` (``on_nvme``) is being evicted from DRAM: True if its NVMe copy is usable, so
@@ -28,8 +27,8 @@ class LowerTiers(Protocol):
         """``b`` is deleted: drop its NVMe copy."""
 
     def dram_freed(self, b: Block, reason: str) -> None:
-        """``b``'s DRAM slot is about to be freed (``reason``: capacity, delete, abort, dropped):
-        copies that live only as long as it (HBM) go with it."""
+        """``b``'s DRAM slot is about to be freed (``reason``: capacity, delete, abort, dropped).
+        A notice only (the residency drops the HBM copy itself)."""
 
 
 class DramOnly:
@@ -46,26 +45,6 @@ class DramOnly:
 
     def dram_freed(self, b: Block, reason: str) -> None:
         pass
-
-
-class TierCopies:
-    """:class:`LowerTiers` over an NVMe side and an HBM side, either of which may be absent."""
-
-    def __init__(self, nvme: LowerTiers | None = None, hbm: LowerTiers | None = None) -> None:
-        self.nvme = nvme or DramOnly()
-        self.hbm = hbm or DramOnly()
-
-    def holds_copy(self, b: Block) -> bool:
-        return self.nvme.holds_copy(b)
-
-    def must_demote(self, b: Block) -> bool:
-        return self.nvme.must_demote(b)
-
-    def delete_copy(self, b: Block) -> None:
-        self.nvme.delete_copy(b)
-
-    def dram_freed(self, b: Block, reason: str) -> None:
-        self.hbm.dram_freed(b, reason)
 
 
 class BlockEvents(Protocol):

@@ -24,7 +24,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.stats import Reporter
 from kvstore.keys import KEY_BYTES, Namespace, check_tokens
 from kvstore.layout import KVLayout, LayoutError
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

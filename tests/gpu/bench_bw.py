@@ -128,7 +128,7 @@ def client_path(arena, size: int, reps: int, g: dict) -> dict:
     """Paged cache <-> arena slots through :class:`KVMover` for a llama-3-8B-like layout."""
     import torch
 
-    from kvstore.tiers.hbm_paged import KVMover, PagedKV
+    from kvstore.clients.hbm_paged import KVMover, PagedKV
     from kvstore.layout import KVLayout
 
     L = KVLayout(32, 8, 128, "bf16")  # 2 MiB blocks, 64 KiB layer chunks

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     from kvstore.layout import KVLayout
     from kvstore.tiers.arena import Arena
     from kvstore.tiers.hbm import HbmTier, HbmTierConfig
-    from kvstore.tiers.hbm_paged import KVMover, PagedKV
+    from kvstore.clients.hbm_paged import KVMover, PagedKV
 
     budget = (256 << 10) if args.emulated else args.mib * MiB
     res = {"device": "emulated (CPU, Triton interpreter)" if args.emulated else torch.cuda.get_device_name(0),

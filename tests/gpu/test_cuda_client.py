@@ -33,7 +33,7 @@ def gathered(paged, table, tokens: int):
 
 @pytest.fixture
 def mover_factory():
-    from kvstore.tiers.hbm_paged import KVMover, PagedKV
+    from kvstore.clients.hbm_paged import KVMover, PagedKV
 
     arena = Arena(64 * LAYOUT.block_bytes)
     made = []

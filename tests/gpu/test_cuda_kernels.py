@@ -24,7 +24,7 @@ def vllm_views(layout, num_blocks: int, block_size: int, kind: str, ratio: int =
     CPU backend's ``[K^T, V]`` page, or an MLA latent page; ``ratio`` kernel blocks per block."""
     import torch
 
-    from kvstore.tiers.hbm_paged import LayerPages
+    from kvstore.clients.hbm_paged import LayerPages
 
     kb, n = num_blocks * ratio, block_size // ratio
     mla = layout.kind.value == "mla"
@@ -56,7 +56,7 @@ def hf_tensors(layout, tokens: int):
     """``make_pages`` for the HF adapter's per-layer K and V ``[1, heads, tokens, dim]``."""
     import torch
 
-    from kvstore.tiers.hbm_paged import LayerPages
+    from kvstore.clients.hbm_paged import LayerPages
 
     def make():
         mem = [torch.zeros((2, 1, layout.num_kv_heads, tokens, layout.head_dim), dtype=torch.bfloat16, device="cuda")

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from kvstore.transport import bench
+from kvstore.app.bench import transport_loopback as bench
 
 
 def test_bench_runs_and_reports_json(backend, capsys):

@@ -212,10 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands with parsers of their own, by the words that name them: main() hands them the rest
 # of the line; build_parser() lists them for --help.
-DELEGATED = {("plan",): "kvstore.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.bench.store",
-             ("bench", "tiers"): "kvstore.bench.tiers", ("bench", "transfer"): "kvstore.bench.transfer",
-             ("bench", "vllm"): "kvstore.bench.vllm", ("bench", "cluster"): "kvstore.bench.cluster",
-             ("bench", "cluster-sim"): "kvstore.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.bench.vllm_offload"}
+DELEGATED = {("plan",): "kvstore.app.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.app.bench.store",
+             ("bench", "tiers"): "kvstore.app.bench.tiers", ("bench", "transfer"): "kvstore.app.bench.transfer",
+             ("bench", "vllm"): "kvstore.app.bench.vllm", ("bench", "cluster"): "kvstore.app.bench.cluster",
+             ("bench", "cluster-sim"): "kvstore.app.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.app.bench.vllm_offload"}
 
 
 def main(argv: list[str] | None = None) -> int:

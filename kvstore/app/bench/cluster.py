@@ -292,7 +292,7 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
 
 def bench(a) -> dict:
     from kvstore.layout import KVLayout
-    from kvstore.local import start_daemon
+    from kvstore.app.local import start_daemon
 
     layout = KVLayout(a.layers, a.kv_heads, a.head_dim, "fp16", "mha", block_tokens=16)
     if a.first_tokens % 16 or a.turn_tokens % 16 or a.first_tokens <= 0 or a.turn_tokens <= 0:

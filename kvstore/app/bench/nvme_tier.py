@@ -1,6 +1,6 @@
 """NVMe tier bandwidth next to fio, measured in the same run on the same filesystem.
 
-    python -m kvstore.tiers.nvme.bench --dir /var/tmp --block-bytes 1MiB --total-bytes 512MiB [--json]
+    python -m kvstore.app.bench.nvme_tier --dir /var/tmp --block-bytes 1MiB --total-bytes 512MiB [--json]
 
 Writes ``total`` bytes as ``block``-sized blocks through :class:`NvmeTier` (put_many from a
 page-aligned shared arena, every put durable: data fdatasync'ed and index committed) and reads

@@ -18,11 +18,11 @@ log to ``log`` and answers one command at a time:
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
 in a new process can only come from kvstore. The children are forked from one server process
 per parent (multiprocessing's forkserver) that has imported vLLM and built nothing
-(:mod:`kvstore.bench.vllm_preload`): that import is most of an engine's start (about 15 of 19 s
+(:mod:`kvstore.app.bench.vllm_preload`): that import is most of an engine's start (about 15 of 19 s
 here, one engine alone), so the parent pays it once and every later engine starts in the time
 vLLM takes to build itself. As with any multiprocessing child, each engine imports the parent's
 main script again, so a script that starts engines needs ``if __name__ == "__main__":``
-(``python -m`` entry points and pytest need nothing). ``python -m kvstore.bench.vllm_engine
+(``python -m`` entry points and pytest need nothing). ``python -m kvstore.app.bench.vllm_engine
 SPEC_JSON`` runs one engine on stdin/stdout instead (JSON lines, the answers prefixed with
 ``KVSTORE-ENGINE``), by hand, in the environment it is given. :func:`save_llama` writes a seeded random
 Llama (config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer_init``: no download.
@@ -174,14 +174,14 @@ _live: set = set()  # engines started and not yet stopped or killed
 
 
 def context():
-    """This process's forkserver context. Its server imports :mod:`kvstore.bench.vllm_preload`
+    """This process's forkserver context. Its server imports :mod:`kvstore.app.bench.vllm_preload`
     (vLLM, with the environment engines share) once, when the first engine starts; that first
     ``start`` waits for the import (about 15 s here)."""
     global _context
     with _context_lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["kvstore.bench.vllm_preload"])
+            ctx.set_forkserver_preload(["kvstore.app.bench.vllm_preload"])
             # Registered after multiprocessing's own exit hook, so it runs first: that hook
             # waits, without a timeout, for every engine still running, and an engine waits for
             # its next command until its pipe closes.

@@ -27,12 +27,12 @@ import time
 
 import numpy as np
 
-from . import bench_raw
-from .auth import TlsFiles
-from .config import Backend, TransferConfig
-from .listener import Listener
-from .protocol import TransferHeader, TransferStatus, checksum
-from .sender import Sender
+from kvstore.app.bench import transport_raw as bench_raw
+from kvstore.transport.auth import TlsFiles
+from kvstore.transport.config import Backend, TransferConfig
+from kvstore.transport.listener import Listener
+from kvstore.transport.protocol import TransferHeader, TransferStatus, checksum
+from kvstore.transport.sender import Sender
 
 MiB = 1 << 20
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -107,7 +107,7 @@ class _RingTarget:
 def ablate_checksum() -> None:
     """Benchmark only (``--ablate-checksum``): make every checksum 0 in this process, on both
     ends, to measure what xxh3 costs. The production path has no such switch."""
-    from . import protocol, sender, session, tcp
+    from kvstore.transport import protocol, sender, session, tcp
     for mod in (protocol, sender, session):
         mod.checksum = lambda buf: 0
 
@@ -329,7 +329,7 @@ def parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    from . import ucx_available
+    from kvstore.transport import ucx_available
     ucx_ok, why = ucx_available()
     backends = [Backend.TCP, Backend.UCX] if a.backend == "both" else [Backend(a.backend)]
     if Backend.UCX in backends and not ucx_ok:

@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 
-from kvstore.local import start_daemon
+from kvstore.app.local import start_daemon
 from kvstore.config import parse_size
 
 
 def fio_reference(path: str, rw: str, block: int, total: int, depth: int) -> tuple[float, str]:
-    from kvstore.tiers.nvme.bench import FIO_ENGINES, run_fio, run_python_reference
+    from kvstore.app.bench.nvme_tier import FIO_ENGINES, run_fio, run_python_reference
 
     if shutil.which("fio"):
         best = 0.0
@@ -140,7 +140,7 @@ def run(a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["nvme"]:
-        from kvstore.tiers.nvme.bench import main as tier_main
+        from kvstore.app.bench.nvme_tier import main as tier_main
 
         return tier_main(argv[1:])
     ap = argparse.ArgumentParser(prog="kvstore bench tiers", description=__doc__.split("\n\n")[0])

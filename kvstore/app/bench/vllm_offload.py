@@ -28,10 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.bench.vllm import BT, Prompts, cpu_name, loadable, parser, plain_phase, read_phase, report, sizes
-from kvstore.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+from kvstore.app.bench.vllm import BT, Prompts, cpu_name, loadable, parser, plain_phase, read_phase, report, sizes
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama
 from kvstore.clients.vllm_tier import kv_transfer_config
-from kvstore.local import start_daemon
+from kvstore.app.local import start_daemon
 
 CASES = ("no_cache", "vllm_hit", "kvstore_connector", "offload_tier")
 HOST = "vllm:prompt_tokens_cached_by_source{source=host}"  # both connectors count their hits here

@@ -1,4 +1,4 @@
-"""``kvstore bench transfer``: the transport alone (``kvstore.transport.bench``: chunk sweep,
+"""``kvstore bench transfer``: the transport alone (``kvstore.app.bench.transport_loopback``: chunk sweep,
 per-chunk latency, raw TCP / ucxx / ucx_perftest references, pipelined overlap), or with
 ``--daemons`` the whole path: two real daemons, blocks put into daemon A, the Transfer RPC
 timed until daemon B has verified and committed them, against a raw socket (or raw ucxx) of
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from kvstore.local import start_daemon
+from kvstore.app.local import start_daemon
 from kvstore.daemon.outbound import run_layers
 from kvstore.config import parse_size
 from kvstore.transport import TransferConfig, ucx_env
@@ -67,7 +67,7 @@ def _cpu_s(pid: int) -> float:
 def daemons(a) -> dict:
     from kvstore.clients import KVStoreClient
     from kvstore.layout import KVLayout
-    from kvstore.transport import bench_raw
+    from kvstore.app.bench import transport_raw as bench_raw
 
     sizes = [parse_size(s) for s in a.chunk_sizes.split(",")]
     total = parse_size(a.total_bytes)
@@ -227,7 +227,7 @@ def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--daemons" not in argv:
-        from kvstore.transport.bench import main as transport_main
+        from kvstore.app.bench.transport_loopback import main as transport_main
 
         return transport_main(argv)
     ap = argparse.ArgumentParser(prog="kvstore bench transfer --daemons", description=__doc__.split("\n\n")[0])

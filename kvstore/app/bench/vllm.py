@@ -11,7 +11,7 @@ request (``--new-tokens``), median over ``--reps`` distinct random prompts, for
 - ``kvstore_nvme``: the same after the daemon was restarted (SIGTERM, started again on the same
   directories: DRAM empty, the NVMe index recovered), in another fresh engine.
 
-Every engine is its own process (:mod:`kvstore.bench.vllm_engine`) and gets the same warm-up
+Every engine is its own process (:mod:`kvstore.app.bench.vllm_engine`) and gets the same warm-up
 before timing: one request for a prompt nobody stored (a miss). So the first timed hit of each
 case is that engine's first hit ever (vLLM's own, or kvstore's from a fresh engine), reported
 apart from the steady hits (the median of the rest) with the spread of every sample. A kvstore
@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.bench.vllm_engine import MODEL_SIZES, EngineProc, EngineSpec, save_llama
-from kvstore.local import start_daemon
+from kvstore.app.bench.vllm_engine import MODEL_SIZES, EngineProc, EngineSpec, save_llama
+from kvstore.app.local import start_daemon
 
 BT = 32  # tokens per block; vLLM's CPU backend wants a multiple of 32
 CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
@@ -215,7 +215,7 @@ def raw_paths(work: Path, nbytes: int, block: int, depth: int) -> dict:
     (fio where installed, else a Python loop), on the disk the NVMe tier uses."""
     import numpy as np
 
-    from kvstore.bench.tiers import fio_reference
+    from kvstore.app.bench.tiers import fio_reference
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)

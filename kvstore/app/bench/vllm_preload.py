@@ -1,4 +1,4 @@
-"""What the fork server of :mod:`kvstore.bench.vllm_engine` imports before it forks engines.
+"""What the fork server of :mod:`kvstore.app.bench.vllm_engine` imports before it forks engines.
 
 The environment every engine shares is set here, in the server, before vLLM is imported:
 huggingface_hub reads its offline switch when it is imported, and vLLM decides its log colours

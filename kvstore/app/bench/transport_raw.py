@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from . import ucx_env
-from .protocol import checksum
+from kvstore.transport import ucx_env
+from kvstore.transport.protocol import checksum
 
 
 def percentiles(samples_s: list[float]) -> tuple[float, float]:
@@ -91,7 +91,7 @@ def _ring(ring_bytes: int, size: int, shared: bool = False) -> list[memoryview]:
 
 def _tcp_rx(conn, size: int, n: int, n_lat: int, ring_bytes: int, shared: bool = False,
             verify: bool = False) -> None:
-    from .tcp import recv_hashed
+    from kvstore.transport.tcp import recv_hashed
 
     ls = socket.create_server(("127.0.0.1", 0))
     conn.send(ls.getsockname()[1])

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvstore.local import start_daemon
+from kvstore.app.local import start_daemon
 from kvstore.config import parse_size
 
 GB = 1e9  # bandwidths are reported in GB/s, GB = 10^9 bytes
