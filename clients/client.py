@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -443,6 +443,38 @@ class KVStoreClient:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
+    def reserve_chain(self, keys: Sequence[bytes], *, start: int = 0, parent: bytes = b"", token_ids=None,
+                      retry_s: float = 10.0, batch_blocks: int = 0) -> Iterator[tuple[int, WriteLease]]:
+        """Reserve ``keys[start:]`` in the batches one request may carry (``batch_blocks``, by
+        default :meth:`max_batch_blocks`), each chained to the key before it (``parent`` before
+        ``keys[0]``). Yields ``(index of the batch's first key, its lease)`` as each batch is
+        reserved, so a caller copies batch k while k+1 is not yet asked for. ``token_ids``: the
+        tokens of ``keys`` from ``keys[0]`` (``block_tokens`` per key), or None. The leases
+        yielded are the caller's to commit or abort."""
+        step = batch_blocks or self.max_batch_blocks()
+        bt = self.layout.block_tokens
+        tokens = None if token_ids is None else np.asarray(token_ids)
+        for i in range(start, len(keys), step):
+            chunk = keys[i:i + step]
+            yield i, self.reserve(chunk, parent=keys[i - 1] if i else parent, retry_s=retry_s,
+                                  token_ids=None if tokens is None else tokens[i * bt:(i + len(chunk)) * bt])
+
+    def reserve_all(self, keys: Sequence[bytes], **kw) -> list[WriteLease]:
+        """:meth:`reserve_chain`'s leases, all or none: when a batch is refused the ones before
+        it are aborted and the error raised."""
+        leases: list[WriteLease] = []
+        try:
+            for _, w in self.reserve_chain(keys, **kw):
+                leases.append(w)
+        except BaseException:
+            for w in leases:
+                try:
+                    w.abort()
+                except KVStoreError:  # the reservation ends with its lease TTL
+                    pass
+            raise
+        return leases
+
     def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
         self.require_data_session()
         resp = self.call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
@@ -489,10 +521,8 @@ class KVStoreClient:
         threads = 1 if durable else 2
         pending: list[list[grpc.Future]] = []  # per batch, the Commits in flight
         try:
-            for start in range(0, len(keys), step):
-                chunk = keys[start:start + step]
-                w = self.reserve(chunk, parent=keys[start - 1] if start else b"",
-                                 token_ids=np.asarray(token_ids)[start * bt:(start + len(chunk)) * bt])
+            for start, w in self.reserve_chain(keys, token_ids=token_ids, batch_blocks=step):
+                chunk = w.keys
                 futures: list[grpc.Future] = []
                 pending.append(futures)
                 try:

@@ -156,9 +156,9 @@ class EngineStore:
         key, whether it is committed now (newly, or already present). A block another writer
         holds (BUSY) is False: it is not ours to vouch for."""
         done: list[bool] = []
-        for start in range(0, len(keys), self.max_batch):
-            chunk = list(keys[start:start + self.max_batch])
-            with self.client.reserve(chunk, parent=bytes(keys[start - 1]) if start else parent, retry_s=self.target.timeout_s) as w:
+        for start, w in self.client.reserve_chain([bytes(k) for k in keys], parent=parent,
+                                                  retry_s=self.target.timeout_s, batch_blocks=self.max_batch):
+            with w:
                 for i, state in enumerate(w.states):
                     if state == RESERVED:
                         fill(start + i, w.view(i))

@@ -242,19 +242,8 @@ class GpuKVPath:
         """Reserve slots for the full blocks of ``token_ids``; blocks already cached or being
         written elsewhere are skipped. Copy with ``store_layer`` / ``store_all``."""
         keys, rows = self._plan(token_ids, block_table)
-        leases, offsets = [], []
-        step, bt = self.client.max_batch_blocks(), self.layout.block_tokens
-        try:
-            for start in range(0, len(keys), step):
-                chunk = keys[start:start + step]
-                w = self.client.reserve(chunk, parent=keys[start - 1] if start else b"",
-                                        token_ids=token_ids[start * bt:(start + len(chunk)) * bt])
-                leases.append(w)
-                offsets += [o if s == RESERVED else None for s, o in zip(w.states, w.offsets)]
-        except BaseException:
-            for w in leases:
-                w.abort()
-            raise
+        leases = self.client.reserve_all(keys, token_ids=token_ids)
+        offsets = [o if s == RESERVED else None for w in leases for s, o in zip(w.states, w.offsets)]
         self.check_arena(leases)
         return StoreHandle(self, leases, offsets, self.mover.device_rows(rows))
 

@@ -345,11 +345,7 @@ class _PromptStore:
         client = cache.adapter.client
 
         def reserve() -> None:
-            step, bt = client.max_batch_blocks(), cache.adapter.layout.block_tokens
-            for start in range(first, len(keys), step):
-                chunk = keys[start:start + step]
-                w = client.reserve(chunk, parent=keys[start - 1] if start else b"",
-                                   token_ids=cache.token_ids[start * bt:(start + len(chunk)) * bt])
+            for _, w in client.reserve_chain(keys, start=first, token_ids=cache.token_ids):
                 self.leases.append(w)
                 self.offsets += [o if s == RESERVED else None for s, o in zip(w.states, w.offsets)]
 

@@ -16,7 +16,8 @@ that format (vLLM's storage fingerprint, as its fs tier computes it, and the row
 engines whose chunks differ never share blocks, and this tier never shares blocks with
 kvstore's own connector (canonical layout, different keys).
 
-Keys: ``sha256(namespace root || OffloadKey)``. vLLM's block hash already covers the request's
+Keys: engine keys, as for every adapter that names blocks by the engine's hashes
+(:func:`kvstore.keys.engine_keys`: ``sha256(root, "engine", OffloadKey)``). vLLM's block hash already covers the request's
 ``cache_salt`` (and LoRA, multimodal inputs); the namespace adds ``model_id``, the chunk format
 and ``tenant_salt``. vLLM's default hash (sha256) is seeded the same in every process, so a
 fresh engine finds what another stored.
@@ -59,6 +60,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from kvstore.clients.client import KVStoreClient, pack
 from kvstore.clients.leases import RESERVED, KVStoreError
+from kvstore.keys import engine_keys
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.clients.vllm_setup import join_vllm_logging
@@ -178,8 +180,9 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     # --- keys and pins (any thread) ----------------------------------------------------------
     def kvstore_key(self, key: OffloadKey) -> bytes:
-        """The kvstore key of one of vLLM's chunks (32 bytes)."""
-        return hashlib.sha256(self._root + bytes(key)).digest()
+        """The kvstore key of one of vLLM's chunks (32 bytes): an engine key, rooted in the
+        namespace as every adapter's (:func:`kvstore.keys.engine_keys`)."""
+        return engine_keys(self._root, [bytes(key)])[0]
 
     def pin(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
         """Pin the leading ``keys`` the daemon holds (one Acquire); True for each pinned one.
@@ -365,24 +368,29 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     # --- the copies (I/O threads) ------------------------------------------------------------
     def _store(self, job_id: JobId, keys: list[OffloadKey], rows: list[int]) -> _Done:
         """Reserve, copy the primary rows into the reserved slots, Commit; Abort on any failure."""
-        ks = [self.kvstore_key(k) for k in keys]
+        ks = engine_keys(self._root, [bytes(k) for k in keys])
         data = self.data
         with data.lock:
-            lease = data.client.reserve(ks, retry_s=self.rpc_timeout_s)
+            leases = data.client.reserve_all(ks, retry_s=self.rpc_timeout_s)
         done = _Done(job_id)
         try:
-            for i, row in enumerate(rows):
-                if lease.states[i] == RESERVED:
-                    self.copy_in(data.client.arena.view(lease.offsets[i], self.block_size_bytes), row)
-                    done.stored.append(keys[i])
+            i = 0
+            for lease in leases:
+                for state, off in zip(lease.states, lease.offsets):
+                    if state == RESERVED:
+                        self.copy_in(data.client.arena.view(off, self.block_size_bytes), rows[i])
+                        done.stored.append(keys[i])
+                    i += 1
             with data.lock:
-                lease.commit()
+                for lease in leases:
+                    lease.commit()
         except BaseException:
             with data.lock:
-                try:
-                    lease.abort()
-                except KVStoreError as e:  # the reservation ends with its lease TTL
-                    log.warning("kvstore secondary tier: abort of job %d: %s", job_id, e)
+                for lease in leases:
+                    try:
+                        lease.abort()
+                    except KVStoreError as e:  # the reservation ends with its lease TTL
+                        log.warning("kvstore secondary tier: abort of job %d: %s", job_id, e)
             raise
         done.nbytes = len(done.stored) * self.block_size_bytes
         return done

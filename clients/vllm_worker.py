@@ -137,7 +137,7 @@ class ConnectorWorker:
         on steps without synchronous loads vLLM calls this after the forward)."""
         path = self._ensure_path() if meta.loads else None
         if path is not None and meta.saves and self.writes and self._saves is None:
-            self._reserving = (meta, path, self._reserver.submit(_reserve_all, path.client, meta.saves, self.bt))
+            self._reserving = (meta, path, self._reserver.submit(_reserve_all, path.client, meta.saves))
         for span in meta.loads:
             got = 0
             try:
@@ -309,12 +309,12 @@ class ConnectorWorker:
             if sent is not None:  # sent for a step whose saves never began: give the slots back
                 _abort_all(sent[2].result())
             path = self._ensure_path() if meta is not None and meta.saves and self.writes else None
-            answers = _reserve_all(path.client, meta.saves, self.bt) if path is not None else []
+            answers = _reserve_all(path.client, meta.saves) if path is not None else []
         for i, (span, (w, e)) in enumerate(zip(meta.saves if path is not None else (), answers)):
             moved = False
             if e is None:
                 try:
-                    path.check_arena([w])  # ends the lease when the client re-registered meanwhile
+                    path.check_arena(w)  # ends the leases when the client re-registered meanwhile
                 except KVStoreError as err:
                     e, moved = err, True
             if e is not None:  # a save is best effort: the blocks stay uncached
@@ -326,8 +326,8 @@ class ConnectorWorker:
                     _abort_all(answers[i + 1:])
                     break
                 continue
-            offsets = [o if st == RESERVED else None for st, o in zip(w.states, w.offsets)]
-            self._saves.append((span, StoreHandle(path, [w], offsets, path.mover.device_rows(self._rows(path, span)))))
+            offsets = [o if st == RESERVED else None for lease in w for st, o in zip(lease.states, lease.offsets)]
+            self._saves.append((span, StoreHandle(path, w, offsets, path.mover.device_rows(self._rows(path, span)))))
         return self._saves
 
     def save_kv_layer(self, layer_name: str, meta: KVStoreConnectorMetadata | None) -> None:
@@ -429,15 +429,14 @@ class ConnectorWorker:
             self._path = None
 
 
-def _reserve_all(client, spans: list[BlockSpan], bt: int) -> list[tuple]:
-    """Reserve each span's blocks: ``(WriteLease, None)`` or ``(None, error)`` per span, in
+def _reserve_all(client, spans: list[BlockSpan]) -> list[tuple]:
+    """Reserve each span's blocks: ``([WriteLease, ...], None)`` or ``(None, error)`` per span, in
     order, stopping after an error that loses the session (the rest are not sent)."""
     out = []
     for span in spans:
         keys = client.keys(span.token_ids)
         try:
-            out.append((client.reserve(keys[span.start:span.end], parent=keys[span.start - 1] if span.start else b"",
-                                       token_ids=span.token_ids[span.start * bt:span.end * bt]), None))
+            out.append((client.reserve_all(keys[:span.end], start=span.start, token_ids=span.token_ids), None))
         except Exception as e:  # noqa: BLE001 - handed to the caller, which logs and counts it
             out.append((None, e))
             if getattr(getattr(e, "code", None), "name", "") in LOST:  # Link.lost drops the session
@@ -453,8 +452,8 @@ def _release(req_id: str, h: LoadHandle) -> None:
 
 
 def _abort_all(answers) -> None:
-    for w, _ in answers:
-        if w is not None:
+    for leases, _ in answers:
+        for w in leases or ():
             _quietly(w.abort)
 
 

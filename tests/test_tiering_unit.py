@@ -334,6 +334,34 @@ def test_a_block_pinned_while_its_demotion_writes_joins_the_nvme_lru(make):
         assert b3 in lru
 
 
+def test_a_send_that_starts_while_a_demotion_writes_keeps_the_slot_it_reads(make):
+    """A transfer (or a digest) that starts reading a block whose demotion write is in flight
+    holds it by a read pin: when the write lands the block keeps its DRAM copy until the read
+    ends. (With a ``busy`` flag, the demotion's landing cleared it and freed the slot under the
+    send.)"""
+    env = make()
+    a, *_ = fill(env)
+    res = env.core.residency
+    held = []
+
+    def meanwhile(keys):
+        blk = env.block(a[3])
+        assert blk.busy                                  # being written to NVMe right now
+        held.extend(res.prepare_read([blk]))
+
+    env.nvme.during_next_put(meanwhile)
+    env.tiering.run_round()
+    a3 = env.block(a[3])
+    assert (a3.tier, a3.on_nvme, a3.ref_cnt) == (DRAM, True, 1) and a3.offset >= 0
+    assert bytes(env.core.dram.view(a3.offset, BLOCK)) == content(a[3]).tobytes()
+    with env.core.lock:
+        assert env.core.delete(env.s, a[3]) == (0, 1)      # read by the send: kept
+    res.complete_read(held)
+    assert a3.ref_cnt == 0 and a3 in env.core.lru(DRAM, env.s.ns.id)
+    with env.core.lock:
+        assert env.core.delete(env.s, a[3]) == (1, 0)
+
+
 # --- promotion and prefetch -------------------------------------------------------------------
 def test_prefetch_promotes_and_is_done_when_every_block_is_resident(make):
     env = make()

@@ -370,14 +370,11 @@ class Core:
             blocks.append(b)
         if not blocks:
             return None, []
-        lru = self.lru(DRAM, s.ns.id)
         hot_after, res = self.cfg.hot_after_reads, self.residency
         for b in reversed(blocks):
             res.touch(b)
             res.note_read(b, hot_after)
-            if b.ref_cnt == 0:
-                lru.discard(b)
-            b.ref_cnt += 1
+            res.pin(b)
         return self.leases.open(LeaseKind.READ, s, blocks), blocks
 
     def pin(self, s: Session, blocks: list[Block]) -> Lease:
@@ -385,9 +382,7 @@ class Core:
         is still filling); their slots outlive a failed transfer until the lease ends."""
         self.sessions.check_open(s)
         for b in blocks:
-            if b.ref_cnt == 0:
-                self.lru(b.tier, b.ns_id).discard(b)
-            b.ref_cnt += 1
+            self.residency.pin(b)
         return self.leases.open(LeaseKind.READ, s, list(blocks))
 
     def release(self, s: Session, lease_id: int) -> None:
@@ -395,12 +390,7 @@ class Core:
 
     def _unpin(self, lease: Lease) -> None:
         for b in reversed(lease.blocks):
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if b.state is BlockState.COMMITTED and self.namespaces[b.ns_id].blocks.get(b.key) is b:
-                    self.lru(b.tier, b.ns_id).add(b)
-                else:
-                    self.residency.free_dropped(b)
+            self.residency.unpin(b)
         self.leases.end(lease)
 
     def _drop_lease(self, lease: Lease) -> None:

@@ -723,22 +723,44 @@ class Residency:
                         m.slot = -1
         return n
 
-    # --- reads of a DRAM slot outside the lock (hashing, sends) ------------------------------
+    # --- read pins (leases, and the daemon's own reads: hashing, sends) ----------------------
+    def pin(self, b: Block) -> None:
+        """One more reader of ``b``'s slot: off its LRU, so neither evicted, demoted nor deleted
+        (a demotion already writing it keeps the DRAM copy) until :meth:`unpin`."""
+        if b.ref_cnt == 0:
+            self.lru(b.tier, b.ns_id).discard(b)
+        b.ref_cnt += 1
+
+    def unpin(self, b: Block) -> None:
+        """A reader let go: the last one puts a live block back on its LRU, or frees the slot of
+        one deleted or aborted meanwhile."""
+        b.ref_cnt -= 1
+        if b.ref_cnt == 0:
+            if self.live(b):
+                self.lru(b.tier, b.ns_id).add(b)
+            else:
+                self.free_dropped(b)
+
     def prepare_read(self, blocks: Iterable[Block]) -> list[Move]:
-        """Hold the DRAM slots of ``blocks`` that are not busy already (neither evicted, deleted
-        nor demoted) while a digest or a send reads them, until :meth:`complete_read`."""
+        """Pin the slots of ``blocks`` while a digest or a send reads them outside the lock,
+        until :meth:`complete_read`. A pin, not ``busy``: a block under a demotion is busy
+        already, and when that write lands the pin keeps its DRAM copy, where ``busy`` (a flag,
+        cleared by whichever ends first) let the slot be freed under the send."""
         with self.lock:
-            todo = [b for b in blocks if not b.busy]
-            for b in todo:
-                b.busy = True
-            return [Move(b, b.key, b.ns_id, b.parent_key, 0, None, b.digests) for b in todo]
+            moves = []
+            for b in blocks:
+                self.pin(b)
+                moves.append(Move(b, b.key, b.ns_id, b.parent_key, 0, None, b.digests))
+            return moves
 
     def complete_read(self, moves: list[Move], digests: dict[int, object] | None = None) -> None:
         """The reads ended; ``digests`` (id(block) -> layer digests) are kept where given."""
         with self.lock:
-            for m in moves:
-                m.block.busy = False
-            for m in moves:
-                d = digests.get(id(m.block)) if digests else None
-                if d is not None:
-                    m.block.keep_digests(d)
+            try:
+                for m in moves:
+                    d = digests.get(id(m.block)) if digests else None
+                    if d is not None:
+                        m.block.keep_digests(d)
+            finally:
+                for m in moves:
+                    self.unpin(m.block)

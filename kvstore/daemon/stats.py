@@ -55,7 +55,8 @@ class Reporter:
             m.leases_active.labels(kind="read").set(reads)
             m.leases_active.labels(kind="write").set(len(core.leases) - reads)
             m.sessions.set(len(core.sessions))
-        for st in self.tier_stats():
+            tiers = self.tier_stats()  # the slot allocators change under the lock: read them under it
+        for st in tiers:
             name = st.kind.name.lower()
             m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
             m.tier_used.labels(tier=name).set(st.used_bytes)
