@@ -26,7 +26,8 @@ from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
 from kvstore.daemon.index import Block, BlockState, Lru, NsState
-from kvstore.daemon.residency import QuotaFlag, Residency
+from kvstore.daemon.placement import QuotaFlag
+from kvstore.daemon.residency import Residency
 from kvstore.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvstore.daemon.seams import BlockEvents, LowerTiers
 from kvstore.keys import KEY_BYTES, Namespace, check_token_count
