@@ -368,3 +368,30 @@ def test_dram_only_chains_lists_heads_first_most_recent_first_and_skips_unreacha
     for keys in (a, b):
         assert [order.index(k) for k in keys] == sorted(order.index(k) for k in keys)
     assert order[:2] == a[:2]
+
+
+def test_a_block_read_while_it_is_written_keeps_its_slot_and_stays_pinned_through_its_commit(env):
+    """A reader of slots still being written (a pipelined send, AwaitTransfer): letting go before
+    the Commit leaves the slots to the write lease (once, the last unpin freed them), and a block
+    still read when it is committed is not evictable until the reader lets go (once, Commit
+    filed it on the DRAM LRU under the pin)."""
+    core, s, clock = env
+    a = chain(40, 4)
+    lease, offsets, _ = core.reserve(s, b"".join(a), b"")
+    blocks = [s.ns.blocks[k] for k in a]
+    used = core.dram.used_bytes
+    core.release(s, core.pin(s, blocks).id)              # let go before the Commit
+    assert core.dram.used_bytes == used and [b.offset for b in blocks] == offsets
+    core.commit(s, lease.id, b"")
+    assert core.lookup(s, b"".join(a))[0] == blocks
+    b = chain(41, 4)
+    lease, _, _ = core.reserve(s, b"".join(b), b"")
+    held = core.pin(s, [s.ns.blocks[k] for k in b])     # read through its Commit
+    core.commit(s, lease.id, b"")
+    clock.t += 1
+    for seed in range(42, 50):                           # 32 more blocks: everything unpinned goes
+        put(core, s, chain(seed, 4))
+    assert all(s.ns.blocks.get(k) is not None for k in b)
+    core.release(s, held.id)
+    put(core, s, chain(50, 4))                           # now b is evictable, least recent first
+    assert all(s.ns.blocks.get(k) is None for k in b)

@@ -317,7 +317,8 @@ class Core:
                 b.kids.add(kid)
         for b in reversed(chosen):  # leaf first, then each parent: ancestors stay more recent
             self.touch(b)
-            lru.add(b)
+            if b.ref_cnt == 0:  # a block read while it was written (a transfer) is filed when let go
+                lru.add(b)
             if b.parent is not None:
                 self.touch(b.parent)
         for b in chosen:  # in chain order: a router's tree gets each parent before its children

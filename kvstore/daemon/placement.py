@@ -444,12 +444,14 @@ class Placement:
         b.ref_cnt += 1
 
     def unpin(self, b: Block) -> None:
-        """A reader let go: the last one puts a live block back on its LRU, or frees the slot of
-        one deleted or aborted meanwhile."""
+        """A reader let go. The last one puts a committed block back on its LRU, frees the slot
+        of one deleted or aborted meanwhile (out of the index), and leaves one still being
+        written alone: its write lease owns the slot and its Commit files it."""
         b.ref_cnt -= 1
         if b.ref_cnt == 0:
-            if self.live(b):
-                self.lru(b.tier, b.ns_id).add(b)
-            else:
+            st = self.namespaces.get(b.ns_id)
+            if st is None or st.blocks.get(b.key) is not b:
                 self.free_dropped(b)
+            elif b.state is BlockState.COMMITTED:
+                self.lru(b.tier, b.ns_id).add(b)
 
