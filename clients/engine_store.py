@@ -79,9 +79,10 @@ class DaemonTarget:
             times[name] = float(value)
         return cls(socket_path, tenant_salt=_salt(params, who), **times)
 
-    def connect(self) -> KVStoreClient:
-        """A client whose daemon answered within ``timeout_s``; DaemonUnreachable if none did."""
-        client = KVStoreClient(self.socket_path, timeout_s=self.timeout_s, prefault=False)
+    def connect(self, prefault: bool = False) -> KVStoreClient:
+        """A client whose daemon answered within ``timeout_s``; DaemonUnreachable if none did.
+        ``prefault``: fault the arena mapping in now (a session that copies blocks)."""
+        client = KVStoreClient(self.socket_path, timeout_s=self.timeout_s, prefault=prefault)
         try:
             grpc.channel_ready_future(client.channel).result(timeout=self.timeout_s)
         except grpc.FutureTimeoutError:
@@ -121,9 +122,10 @@ Copier = Callable[[int, np.ndarray], None]  # (index in the batch, the block's u
 class EngineStore:
     """One namespace on one daemon, addressed by the engine's own keys (bytes)."""
 
-    def __init__(self, target: DaemonTarget, layout: KVLayout, model_id: str, tp_rank: int = 0, tp_world: int = 1) -> None:
+    def __init__(self, target: DaemonTarget, layout: KVLayout, model_id: str, tp_rank: int = 0, tp_world: int = 1,
+                 *, prefault: bool = False) -> None:
         self.target = target
-        self.client = target.connect()
+        self.client = target.connect(prefault)
         try:
             self.client.register(layout, model_id, tp_rank=tp_rank, tp_world=tp_world, tenant_salt=target.tenant_salt)
         except BaseException:

@@ -58,8 +58,9 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.clients.client import KVStoreClient, pack
-from kvstore.clients.leases import RESERVED, KVStoreError
+from kvstore.clients.client import KVStoreClient, default_socket_path, pack
+from kvstore.clients.engine_store import DaemonTarget, DaemonUnreachable, EngineStore
+from kvstore.clients.leases import KVStoreError
 from kvstore.keys import engine_keys
 from kvstore.layout import AttnKind, DType, KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -153,13 +154,20 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._rows = np.asarray(primary_kv_view).view(np.uint8)  # [num_chunks, block_size_bytes], no copy
         self.layout, model = chunk_layout(offloading_spec, self.block_size_bytes)
         self.model_id = storage_model_id(model_id or model, offloading_spec, self.block_size_bytes)
-        self.data = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt))
+        # Three sessions on one namespace: lookups (vLLM's lookup thread), loads and stores (one
+        # I/O thread each). An EngineStore is one thread's, so the stores get their own.
+        target = DaemonTarget(kvstore_socket or default_socket_path(), self.rpc_timeout_s, self.load_wait_s,
+                              tenant_salt)
+        opened: list[EngineStore] = []
         try:
-            self.lookups = _Conn(connect(kvstore_socket, self.rpc_timeout_s, self.layout, self.model_id, tenant_salt,
-                                         prefault=False))
+            for prefault in (True, False, True):
+                opened.append(self._open(target, prefault))
         except BaseException:
-            self.data.client.close()
+            for s in opened:
+                s.client.close()
             raise
+        self.data, self.lookups = _Conn(opened[0].client), _Conn(opened[1].client)
+        self.stores = opened[2]
         self._root = self.data.client.namespace.root
         self._lock = threading.Lock()      # _pins, _leases, _done
         self._pins: dict[OffloadKey, _Pin] = {}
@@ -177,6 +185,17 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-tier-store")
         self._lookups = _KVStoreLookups(self)
         self._counts = {Metric.LOAD_GONE: 0, Metric.STORE_FAILED: 0}
+
+    def _open(self, target: DaemonTarget, prefault: bool) -> EngineStore:
+        """A registered session; a clear error when the daemon is not there or refuses the layout."""
+        try:
+            return EngineStore(target, self.layout, self.model_id, prefault=prefault)
+        except DaemonUnreachable as e:
+            raise RuntimeError(f"kvstore secondary tier: no kvstore daemon answers on {target.socket_path} ({e}); "
+                               "start `kvstore serve` or set kvstore_socket in the tier config") from None
+        except KVStoreError as e:
+            raise RuntimeError(f"kvstore secondary tier: the daemon refused vLLM's chunks of "
+                               f"{self.layout.block_bytes} bytes: {e.message}") from None
 
     # --- keys and pins (any thread) ----------------------------------------------------------
     def kvstore_key(self, key: OffloadKey) -> bytes:
@@ -338,8 +357,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         with self._lock:
             keys = list(self._pins)
         self._unpin(keys)
-        self.data.client.close()
-        self.lookups.client.close()
+        for c in (self.data.client, self.lookups.client, self.stores.client):
+            c.close()
         self._rows = None  # vLLM closes the primary mapping next; no view of it may be left
 
     @classmethod
@@ -368,30 +387,14 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     # --- the copies (I/O threads) ------------------------------------------------------------
     def _store(self, job_id: JobId, keys: list[OffloadKey], rows: list[int]) -> _Done:
         """Reserve, copy the primary rows into the reserved slots, Commit; Abort on any failure."""
-        ks = engine_keys(self._root, [bytes(k) for k in keys])
-        data = self.data
-        with data.lock:
-            leases = data.client.reserve_all(ks, retry_s=self.rpc_timeout_s)
         done = _Done(job_id)
-        try:
-            i = 0
-            for lease in leases:
-                for state, off in zip(lease.states, lease.offsets):
-                    if state == RESERVED:
-                        self.copy_in(data.client.arena.view(off, self.block_size_bytes), rows[i])
-                        done.stored.append(keys[i])
-                    i += 1
-            with data.lock:
-                for lease in leases:
-                    lease.commit()
-        except BaseException:
-            with data.lock:
-                for lease in leases:
-                    try:
-                        lease.abort()
-                    except KVStoreError as e:  # the reservation ends with its lease TTL
-                        log.warning("kvstore secondary tier: abort of job %d: %s", job_id, e)
-            raise
+
+        def fill(i: int, slot: np.ndarray) -> None:
+            self.copy_in(slot, rows[i])
+            done.stored.append(keys[i])
+
+        # EngineStore.store: Reserve, copy, Commit; a failed copy or Commit aborts (never visible).
+        self.stores.store(self.stores.keys([bytes(k) for k in keys]), fill)
         done.nbytes = len(done.stored) * self.block_size_bytes
         return done
 
@@ -471,22 +474,6 @@ def storage_model_id(model: str, offloading_spec, row_bytes: int) -> str:
     fields["row_bytes"] = row_bytes
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return f"{model[:200]}#vllm-offload-{digest}"
-
-
-def connect(socket_path: str | None, timeout_s: float, layout: KVLayout, model_id: str,
-            tenant_salt: str, prefault: bool = True) -> KVStoreClient:
-    """A registered client; a clear error when the daemon is not there or refuses the layout."""
-    c = KVStoreClient(socket_path, timeout_s=timeout_s, prefault=prefault)
-    try:
-        c.register(layout, model_id, tenant_salt=tenant_salt)
-    except KVStoreError as e:
-        c.close()
-        if e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-            raise RuntimeError(f"kvstore secondary tier: no kvstore daemon answers on {c.socket_path} "
-                               f"({e.message}); start `kvstore serve` or set kvstore_socket in the tier config") from None
-        raise RuntimeError(f"kvstore secondary tier: the daemon refused vLLM's chunks of {layout.block_bytes} bytes: "
-                           f"{e.message}") from None
-    return c
 
 
 __all__ = ["KVStoreSecondaryTier", "Metric", "chunk_layout", "kv_transfer_config", "storage_model_id"]
