@@ -222,10 +222,12 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             return [k in self._pins for k in keys]
 
     def _acquire(self, conn: _Conn, keys: list[OffloadKey]) -> tuple[int, list[tuple[OffloadKey, _Pin]]]:
-        """One lease pinning the leading ``keys`` the daemon holds, and a pin for each of them;
-        (0, []) when it holds none or cannot answer."""
+        """One lease pinning every one of ``keys`` the daemon holds, and a pin for each of them;
+        (0, []) when it holds none or cannot answer. Each key on its own (``each``): vLLM asks
+        about chunks of one request in any order and across groups (a hybrid model's windowed
+        group has no chunks before its window), so a miss must not hide the hits after it."""
         req = pb.AcquireRequest(keys=pack([self.kvstore_key(k) for k in keys]), allow_partial=True,
-                                wait_s=self.load_wait_s)
+                                wait_s=self.load_wait_s, each=True)
         try:
             r = conn.call("Acquire", req, self.rpc_timeout_s + self.load_wait_s)
         except KVStoreError as e:
@@ -236,8 +238,9 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                 self._release(_Pin(r.lease_id, 0, conn, req.session_id, 0.0))
             return 0, []
         until = time.monotonic() + r.expires_in_s / 2
+        held = [k for k, f in zip(keys, r.found) if f] if r.found else keys[:r.acquired]  # an older daemon: a prefix
         return r.lease_id, [(k, _Pin(r.lease_id, off, conn, req.session_id, until))
-                            for k, off in zip(keys[:r.acquired], r.offsets[:r.acquired])]
+                            for k, off in zip(held, r.offsets[:r.acquired])]
 
     def _unpin(self, keys: Iterable[OffloadKey], only_idle: bool = False, req_id: str | None = None) -> None:
         """Drop the pins of ``keys``; a lease is released once none of its blocks is pinned.

@@ -412,6 +412,23 @@ def test_make_resident_waits_no_longer_than_its_deadline(make):
     assert all(env.block(k).tier is DRAM for k in a)
 
 
+def test_make_resident_each_promotes_past_a_missing_key(make):
+    """``each`` (an engine's lookup of unrelated chunks): a key the daemon lacks does not stop
+    the promotion of the NVMe blocks after it; without it the leading miss ends it."""
+    env = make()
+    a = demoted(env)[0]
+    ask = [chain(123, 1)[0], *a]                         # never stored, then a's four blocks on NVMe
+    env.tiering.make_resident(env.s, ask, wait_s=0.0)
+    assert env.nvme.in_flight() == 0 and all(env.block(k).tier is NVME for k in a)
+    env.tiering.make_resident(env.s, ask, wait_s=0.0, each=True)
+    assert env.nvme.in_flight() == 1 and env.nvme.complete() == 1
+    assert all(env.block(k).tier is DRAM for k in a)
+    found = bytearray()
+    with env.core.lock:
+        lease, blocks = env.core.acquire(env.s, join(ask), True, found)
+    assert bytes(found) == bytes([0, 1, 1, 1, 1]) and [b.key for b in blocks] == a
+
+
 def test_corrupt_read_forgets_the_block_and_it_is_never_served(make):
     env = make()
     a = demoted(env)[0]

@@ -154,6 +154,23 @@ def test_lookup_stops_at_the_first_block_kvstore_lacks(engines):
     b.m.on_request_finished(r2)
 
 
+def test_a_miss_does_not_hide_the_chunks_after_it(engines):
+    """vLLM's async lookup hands the tier one request's chunks as a batch, in any order and
+    across KV groups (a hybrid model's windowed group has no chunks before its window). Each is
+    answered on its own: a chunk kvstore lacks is a MISS, the stored ones after it are HITs (one
+    Acquire with ``each``; before, the batch's answer stopped at its first miss)."""
+    a, b = engines(), engines()
+    keys, data = a.stored("sparse", 3, 4)
+    missing = keys_for("sparse-not-stored", 2)
+    ask = [missing[0], keys[0], missing[1], keys[1], keys[2]]
+    r = ReqContext("sp")
+    b.m.on_new_request(r)
+    H, M = LookupResult.HIT, LookupResult.MISS
+    assert b.lookup_all(r, ask) == [M, H, M, H, H]
+    assert all(np.array_equal(g, d) for g, d in zip(b.read(r, keys), data))
+    b.m.on_request_finished(r)
+
+
 def test_tenant_salt_and_model_keep_caches_apart(engines):
     a, other_tenant, other_model = engines(tenant_salt="t1"), engines(tenant_salt="t2"), engines(model_id="m2")
     keys, data = a.stored("salt", 2, 3)

@@ -353,13 +353,21 @@ class Core:
         FAILED_PRECONDITION otherwise)."""
         return self.leases.get(s, lease_id, kind)
 
-    def acquire(self, s: Session, packed: bytes, allow_partial: bool) -> tuple[Lease | None, list[Block]]:
+    def acquire(self, s: Session, packed: bytes, allow_partial: bool, found: bytearray | None = None
+                ) -> tuple[Lease | None, list[Block]]:
+        """Pin the leading committed DRAM blocks of ``packed`` (all of them, or with
+        ``allow_partial`` up to the first that is not). With ``found`` (a bytearray): each key on
+        its own instead, every one held in DRAM pinned and ``found`` set to one byte per key."""
         self.sessions.check_open(s)
         keys = self.keys(packed)
         blocks = []
+        if found is not None:
+            found[:] = bytes(len(keys))
         for i, k in enumerate(keys):
             b = s.ns.blocks.get(k)
             if b is None or b.tier is not DRAM or b.state is not BlockState.COMMITTED:
+                if found is not None:
+                    continue
                 if allow_partial:
                     break
                 if b is None:
@@ -369,6 +377,8 @@ class Core:
                                   f"key {i} ({k.hex()[:16]}...): reserved but not committed; it cannot be read yet")
                 raise KVError(Code.FAILED_PRECONDITION,
                               f"key {i} ({k.hex()[:16]}...): not resident in DRAM ({b.tier.name}); prefetch it first")
+            if found is not None:
+                found[i] = 1
             blocks.append(b)
         if not blocks:
             return None, []

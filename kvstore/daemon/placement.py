@@ -371,14 +371,17 @@ class Placement:
             return sorted((b for st in self.namespaces.values() for b in st.blocks.values() if b.on_nvme),
                           key=lambda b: b.tick)
 
-    def resident(self, st: NsState, keys: list[bytes], nvme_enabled: bool) -> tuple[int, bool]:
+    def resident(self, st: NsState, keys: list[bytes], nvme_enabled: bool, each: bool = False) -> tuple[int, bool]:
         """(leading blocks resident in DRAM, whether more may still arrive: the next one is on
-        NVMe, being read or waiting for DRAM room)."""
+        NVMe, being read or waiting for DRAM room). ``each``: misses are skipped, so more may
+        arrive while any key is on NVMe."""
         with self.lock:
             n = 0
             for k in keys:
                 b = st.blocks.get(k)
                 if b is None or b.state is not BlockState.COMMITTED:
+                    if each:
+                        continue
                     return n, False
                 if b.tier is not DRAM:
                     return n, nvme_enabled

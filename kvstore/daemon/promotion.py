@@ -58,10 +58,10 @@ class Promoter:
         self._lock = threading.Lock()  # the prefetch records
         self._ids = itertools.count(1)
 
-    def promote(self, st: NsState, keys: list[bytes]) -> int:
-        """Start moving the leading NVMe-only blocks of ``keys`` into DRAM; returns how many
-        leading blocks are resident or on their way."""
-        n, moves = self.res.prepare_promotion(st, keys)
+    def promote(self, st: NsState, keys: list[bytes], each: bool = False) -> int:
+        """Start moving the leading NVMe-only blocks of ``keys`` into DRAM (with ``each``: all of
+        them, a miss does not stop it); returns how many leading blocks are resident or on their way."""
+        n, moves = self.res.prepare_promotion(st, keys, each)
         if moves:
             t0 = time.perf_counter()
             try:
@@ -83,15 +83,16 @@ class Promoter:
         if batch.nbytes:
             self.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
 
-    def make_resident(self, session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True) -> None:
-        """Promote the leading NVMe blocks of ``keys`` and wait until they are in DRAM, or until
-        ``wait_s`` seconds have passed on the clock; ``wanted`` (the call's ``is_active``) is
-        asked every 50 ms, so a call whose client gave up ends then."""
+    def make_resident(self, session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True,
+                      each: bool = False) -> None:
+        """Promote the leading NVMe blocks of ``keys`` (``each``: every one) and wait until they
+        are in DRAM, or until ``wait_s`` seconds have passed on the clock; ``wanted`` (the call's
+        ``is_active``) is asked every 50 ms, so a call whose client gave up ends then."""
         deadline = self.clock() + wait_s
         while True:
             gen = self.res.generation
-            self.promote(session.ns, keys)  # idempotent: blocks under way are skipped
-            _, pending = self.res.resident(session.ns, keys, self.nvme.enabled)
+            self.promote(session.ns, keys, each)  # idempotent: blocks under way are skipped
+            _, pending = self.res.resident(session.ns, keys, self.nvme.enabled, each)
             left = deadline - self.clock()
             if not pending or left <= 0 or not wanted():
                 return

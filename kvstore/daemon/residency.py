@@ -213,16 +213,18 @@ class Residency(Placement):
         return out
 
     # --- promotion: NVMe -> DRAM ------------------------------------------------------------
-    def prepare_promotion(self, st: NsState, keys: list[bytes]) -> tuple[int, list[Move]]:
-        """Slots for the leading NVMe-only blocks of ``keys``; returns (how many leading blocks
-        are resident or on their way, the reads to start). Idempotent: blocks under way are
-        skipped."""
+    def prepare_promotion(self, st: NsState, keys: list[bytes], each: bool = False) -> tuple[int, list[Move]]:
+        """Slots for the leading NVMe-only blocks of ``keys`` (``each``: for all of them, past
+        misses); returns (how many leading blocks are resident or on their way, the reads to
+        start). Idempotent: blocks under way are skipped."""
         moves: list[Move] = []
         n = 0
         with self.eviction_pass():
             for k in keys:
                 b = st.blocks.get(k)
                 if b is None or b.state is not BlockState.COMMITTED:
+                    if each:
+                        continue
                     break
                 n += 1
                 if b.tier is NVME and not b.busy:

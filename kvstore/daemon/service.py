@@ -301,14 +301,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if req.wait_s > 0 and self.tiering is not None:
             with self._waiting(s, "Acquire", req.wait_s):
                 self.tiering.make_resident(s, self.core.keys(req.keys), wait_budget(context, min(req.wait_s, 60.0)),
-                                           context.is_active)
+                                           context.is_active, each=req.each)
+        found = bytearray() if req.each else None
         with self.core.lock:
             s = self._session(req.session_id)  # again after the wait: it may have ended
-            lease, blocks = self.core.acquire(s, req.keys, req.allow_partial)
+            lease, blocks = self.core.acquire(s, req.keys, req.allow_partial, found)
             hbm = [b.hbm_slot for b in blocks] if self.core.cfg.hot_after_reads else []
         return pb.AcquireResponse(lease_id=lease.id if lease else 0, offsets=[b.offset for b in blocks],
                                   acquired=len(blocks), expires_in_s=self.core.leases.ttl_s if lease else 0.0,
-                                  hbm_offsets=hbm)
+                                  hbm_offsets=hbm, found=bytes(found or b""))
 
     @rpc
     def Release(self, req, context):

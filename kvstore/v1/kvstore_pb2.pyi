@@ -251,30 +251,34 @@ class AbortResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "allow_partial", "wait_s")
+    __slots__ = ("session_id", "keys", "allow_partial", "wait_s", "each")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     allow_partial: bool
     wait_s: float
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    each: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s", "hbm_offsets")
+    __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s", "hbm_offsets", "found")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     HBM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     acquired: int
     expires_in_s: float
     hbm_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., acquired: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., hbm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    found: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., acquired: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., hbm_offsets: _Optional[_Iterable[int]] = ..., found: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
