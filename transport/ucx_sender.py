@@ -23,6 +23,10 @@ from .ucx import _REPLY_MAX, _Conn, _req_error, data_tag, hello_buf
 from .ucx_env import Engine
 
 log = logging.getLogger("kvstore.transport")
+# A receiver that fails a transfer sends its ERROR frame and closes; UCX may report the reset of
+# that close before the frame it already delivered. A lost connection waits this long (seconds)
+# for the frame before the caller hears PEER_LOST, so it hears the receiver's reason.
+LOST_GRACE_S = 0.25
 
 
 class UcxChannel(_Conn):
@@ -37,6 +41,7 @@ class UcxChannel(_Conn):
         self.max_inflight = connector.config.max_inflight_bytes
         self.waiting: Future | None = None
         self.deadline: float | None = None
+        self.lost_at: float | None = None  # when the connection was lost (LOST_GRACE_S)
         self.pump_deferred = False  # a _pump is scheduled after the engine's pending calls
 
     # -- any thread -----------------------------------------------------------------------------
@@ -63,7 +68,13 @@ class UcxChannel(_Conn):
             raise TransferError(TransferStatus.DEADLINE_EXCEEDED, f"no answer from {self.peer} in time") from None
 
     def error(self) -> TransferError | None:
-        return self.err
+        return None if self._in_grace() else self.err
+
+    def _in_grace(self) -> bool:
+        """Lost with no reason yet, and the receiver's ERROR frame may still arrive."""
+        err, at = self.err, self.lost_at
+        return (err is not None and err.status is TransferStatus.PEER_LOST and at is not None and not self.closed
+                and time.monotonic() - at < LOST_GRACE_S)
 
     def alive(self) -> bool:
         if self.err is not None or self.closed:
@@ -93,6 +104,9 @@ class UcxChannel(_Conn):
         if self.err is not None or self.closed:
             fut = item[3] if item[0] == "call" else None
             if fut is not None and not fut.done():
+                if self._in_grace() and self.waiting is None:
+                    self.waiting = fut  # answered by the receiver's reason, or PEER_LOST at the grace's end
+                    return
                 fut.set_exception(self.err or TransferError(TransferStatus.ABORTED, "connection closed"))
             return
         self.queue.append(item)
@@ -160,15 +174,25 @@ class UcxChannel(_Conn):
 
     def lost(self, err: TransferError) -> None:
         # The receiver's own reason (its ERROR frame) wins over the reset of the endpoint it
-        # closes just after: UCX may report the reset first.
+        # closes just after: UCX may report the reset first, so a caller waiting for an answer
+        # hears a bare PEER_LOST only after LOST_GRACE_S without that frame.
         if self.err is None or (self.err.status is TransferStatus.PEER_LOST and err.status is not TransferStatus.PEER_LOST):
             self.err = err
         self.queue.clear()
+        if self.err.status is TransferStatus.PEER_LOST and not self.closed:
+            if self.lost_at is None:
+                self.lost_at = time.monotonic()
+            return
+        self._fail_waiter()
+
+    def _fail_waiter(self) -> None:
         fut, self.waiting = self.waiting, None
         if fut is not None and not fut.done():
             fut.set_exception(self.err)
 
     def tick(self, now: float) -> None:
+        if self.waiting is not None and self.lost_at is not None and now - self.lost_at >= LOST_GRACE_S:
+            self._fail_waiter()
         if self.deadline is not None and now >= self.deadline and self.err is None:
             self.lost(TransferError(TransferStatus.DEADLINE_EXCEEDED, f"transfer to {self.peer} past its deadline"))
 
