@@ -453,11 +453,12 @@ class KVStoreClient:
         yielded are the caller's to commit or abort."""
         step = batch_blocks or self.max_batch_blocks()
         bt = self.layout.block_tokens
-        tokens = None if token_ids is None else np.asarray(token_ids)
         for i in range(start, len(keys), step):
             chunk = keys[i:i + step]
+            # Sliced before any conversion: a step saves a few blocks of a long prompt, and this
+            # runs on a worker's Reserve thread beside the engine's own.
             yield i, self.reserve(chunk, parent=keys[i - 1] if i else parent, retry_s=retry_s,
-                                  token_ids=None if tokens is None else tokens[i * bt:(i + len(chunk)) * bt])
+                                  token_ids=None if token_ids is None else token_ids[i * bt:(i + len(chunk)) * bt])
 
     def reserve_all(self, keys: Sequence[bytes], **kw) -> list[WriteLease]:
         """:meth:`reserve_chain`'s leases, all or none: when a batch is refused the ones before
