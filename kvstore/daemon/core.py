@@ -280,9 +280,6 @@ class Core:
         """A DRAM slot for one of ``ns``'s blocks (see :meth:`Residency.allocate_slot`)."""
         return self.residency.allocate_slot(ns)
 
-    def forget(self, b: Block) -> None:
-        self.residency.forget(b)
-
     def dram_only_chains(self) -> list[Block]:
         """See :meth:`Residency.dram_only_chains`."""
         return self.residency.dram_only_chains()

@@ -58,12 +58,11 @@ class Move:
 class DemotionPlan:
     """What :meth:`Residency.prepare_demotion` decided: ``draining`` (the demoter's state for
     the next round); ``moves`` (blocks to write to NVMe), or None when there was nothing to do
-    (idle, or no unpinned leaf); ``evicted`` counts blocks dropped from DRAM at once because an
-    NVMe copy already existed or NVMe does not admit them."""
+    (idle, or no unpinned leaf). Blocks with an NVMe copy already, or that NVMe does not admit,
+    were dropped from DRAM at once and are not among the moves."""
 
     draining: bool
     moves: list[Move] | None
-    evicted: int = 0
 
 
 @dataclass(slots=True)
@@ -125,16 +124,15 @@ class Residency(Placement):
             victims = self._pick(min(want, max_bytes))
             if not victims:
                 return DemotionPlan(True, None)
-            moves, evicted = [], 0
+            moves = []
             for b in victims:
                 if b.on_nvme or not admits(b):
                     self.evict_from_dram(b)  # a copy is there already, or not admitted: just drop
-                    evicted += 1
                 else:
                     b.busy = True
                     moves.append(self._move(b))
             self.pressure.moving += len(moves)
-            return DemotionPlan(True, moves, evicted)
+            return DemotionPlan(True, moves)
 
     def complete_demotion(self, moves: list[Move], results: dict, sums: dict, nvme_quota_bytes: int) -> Landed:
         """The NVMe write of ``moves`` ended with ``results`` (key -> IoResult; missing = failed)

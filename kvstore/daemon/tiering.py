@@ -20,12 +20,12 @@ from kvstore.config import DramConfig, NvmeConfig
 from kvstore.daemon.demoter import Demoter, NvmeCopies
 from kvstore.daemon.index import Block
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.promotion import MAX_PREFETCHES, Prefetch, Promoter
+from kvstore.daemon.promotion import Promoter
 from kvstore.daemon.residency import Residency
-from kvstore.daemon.write_out import FLUSH_BATCH_BYTES, NvmeStore
+from kvstore.daemon.write_out import NvmeStore
 from kvstore.policy import LoadPolicy
 
-__all__ = ["Tiering", "NvmeCopies", "Prefetch", "MAX_PREFETCHES", "FLUSH_BATCH_BYTES"]
+__all__ = ["Tiering", "NvmeCopies"]
 
 
 class Tiering:
@@ -48,7 +48,6 @@ class Tiering:
         self.remember = self.store.remember
         self.write_out = self.store.write_out
         self.run_round = self.demoter.run_round
-        self.promote = self.promoter.promote
         self.make_resident = self.promoter.make_resident
         self.prefetch = self.promoter.prefetch
         self.prefetch_status = self.promoter.prefetch_status
@@ -67,9 +66,6 @@ class Tiering:
         if self.cfg.durable_commit:
             self.store.persist(blocks)
         self.kick.set()
-
-    def persist(self, blocks: list[Block]) -> None:
-        self.store.persist(blocks)
 
     def close(self, deadline: float) -> None:
         """Shut down by ``deadline`` (``time.monotonic()``): stop demoting, write what only DRAM
