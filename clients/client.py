@@ -118,6 +118,7 @@ class LookupResult:
     remote_blocks: int = 0
     remote_node_id: str = ""
     est_pull_s: float = 0.0
+    found: bytes = b""  # lookup_keys(each=True): one byte per key, 1 where it is committed
 
 
 class KVStoreClient:
@@ -360,13 +361,15 @@ class KVStoreClient:
         if self.arena is not None:
             self.acquire([key], allow_partial=True).release(wait=True)
 
-    def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False) -> LookupResult:
+    def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False, each: bool = False) -> LookupResult:
         """``ask_peers``: in a cluster, also learn which peer holds the blocks after the local
-        hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`)."""
-        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers))
+        hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`).
+        ``each``: every key on its own, not a prefix (``found`` says which are committed)."""
+        r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers,
+                                                 each=each))
         advice = pb.Advice.Name(r.advice).removeprefix("ADVICE_").lower() if r.advice else ""
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
-                            advice, r.remote_blocks, r.remote_node_id, r.est_pull_s)
+                            advice, r.remote_blocks, r.remote_node_id, r.est_pull_s, bytes(r.found))
 
     def pull(self, keys: Sequence[bytes], holder: str = "", deadline_s: float = 0.0) -> ppb.PullResponse:
         """Have this client's daemon fetch the blocks of ``keys`` it lacks from a peer (``holder``,

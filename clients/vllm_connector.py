@@ -152,7 +152,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.link = self.links[0]
         if scheduler_side:
-            self._scheduler = HybridScheduler(s, self.links, bt, bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer))
+            self._scheduler = HybridScheduler(s, groups, self.links, bt, bool(ktc.is_kv_consumer),
+                                              bool(ktc.is_kv_producer))
         else:
             self._worker = self.hybrid_worker_class(vllm_config, kv_cache_config, s, groups, self.links, layouts, bt, roots)
 

@@ -22,11 +22,16 @@ vLLM's null block). The connector follows that split:
 - **Windows.** A sliding-window group loads only the blocks vLLM gave it (those its window
   needs); blocks behind the window stay vLLM's null block. Saves store every block the group
   still holds when it is computed, so a later prompt can stop anywhere.
-- **Refused, never guessed.** A group kvstore cannot restore exactly (Mamba / linear-attention
-  state, chunked-local, encoder or cross attention, groups of different block sizes) turns
-  prefix reuse off for the model, with a start-up warning naming the group; the engine then
-  runs exactly as plain vLLM (HMA on, no lookups, no saves). ``transfer_peer`` (prefill/decode
-  shipping) is refused at start-up for several-group models.
+- **State groups** (Mamba / linear attention: Qwen3-Next, Jamba, ...): the state snapshots
+  vLLM's prefix caching keeps at block boundaries, stored and restored exactly
+  (:mod:`kvstore.clients.vllm_state`); a prefix counts only up to a boundary every state group
+  has a snapshot for.
+- **Refused, never guessed.** A group kvstore cannot restore exactly (Mamba state outside
+  vLLM's ``align`` mode or with speculative-decoding blocks, chunked-local, encoder or cross
+  attention, groups of different block sizes) turns prefix reuse off for the model, with a
+  start-up warning naming the group; the engine then runs exactly as plain vLLM (HMA on, no
+  lookups, no saves). ``transfer_peer`` (prefill/decode shipping) is refused at start-up for
+  several-group models.
 
 Events (``BlockStored``/``BlockRemoved``) come from the first full-attention group, whose keys
 the namespaces share.
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from kvstore.clients.client import KVStoreError
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata, _Match
 from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
+from kvstore.clients.vllm_state import Snapshot, StateWorker, state_bytes, state_layout, state_signature
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
@@ -48,7 +54,7 @@ from kvstore.layout import KVLayout
 log = logging.getLogger("kvstore.vllm")
 
 NULL_BLOCK = 0  # vLLM's null block (BlockPool's first block): a table entry nobody reads or writes
-FULL, SLIDING = "full", "sliding"
+FULL, SLIDING, STATE = "full", "sliding", "state"
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,15 @@ class CacheGroup:
     """One of vLLM's KV cache groups as kvstore stores it."""
 
     index: int
-    kind: str                # FULL or SLIDING
+    kind: str                # FULL, SLIDING or STATE
     layers: tuple[str, ...]  # vLLM's layer names, in the group's order
     block_size: int          # vLLM's tokens per block in this group
+    state_bytes: int = 0     # STATE: bytes of one layer's state
+    signature: str = ""      # STATE: its shapes and dtypes (in the namespace)
 
     def model_id(self, model_id: str) -> str:
-        return f"{model_id}#kv-group:{self.kind}:{self.index}"
+        name = f"{model_id}#kv-group:{self.kind}:{self.index}"
+        return f"{name}:{self.signature}" if self.signature else name
 
 
 class Refused(Exception):
@@ -71,18 +80,26 @@ class Refused(Exception):
 def cache_groups(kv_cache_config) -> list[CacheGroup]:
     """vLLM's KV cache groups, each classified by its exact spec type; :class:`Refused` names
     the first group kvstore cannot restore exactly."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    kinds = {FullAttentionSpec: FULL, MLAAttentionSpec: FULL, SlidingWindowSpec: SLIDING}
+    kinds = {FullAttentionSpec: FULL, MLAAttentionSpec: FULL, SlidingWindowSpec: SLIDING, MambaSpec: STATE}
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind = kinds.get(type(spec))
         layers = tuple(g.layer_names)
+        what = f"KV cache group {i} ({type(spec).__name__}, layers {_names(layers)})"
         if kind is None:
-            raise Refused(f"KV cache group {i} ({type(spec).__name__}, layers {_names(layers)}) holds "
-                          f"{'recurrent state' if 'Mamba' in type(spec).__name__ else 'KV'} kvstore cannot "
-                          "restore exactly")
+            raise Refused(f"{what} holds {'recurrent state' if 'Mamba' in type(spec).__name__ else 'KV'} "
+                          "kvstore cannot restore exactly")
+        if kind == STATE:
+            if spec.mamba_cache_mode != "align":
+                raise Refused(f"{what}: mamba_cache_mode {spec.mamba_cache_mode!r} keeps no state snapshots at "
+                              "block boundaries (vLLM's 'align' mode does, with prefix caching on)")
+            if spec.num_speculative_blocks:
+                raise Refused(f"{what} holds speculative-decoding state blocks kvstore cannot restore exactly")
+            out.append(CacheGroup(i, kind, layers, int(spec.block_size), state_bytes(spec), state_signature(spec)))
+            continue
         out.append(CacheGroup(i, kind, layers, int(spec.block_size)))
     sizes = {g.block_size for g in out}
     if len(sizes) > 1:
@@ -97,6 +114,8 @@ def _names(layers: tuple[str, ...]) -> str:
 
 
 def group_layout(layout: KVLayout, group: CacheGroup) -> KVLayout:
+    if group.kind == STATE:
+        return state_layout(len(group.layers), group.state_bytes, layout.block_tokens)
     return dataclasses.replace(layout, num_layers=len(group.layers))
 
 
@@ -125,10 +144,11 @@ class HybridScheduler(ConnectorScheduler):
     namespace, a hit only as long as every group's, loaded asynchronously (module docstring).
     ``links``: one per group, in vLLM's group order."""
 
-    def __init__(self, settings: ConnectorSettings, links: list[Link], bt: int, can_load: bool,
-                 can_save: bool) -> None:
-        super().__init__(settings, links[0], bt, can_load, can_save)
-        self.links = links
+    def __init__(self, settings: ConnectorSettings, groups: list[CacheGroup], links: list[Link], bt: int,
+                 can_load: bool, can_save: bool) -> None:
+        rows = [i for i, g in enumerate(groups) if g.kind != STATE]
+        super().__init__(settings, links[rows[0]], bt, can_load, can_save)
+        self.groups, self.links = groups, links
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that every group holds (and the policy says to
@@ -140,16 +160,25 @@ class HybridScheduler(ConnectorScheduler):
         if not self.can_load or cap <= 0 or num_computed_tokens % self.bt or request.request_id in self._pulled:
             return 0, False
         blocks, tiers = cap, b""
-        for link in self.links:
+        # Token-row groups first (leading hits), then the state groups' snapshots at the
+        # boundaries those allow (each key on its own: a state namespace is sparse).
+        order = sorted(range(len(self.links)), key=lambda g: self.groups[g].kind == STATE)
+        for g in order:
+            link, state = self.links[g], self.groups[g].kind == STATE
             client = link.get()
             if client is None:
                 return 0, False
+            if blocks <= 0:
+                break
             try:
-                r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=False)
+                r = client.lookup_keys(client.keys(prompt[:blocks * self.bt]), ask_peers=False, each=state)
             except KVStoreError as e:
                 link.lost(e)
                 link.retire()
                 return 0, False
+            if state:  # the last boundary this group has a snapshot for
+                blocks = max((i + 1 for i, f in enumerate(r.found) if f), default=0)
+                continue
             blocks = min(blocks, r.hit_blocks, r.load_blocks if self.settings.follow_policy else r.hit_blocks)
             tiers = tiers or bytes(r.tiers)
         ext = max(0, blocks * self.bt - num_computed_tokens)
@@ -168,6 +197,21 @@ class HybridScheduler(ConnectorScheduler):
         self._to_pull[request.request_id] = BlockSpan(
             request.request_id, list(request.prompt_token_ids or [])[:end * self.bt], m.local // self.bt, end,
             list(tables[0]), "", tables)
+
+    def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
+        """The step's work (:class:`ConnectorScheduler`), plus the state snapshots vLLM kept
+        in this step at boundaries inside a prompt (saved by the state groups' workers)."""
+        meta = super().build_connector_meta(scheduler_output)
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if not self.can_save or state is None:
+            return meta
+        for req_id, offers in state.boundary_state_offloads.items():
+            st = self._reqs.get(req_id)
+            for group, block_id, boundary in offers:
+                if (st is not None and 0 < boundary <= len(st.prompt) and boundary % self.bt == 0
+                        and self.groups[group].kind == STATE):
+                    meta.snapshots.append(Snapshot(req_id, group, block_id, st.prompt[:boundary]))
+        return meta
 
 
 class ReuseOff(ConnectorScheduler):
@@ -199,10 +243,13 @@ class HybridWorker:
     """The worker side for a model of several KV cache groups: one :class:`ConnectorWorker`
     per group (its layers, its session), fed each step's spans cut to what the group holds."""
 
+    state_worker_class = StateWorker  # a state group's worker (a test subclass may name its own)
+
     def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings, groups: list[CacheGroup],
                  links: list[Link], layouts: list[KVLayout], bt: int, roots: list[bytes]) -> None:
         self.groups, self.bt = groups, bt
-        self.subs = [_GroupWorker(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root)
+        self.subs = [self.state_worker_class(link, lay, g.layers, settings.load_wait_s) if g.kind == STATE else
+                     _GroupWorker(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root)
                      for g, link, lay, root in zip(groups, links, layouts, roots)]
         self._events_from = next(i for i, g in enumerate(groups) if g.kind == FULL)
         self._group_of = {name: i for i, g in enumerate(groups) for name in g.layers}
@@ -229,6 +276,8 @@ class HybridWorker:
             for g, part in enumerate(parts):
                 try:
                     gs = group_span(span, g, self.bt, self.groups[g].block_size)
+                    if self.groups[g].kind == STATE and (gs is None or (gs.start, gs.end) != (span.end - 1, span.end)):
+                        raise ValueError(f"group {g}: vLLM allocated no single state block at block {span.end - 1}")
                 except ValueError as e:
                     log.warning("kvstore load of %s not started; vLLM recomputes it: %s", span.req_id, e)
                     self._failed.add(span.req_id)
@@ -236,8 +285,12 @@ class HybridWorker:
                 if gs is not None:
                     part.pulls.append(gs)
                     self._pending[span.req_id].add(g)
+        for snap in meta.snapshots:
+            parts[snap.group].snapshots.append(snap)
         for span in meta.saves:
             for g, part in enumerate(parts):
+                if self.groups[g].kind == STATE:
+                    continue  # a state group saves the snapshots vLLM named (above), not block spans
                 try:
                     gs = group_span(span, g, self.bt, self.groups[g].block_size)
                 except ValueError:

@@ -45,6 +45,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockSpan] = field(default_factory=list)
     saves: list[BlockSpan] = field(default_factory=list)
     pulls: list[BlockSpan] = field(default_factory=list)  # asynchronous: pulled, then loaded
+    snapshots: list = field(default_factory=list)  # hybrid models' state snapshots to save (vllm_state.Snapshot)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,9 @@ A block holds the KV of ``block_tokens`` consecutive tokens for all layers, stor
 layer ``l`` of a block is one contiguous chunk of ``layer_chunk_bytes``. Inside a chunk the
 order is ``[2 (k, v), block_tokens, kv_heads, head_dim]`` for MHA/GQA/MQA and
 ``[block_tokens, kv_lora_rank + qk_rope_head_dim]`` for MLA (one latent, no separate V).
+A ``state`` layout holds no token rows: each layer's chunk is one recurrent-state snapshot of
+``state_bytes`` (a Mamba / linear-attention layer's state after the block's last token, in the
+engine's own bytes; the vLLM connector's state groups, :mod:`kvstore.clients.vllm_state`).
 
 That order is the one canonical block format, whoever writes the block: ``put``, the HF adapter
 and the vLLM connector on any attention backend convert at the edge, in the copy they make
@@ -58,13 +61,14 @@ class AttnKind(enum.Enum):
     GQA = "gqa"
     MQA = "mqa"
     MLA = "mla"
+    STATE = "state"  # a recurrent-state snapshot per layer and block, not token rows
 
     @classmethod
     def parse(cls, text: str) -> "AttnKind":
         try:
             return cls(str(text).lower())
         except ValueError:
-            raise LayoutError(f"kind: unknown attention kind {text!r}; known: mha, gqa, mqa, mla") from None
+            raise LayoutError(f"kind: unknown attention kind {text!r}; known: mha, gqa, mqa, mla, state") from None
 
 
 def _positive(name: str, value: int) -> int:
@@ -85,6 +89,7 @@ class KVLayout:
     block_tokens: int = 16
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    state_bytes: int = 0  # state only: bytes of one layer's snapshot
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -93,6 +98,13 @@ class KVLayout:
             object.__setattr__(self, "kind", AttnKind.parse(self.kind))
         _positive("num_layers", self.num_layers)
         _positive("block_tokens", self.block_tokens)
+        if self.kind is AttnKind.STATE:
+            _positive("state_bytes", self.state_bytes)
+            if self.dtype is not DType.INT8:
+                raise LayoutError(f"dtype: a state layout holds the engine's bytes (int8), got {self.dtype.label}")
+            return
+        if self.state_bytes:
+            raise LayoutError(f"state_bytes: only a state layout has one, not {self.kind.value}")
         if self.kind is AttnKind.MLA:
             _positive("kv_lora_rank", self.kv_lora_rank)
             if self.qk_rope_head_dim < 0:
@@ -107,7 +119,10 @@ class KVLayout:
 
     @property
     def elements_per_token_layer(self) -> int:
-        """KV elements one token stores in one layer (K and V, or the MLA latent + rope)."""
+        """KV elements one token stores in one layer (K and V, or the MLA latent + rope; a state
+        layout's snapshot spread over the block's tokens, rounded up)."""
+        if self.kind is AttnKind.STATE:
+            return -(-self.state_bytes // self.block_tokens)
         if self.kind is AttnKind.MLA:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_kv_heads * self.head_dim
@@ -123,6 +138,8 @@ class KVLayout:
     @property
     def layer_chunk_bytes(self) -> int:
         """Bytes of one layer of one block: the unit of layer-pipelined transfer."""
+        if self.kind is AttnKind.STATE:
+            return self.state_bytes
         return self.bytes_per_token_layer * self.block_tokens
 
     @property
@@ -146,6 +163,8 @@ class KVLayout:
         d = asdict(self)
         d["dtype"] = self.dtype.label
         d["kind"] = self.kind.value
+        if not self.state_bytes:
+            del d["state_bytes"]  # so the namespaces of token-row layouts hash as they always did
         return d
 
     @classmethod

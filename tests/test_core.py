@@ -82,6 +82,18 @@ def test_capacity_and_exact_leaves_first_lru_order(env):
     assert core.lookup(s, b"".join(a)) and len(core.lookup(s, b"".join(a))[0]) == 12
 
 
+def test_lookup_each_answers_every_key_past_misses(env):
+    core, s, _ = env
+    a = chain(7, 6)
+    put(core, s, [a[1]])          # sparse, as a state group's snapshots are: blocks 1 and 4,
+    put(core, s, [a[4]])          # each a chain head of its own
+    hits, tiers, found = core.lookup(s, b"".join(a), each=True)
+    assert found == bytes([0, 1, 0, 0, 1, 0])
+    assert [b.key for b in hits] == [a[1], a[4]] and len(tiers) == 2
+    hits, tiers, found = core.lookup(s, b"".join(a))  # a prefix: the first miss ends it
+    assert hits == [] and found == b""
+
+
 def test_pinned_block_is_never_evicted_and_back_pressure_is_clear(env):
     core, s, clock = env
     keys = chain(5, 32)

@@ -194,25 +194,132 @@ def test_a_sliding_group_loads_only_the_blocks_its_window_holds():
         group_span(BlockSpan("r", [], 0, 4, full, tables=([7, 0, 8, 9], full)), 0, BT, BT)
 
 
-# --- linear attention: state kvstore cannot restore exactly is refused, the engine runs --------
+# --- linear attention: vLLM's state snapshots, stored and restored exactly -------------------
+
+QWEN = "qwen3-next-tiny"
+QBT = 128  # vLLM raises Qwen3-Next's block size to 128 here (state and KV pages of one size)
+Q1 = SYSTEM + tokens(60, seed=21)    # 320 tokens: the snapshot at 256 is vLLM's checkpoint
+Q2 = SYSTEM + tokens(50, seed=22)    # shares the 256 tokens (two blocks) with Q1
+Q3 = tokens(300, seed=23)            # one state group's snapshot deleted: a miss
+Q4 = tokens(300, seed=24)            # its snapshot load fails: recomputed whole
+Q5 = tokens(300, seed=25)            # a zeroed state loaded instead of its snapshot: the output differs
+QPROMPTS = {"Q1": Q1, "Q2": Q2, "Q3": Q3, "Q4": Q4, "Q5": Q5}
+
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> str:
     return str(save_family(tmp_path_factory.mktemp("qwen3next"), "qwen3-next"))
 
 
-def test_qwen3_next_starts_with_hma_on_and_caches_nothing_it_cannot_restore(qwen3_next, workdir, module_daemons):
-    d = module_daemons(dram="64MiB", name="qwen3next")
-    ktc = connector(d.socket_path, model_id="qwen3-next-tiny")
-    plain, served = EngineProc.start_all([
-        (EngineSpec(qwen3_next, dtype="bfloat16", block_size=64, prefix_caching=False), workdir / "q-plain.log"),
-        (EngineSpec(qwen3_next, dtype="bfloat16", block_size=64, kv_transfer=ktc), workdir / "q-served.log")])
-    try:
-        assert served.call(op="config")["hma"] is True
-        for p in (P1, P2):
-            same(served.generate([p])["results"][0], plain.generate([p])["results"][0])
-        assert not namespaces(d.socket_path)  # no session, no block: the state is not guessed
-        assert "prefix reuse is off for qwen3-next-tiny: KV cache group" in served.log_tail(200000)
-        assert "MambaSpec" in served.log_tail(200000)
-    finally:
-        EngineProc.stop_all([plain, served])
+@pytest.fixture(scope="module")
+def qnvme(workdir) -> tuple:
+    return ("--nvme-dir", str(workdir / "qnvme"), "--nvme-capacity-bytes", "256MiB", "--nvme-durable-commit", "true")
+
+
+@pytest.fixture(scope="module")
+def qdaemon(module_daemons, qnvme):
+    return module_daemons(*qnvme, dram="128MiB", name="qwen3next")
+
+
+@pytest.fixture(scope="module")
+def qengines(qwen3_next, workdir, qdaemon):
+    """Plain vLLM (no connector, no prefix cache), a writer, a reader (vLLM's engine-core
+    process; its first state group's loads of Q4 fail and of Q5 load zeros, tests/vllm_faults.py)
+    and "fresh", for the daemon restarted on the NVMe directory."""
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "KVSTORE_TEST_LOAD_LOG": str(workdir / "qloads.log"),
+           "KVSTORE_TEST_FAIL_PREFIX": ",".join(map(str, Q4[:8])),
+           "KVSTORE_TEST_SPOIL_PREFIX": ",".join(map(str, Q5[:8])),
+           "KVSTORE_TEST_FAULT_LAYERS": "model.layers.0.linear_attn"}
+    spec = dict(dtype="bfloat16", block_size=64)
+    ktc = connector(qdaemon.socket_path, model_id=QWEN)
+    faulty = connector(qdaemon.socket_path, module="vllm_faults", name="FaultyStateConnector", model_id=QWEN)
+    es = EngineProc.start_all([
+        (EngineSpec(qwen3_next, prefix_caching=False, **spec), workdir / "q-plain.log"),
+        (EngineSpec(qwen3_next, kv_transfer=ktc, **spec), workdir / "q-writer.log"),
+        (EngineSpec(qwen3_next, kv_transfer=faulty, multiprocessing=True, env=env, **spec), workdir / "q-reader.log"),
+        (EngineSpec(qwen3_next, kv_transfer=connector(str(workdir / "q-restarted.sock"), model_id=QWEN, reconnect_s=0.5),
+                    **spec), workdir / "q-fresh.log")])
+    yield dict(zip(("plain", "writer", "reader", "fresh"), es))
+    EngineProc.stop_all(es)
+
+
+@pytest.fixture(scope="module")
+def qref(qengines) -> dict:
+    e = qengines["plain"]
+    return {k: e.generate([p])["results"][0] for k, p in QPROMPTS.items()}
+
+
+def qloads(workdir: Path) -> list[str]:
+    path = workdir / "qloads.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_qwen3_next_keeps_hma_on_and_stores_vllms_state_snapshots(qengines, qref, qdaemon):
+    for name in ("writer", "reader"):
+        cfg = qengines[name].call(op="config")
+        assert cfg["hma"] is True and cfg["prefix_caching"] is True and cfg["block_size"] == QBT, name
+    same(qengines["writer"].generate([Q1])["results"][0], qref["Q1"])
+    ns = namespaces(qdaemon.socket_path)
+    state = sorted(m for m in ns if m.startswith(QWEN + "#kv-group:state:"))
+    full = [m for m in ns if m.startswith(QWEN + "#kv-group:full:")]
+    assert len(state) == 3 and len(full) == 1
+    # Every state group holds the one snapshot vLLM kept (after token 256), of the layer's
+    # state bytes: conv [3, 512] and SSM [4, 64, 64], bf16.
+    for m in state:
+        assert ns[m]["block_bytes"] == (3 * 512 + 4 * 64 * 64) * 2
+        assert max(ns[m]["blocks"].values()) == 1, m
+    assert max(ns[full[0]]["blocks"].values()) == len(Q1) // QBT
+
+
+def test_qwen3_next_prefix_from_dram_in_a_fresh_engine(qengines, qref):
+    same(qengines["writer"].generate([Q1])["results"][0], qref["Q1"])  # stored (first test) or now
+    # Q2 was never computed anywhere: its first two blocks and the state after them are Q1's.
+    reader = qengines["reader"]
+    host = "vllm:prompt_tokens_cached_by_source{source=host}"
+    before = reader.metrics()["metrics"].get(host, 0)
+    got = reader.generate([Q2])["results"][0]
+    assert got["cached_tokens"] == 2 * QBT
+    assert reader.metrics()["metrics"][host] - before == 2 * QBT  # from kvstore, not vLLM's own cache
+    same(got, qref["Q2"])
+
+
+def test_a_prefix_one_state_group_lost_is_a_miss(qengines, qref, qdaemon):
+    same(qengines["writer"].generate([Q3])["results"][0], qref["Q3"])
+    with KVStoreClient(qdaemon.socket_path) as c:  # as if the writer died before this group's snapshot
+        name = next(m for m in namespaces(qdaemon.socket_path) if m.startswith(QWEN + "#kv-group:state:1:"))
+        c.register(KVLayout(1, 0, 0, "int8", kind="state", block_tokens=QBT, state_bytes=(3 * 512 + 4 * 64 * 64) * 2),
+                   name)
+        assert c.delete([c.keys(Q3[:2 * QBT])[-1]]) == 1
+    got = qengines["reader"].generate([Q3])["results"][0]
+    assert got["cached_tokens"] == 0  # not the other groups' parts alone
+    same(got, qref["Q3"])
+
+
+def test_a_failed_state_load_is_recomputed_whole(qengines, qref, workdir):
+    same(qengines["writer"].generate([Q4])["results"][0], qref["Q4"])
+    got = qengines["reader"].generate([Q4])["results"][0]
+    assert any(line.endswith("state failed") for line in qloads(workdir))
+    same(got, qref["Q4"])
+
+
+def test_a_wrong_state_shows_in_the_output(qengines, qref, workdir):
+    # What the tests above compare would catch a connector restoring the wrong state: the same
+    # load with a zeroed state instead of the snapshot gives other outputs.
+    same(qengines["writer"].generate([Q5])["results"][0], qref["Q5"])
+    got = qengines["reader"].generate([Q5])["results"][0]
+    assert any(line.endswith("state spoiled") for line in qloads(workdir))
+    assert got["cached_tokens"] == 2 * QBT
+    assert (got["tokens"], got["logprobs"]) != (qref["Q5"]["tokens"], qref["Q5"]["logprobs"])
+
+
+def test_qwen3_next_prefix_from_nvme_after_a_daemon_restart(qengines, qref, qdaemon, daemons, qnvme, workdir):
+    same(qengines["writer"].generate([Q1])["results"][0], qref["Q1"])
+    qdaemon.stop_cleanly()
+    d = daemons(*qnvme, dram="128MiB", socket_path=str(workdir / "q-restarted.sock"), name="q-restarted")
+    got = qengines["fresh"].generate([Q1])["results"][0]
+    assert got["cached_tokens"] == 2 * QBT
+    same(got, qref["Q1"])
+    m = qengines["fresh"].metrics()["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == 2 * QBT
+    d.stop_cleanly()

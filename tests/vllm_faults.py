@@ -9,6 +9,7 @@ import os
 
 from kvstore.clients.vllm_connector import KVStoreConnector
 from kvstore.clients.vllm_hybrid import HybridWorker
+from kvstore.clients.vllm_state import StateWorker
 from kvstore.clients.vllm_worker import ConnectorWorker
 
 
@@ -76,3 +77,43 @@ class RecordingHybridWorker(HybridWorker):
 
 class RecordingHybridConnector(KVStoreConnector):
     hybrid_worker_class = RecordingHybridWorker
+
+
+class FaultyStateWorker(StateWorker):
+    """A state group's worker whose loads of a prompt starting with
+    ``KVSTORE_TEST_FAIL_PREFIX`` fail (as a lost copy would), and whose loads of one starting
+    with ``KVSTORE_TEST_SPOIL_PREFIX`` put a zeroed state into vLLM's block instead of the
+    snapshot (what a connector that restored the wrong state would do); each writes a line to
+    ``KVSTORE_TEST_LOAD_LOG``."""
+
+    def _write(self, block_id: int, src) -> None:
+        if self._prefix("KVSTORE_TEST_SPOIL_PREFIX"):
+            self._log("spoiled")
+            src = src * 0
+        super()._write(block_id, src)
+
+    def _load(self, span) -> bool:
+        self._span = span
+        if self._prefix("KVSTORE_TEST_FAIL_PREFIX"):
+            self._log("failed")
+            raise RuntimeError(f"injected: the state copy of {span.req_id} failed")
+        return super()._load(span)
+
+    def _prefix(self, var: str) -> bool:
+        want = [int(t) for t in os.environ.get(var, "").split(",") if t]
+        return bool(want) and self._span.token_ids[:len(want)] == want and self.layers == self._target()
+
+    def _target(self) -> tuple[str, ...]:
+        return tuple(os.environ.get("KVSTORE_TEST_FAULT_LAYERS", "").split(","))
+
+    def _log(self, what: str) -> None:
+        with open(os.environ["KVSTORE_TEST_LOAD_LOG"], "a") as f:
+            f.write(f"{self._span.req_id} state {what}\n")
+
+
+class FaultyStateHybridWorker(HybridWorker):
+    state_worker_class = FaultyStateWorker
+
+
+class FaultyStateConnector(KVStoreConnector):
+    hybrid_worker_class = FaultyStateHybridWorker

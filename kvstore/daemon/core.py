@@ -160,18 +160,25 @@ class Core:
         return split_keys(packed, self.cfg.max_keys)
 
     # --- lookup ----------------------------------------------------------------------------
-    def lookup(self, s: Session, packed: bytes) -> tuple[list[Block], bytes]:
+    def lookup(self, s: Session, packed: bytes, each: bool = False) -> tuple[list[Block], bytes, bytes]:
         """The leading committed blocks of ``packed`` in this namespace, stopping at the first
-        miss, and one tier byte per hit. The hot path of every request: kept lean."""
+        miss, one tier byte per hit, and ``b""``. The hot path of every request: kept lean.
+        ``each``: every key on its own (a miss does not end the answer); the third item then
+        has one byte per key, 1 where it was found."""
         get = s.ns.blocks.get
         committed = BlockState.COMMITTED
         hits: list[Block] = []
         append = hits.append
+        found = bytearray()
         for k in self.keys(packed):
             b = get(k)
             if b is None or b.state is not committed:
-                break
+                if not each:
+                    break
+                found.append(0)
+                continue
             append(b)
+            found.append(1)
         res = self.residency
         tick = res.tick + len(hits) + 1
         tiers = bytearray(len(hits))
@@ -181,7 +188,7 @@ class Core:
             b.hits += 1
             tiers[i] = b.tier
         res.tick += len(hits)
-        return hits, bytes(tiers)
+        return hits, bytes(tiers), bytes(found) if each else b""
 
     def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
         return self.residency.lru(tier, ns_id)

@@ -44,7 +44,8 @@ def layout_from_pb(m: pb.Layout) -> KVLayout:
             raise LayoutError("dtype: missing")
         return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                         dtype=m.dtype, kind=m.kind or "gqa", block_tokens=m.block_tokens or 16,
-                        kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim)
+                        kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                        state_bytes=m.state_bytes)
     except LayoutError as e:
         raise invalid(f"layout.{e}") from None
 
@@ -223,10 +224,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Lookup(self, req, context):
         with self.core.lock:
             s = self._session(req.session_id)
-            hits, tiers = self.core.lookup(s, req.keys)
+            hits, tiers, found = self.core.lookup(s, req.keys, req.each)
             decision = self.advisor.decide(s.ns, tiers)
         advice = self.advisor.fields(decision)
-        if self.cluster is not None:  # without a cluster the answer has none of these fields
+        if self.cluster is not None and not req.each:  # without a cluster the answer has none of these fields
             advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
         m = self.metrics
         if m:
@@ -235,7 +236,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             m.lookup_query_tokens.inc(len(req.keys) // KEY_BYTES * bt)
             for t in set(tiers):
                 m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
-        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
+        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, found=found, **advice)
 
     @rpc
     def Reserve(self, req, context):

@@ -81,7 +81,7 @@ TRANSFER_FAILED: TransferState
 TRANSFER_UNKNOWN: TransferState
 
 class Layout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "block_tokens", "kv_lora_rank", "qk_rope_head_dim")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "block_tokens", "kv_lora_rank", "qk_rope_head_dim", "state_bytes")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class Layout(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -98,7 +99,8 @@ class Layout(_message.Message):
     block_tokens: int
     kv_lora_rank: int
     qk_rope_head_dim: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., block_tokens: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., block_tokens: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("model_id", "layout", "tp_rank", "tp_world", "tenant_salt", "prefill_tokens_per_s", "model_params", "client_name")
@@ -149,17 +151,19 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "ask_peers")
+    __slots__ = ("session_id", "keys", "ask_peers", "each")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ASK_PEERS_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     ask_peers: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ...) -> None: ...
+    each: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s")
+    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s", "found")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +179,7 @@ class LookupResponse(_message.Message):
     TIME_IF_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     TIME_IF_PULL_S_FIELD_NUMBER: _ClassVar[int]
     TIME_IF_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: bytes
     load_blocks: int
@@ -190,7 +195,8 @@ class LookupResponse(_message.Message):
     time_if_load_s: float
     time_if_pull_s: float
     time_if_recompute_s: float
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ...) -> None: ...
+    found: bytes
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ..., found: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids")

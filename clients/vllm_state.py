@@ -1,0 +1,224 @@
+"""Recurrent-state groups of hybrid models in vLLM's KV connector on kvstore: the Mamba /
+linear-attention (gated delta net, ...) layers of Qwen3-Next-, Jamba-, Bamba- or Nemotron-H-style
+models (see :mod:`kvstore.clients.vllm_hybrid` for the other groups).
+
+Such a layer keeps no KV per token: one state per request, overwritten token after token. vLLM's
+prefix caching keeps snapshots of it in its ``"align"`` mode (the default with prefix caching):
+prefill is split so that steps end on block boundaries, and the state after token ``i *
+block_size`` is left in the block at index ``i - 1`` of the group's table; the scheduler hands
+each snapshot it keeps to the connector with its exact block (``SchedulerOutput.
+kv_connector_block_state.boundary_state_offloads``). kvstore stores exactly those:
+
+- **Key.** The snapshot after block ``i``'s last token is stored under block ``i``'s chain key,
+  in the group's own namespace (state layout: one chunk of ``state_bytes`` per layer, the
+  engine's bytes as vLLM's pages hold them, conv then SSM state). A state namespace is sparse:
+  only the boundaries vLLM kept have a snapshot, each filed as a chain head of its own (the
+  daemon keeps, evicts, writes out and recovers it on its own, like a one-block prefix).
+- **Hits.** A prefix of ``n`` blocks is a hit only when every token-row group holds its ``n``
+  leading blocks and every state group the snapshot at block ``n`` (the scheduler looks the
+  state keys up each on its own, ``Lookup(each=true)``, and takes the longest such ``n``).
+- **Loads** put the snapshot into the one block vLLM allocated at index ``n - 1`` for the
+  request (the others behind it are vLLM's null block), while vLLM holds the request back
+  (asynchronous loads, as for every hybrid model); a request whose snapshot cannot be loaded is
+  reported failed and vLLM recomputes it whole.
+- **Saves** copy the snapshot out of the block vLLM named, in the step that computed it (vLLM
+  keeps the block's bytes for that step only), and commit it.
+
+Refused at start-up (the model then runs as plain vLLM): Mamba groups outside ``align`` mode
+(no snapshots to store), speculative-decoding state blocks, and a cache vLLM did not hand over
+as one state tensor (or list of state tensors) per layer of the expected size.
+
+Not thread-safe: vLLM calls each worker from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.clients.client import KVStoreError
+from kvstore.clients.leases import RESERVED
+from kvstore.clients.vllm_setup import KVStoreConnectorStats, Link
+from kvstore.layout import KVLayout
+
+log = logging.getLogger("kvstore.vllm")
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A state snapshot vLLM handed over: the state after ``token_ids`` (a whole number of
+    kvstore blocks from token 0) sits in vLLM's block ``block_id`` of KV cache group ``group``."""
+
+    req_id: str
+    group: int
+    block_id: int
+    token_ids: list[int]
+
+
+def state_bytes(spec) -> int:
+    """Bytes of one layer's state in a vLLM ``MambaSpec`` (its shapes and dtypes, no padding)."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+               for shape, dt in zip(spec.shapes, spec.dtypes))
+
+
+def state_signature(spec) -> str:
+    """The state's shapes and dtypes, e.g. ``3x512.bfloat16+4x64x64.bfloat16``: named in the
+    group's namespace so snapshots of other shapes or dtypes never alias."""
+    return "+".join("x".join(map(str, shape)) + "." + str(dt).removeprefix("torch.")
+                    for shape, dt in zip(spec.shapes, spec.dtypes))
+
+
+def state_layout(num_layers: int, nbytes: int, block_tokens: int) -> KVLayout:
+    return KVLayout(num_layers=num_layers, num_kv_heads=0, head_dim=0, dtype="int8", kind="state",
+                    block_tokens=block_tokens, state_bytes=nbytes)
+
+
+def _parts(cache, layer: str, nbytes: int) -> list[torch.Tensor]:
+    """A layer's state tensors, each ``[num_blocks, ...]``, checked against ``nbytes`` per block.
+    vLLM 0.32 hands a state layer's cache as one raw byte view of its pages (the CPU runner)
+    or as one tensor per state (conv, SSM); both are read per block, part by part."""
+    parts = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    per_block = sum(p[0].numel() * p.element_size() for p in parts)
+    if per_block < nbytes or (len(parts) > 1 and per_block != nbytes):
+        raise ValueError(f"kvstore: vLLM's state cache of {layer} holds {per_block} bytes per block, the "
+                         f"model's state {nbytes}")
+    return parts
+
+
+class StateWorker:
+    """One state group's worker (see the module docstring), over its own session (``link``).
+    The interface :class:`~kvstore.clients.vllm_hybrid.HybridWorker` drives: loads are the
+    step's ``pulls`` cut to the group (one block: the snapshot's), saves its ``snapshots``;
+    ``failed`` holds the requests whose snapshot could not be loaded."""
+
+    def __init__(self, link: Link, layout: KVLayout, layers: tuple[str, ...], load_wait_s: float) -> None:
+        self.link, self.layout, self.layers = link, layout, layers
+        self.load_wait_s = load_wait_s
+        self.failed: set[str] = set()
+        self._done: set[str] = set()
+        self._caches: list[list[torch.Tensor]] = []
+        self._stats = KVStoreConnectorStats()
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._caches = [_parts(kv_caches[name], name, self.layout.state_bytes) for name in self.layers]
+
+    # --- copies between vLLM's blocks and a slot's bytes ---------------------------------------
+    def _read(self, block_id: int, out) -> None:
+        """Block ``block_id``'s state, layer after layer, into ``out`` (``block_bytes`` uint8)."""
+        dst = torch.from_numpy(out)
+        n = self.layout.state_bytes
+        for layer, parts in enumerate(self._caches):
+            pos = layer * n
+            for p in parts:
+                raw = p[block_id].contiguous().reshape(-1).view(torch.uint8)
+                raw = raw[:n - (pos - layer * n)]
+                dst[pos:pos + raw.numel()].copy_(raw)
+                pos += raw.numel()
+
+    def _write(self, block_id: int, src) -> None:
+        """``src`` (a slot's bytes, as :meth:`_read` wrote them) into block ``block_id``."""
+        data = torch.from_numpy(src)
+        n = self.layout.state_bytes
+        for layer, parts in enumerate(self._caches):
+            pos = layer * n
+            for p in parts:
+                view = p[block_id]
+                if len(parts) == 1 and view.dtype.itemsize == 1:  # a raw page: the state's bytes lead it
+                    view.reshape(-1)[:n].copy_(data[pos:pos + n].view(view.dtype))
+                    pos += n
+                    continue
+                size = view.numel() * view.element_size()
+                view.copy_(data[pos:pos + size].view(view.dtype).view(view.shape))
+                pos += size
+
+    # --- vLLM's hooks, as HybridWorker hands them on -------------------------------------------
+    def start_load_kv(self, part) -> None:
+        """Each pull of the step is one snapshot: pinned, copied into the block vLLM allocated
+        for it, released (the request is held back by vLLM meanwhile)."""
+        if part is None:
+            return
+        for span in part.pulls:
+            ok = False
+            try:
+                ok = self._load(span)
+            except (KVStoreError, OSError, RuntimeError, ValueError) as e:
+                log.warning("kvstore: state load of %s failed; vLLM recomputes it: %s", span.req_id, e)
+                self.link.lost(e)
+            if not ok:
+                self.failed.add(span.req_id)
+                self._stats.data["load_failed_blocks"] += 1
+            self._done.add(span.req_id)
+
+    def _load(self, span) -> bool:
+        client = self.link.get()
+        if client is None or span.end - span.start != 1:
+            return False
+        key = client.keys(span.token_ids[:span.end * self.layout.block_tokens])[-1]
+        lease = client.acquire([key], allow_partial=True, wait_s=self.load_wait_s)
+        try:
+            if lease.count != 1:
+                return False
+            self._write(span.block_table[span.start], lease.view(0))
+        finally:
+            lease.release()
+        self._stats.data["loaded_blocks"] += 1
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads land before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, part) -> None:
+        pass  # snapshots are read in wait_for_save, once the step's forward has written them
+
+    def wait_for_save(self, part) -> None:
+        """The step's snapshots, each reserved, copied out of vLLM's block and committed; one
+        that fails is aborted (a later miss)."""
+        if part is None or not part.snapshots:
+            return
+        client = self.link.get()
+        if client is None:
+            return
+        for snap in part.snapshots:
+            # Filed as a chain head of its own: its namespace holds no block before it (the
+            # snapshots are sparse), and a block whose parent is missing is unreachable to the
+            # daemon (dropped at NVMe recovery, left out of the shutdown write-out). No token
+            # ids: they would be checked against that empty parent, and state groups publish
+            # no KV events.
+            key = client.keys(snap.token_ids)[-1]
+            try:
+                w = client.reserve([key])
+                if w.states[0] != RESERVED:
+                    continue  # stored already, or another engine is writing it
+                try:
+                    self._read(snap.block_id, w.view(0))
+                except BaseException:
+                    w.abort()
+                    raise
+                w.commit()
+                self._stats.data["saved_blocks"] += 1
+            except KVStoreError as e:
+                log.warning("kvstore: state save of %s not stored (a later miss): %s", snap.req_id, e)
+                self._stats.data["save_failed_blocks"] += 1
+                self.link.lost(e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._done = self._done, set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # reported by request (``failed``)
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        s, self._stats = self._stats, KVStoreConnectorStats()
+        return s
+
+    def get_kv_connector_kv_cache_events(self) -> None:
+        return None  # events come from a full-attention group
+
+    def shutdown(self) -> None:
+        pass
