@@ -52,3 +52,18 @@ def test_a_fresh_engine_promotes_a_gemma3_prefix_from_kvstore(engines):
     for mine, theirs in zip(got["logprobs"], ref["logprobs"]):
         assert [t for t, _ in mine] == [t for t, _ in theirs]
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs))
+
+
+def test_the_tier_names_a_models_recurrent_layers(tmp_path):
+    # What KVStoreSecondaryTier warns about at start-up (docs/vllm-offloading.md: a Qwen3-Next
+    # prefix promoted under OffloadingConnector gave other tokens than plain vLLM).
+    import transformers
+
+    from kvstore.app.bench.vllm_engine import FAMILIES
+    from kvstore.clients.vllm_tier import recurrent_layer_types
+
+    for family, want in (("qwen3-next", ["linear_attention"]), ("gemma3", [])):
+        config_cls, _, _, shape = FAMILIES[family]
+        getattr(transformers, config_cls)(**shape).save_pretrained(tmp_path / family)
+        assert recurrent_layer_types(str(tmp_path / family)) == want, family
+    assert recurrent_layer_types(str(tmp_path / "missing")) == []
