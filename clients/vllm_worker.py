@@ -12,6 +12,7 @@ fetcher's threads, which touch none of this state).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,6 +111,11 @@ class ConnectorWorker:
         if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
             if self._path is not None:
                 self._path.close()
+                self._path = None
+                # A new session (the daemon came back): whatever still views the lost
+                # daemon's arena may sit in reference cycles, and the mapping lasts as long as
+                # a view does. Collected now (a reconnect is rare), the old arena is unmapped.
+                gc.collect()
             # vLLM's CPU backend: the copies are waited for before the forward (_issue_load),
             # so they run in vLLM's thread; a copy thread only competes with its OpenMP team.
             cpu = self._pages[0].halves[0].device.type == "cpu"
