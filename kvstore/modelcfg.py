@@ -108,15 +108,17 @@ class ModelConfig:
 
     def state_bytes_per_layer(self, tp: int = 1) -> int:
         """One linear-attention layer's state per sequence on one GPU of a TP group, as vLLM
-        keeps it: the causal-conv window over q, k and v (``conv_kernel - 1`` positions, model
-        dtype) and the delta-net state (value heads x key dim x value dim, fp32). Heads split
-        over the group."""
+        keeps it by default: the causal-conv window over q, k and v (``conv_kernel - 1``
+        positions) and the delta-net state (value heads x key dim x value dim), both in the
+        model's dtype (vLLM 0.32's ``mamba_cache_dtype``/``mamba_ssm_cache_dtype`` ``auto``;
+        the tiny Qwen3-Next in bf16 keeps 35,840 B per layer, tests/test_vllm_hybrid.py). Heads
+        split over the group."""
         if not self.layers_of("linear"):
             return 0
         kh, vh = self.linear_num_key_heads // tp or 1, self.linear_num_value_heads // tp or 1
         conv_dim = 2 * kh * self.linear_key_head_dim + vh * self.linear_value_head_dim
         conv = max(self.linear_conv_kernel_dim - 1, 0) * conv_dim * self.weight_dtype.bits // 8
-        return conv + vh * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return conv + vh * self.linear_key_head_dim * self.linear_value_head_dim * self.weight_dtype.bits // 8
 
     @property
     def is_mla(self) -> bool:

@@ -358,10 +358,12 @@ def test_layer_kinds_from_layer_types_and_the_older_patterns():
     interval = {k: v for k, v in QWEN3_NEXT.items() if k != "layer_types"} | {"full_attention_interval": 2}
     assert from_hf(interval).layer_kinds == ("linear", "full") * 2
     assert from_hf(dict(GEMMA3, layer_types=["full_attention"] * 6)).layer_kinds == ()  # not hybrid
-    # the gated delta net state as vLLM sizes it (MambaSpec shapes ((3, 256), (4, 32, 32))):
-    # conv window 3 x (2*2*32 + 4*32) bf16, state 4 x 32 x 32 fp32
-    assert q.state_bytes_per_layer() == 3 * 256 * 2 + 4 * 32 * 32 * 4
-    assert q.state_bytes_per_layer(tp=2) == 3 * (2 * 1 * 32 + 2 * 32) * 2 + 2 * 32 * 32 * 4
+    # the gated delta net state as vLLM 0.32 sizes it (MambaSpec shapes ((3, 256), (4, 32, 32)),
+    # both in the model's dtype with mamba_ssm_cache_dtype 'auto'): conv window 3 x (2*2*32 +
+    # 4*32) and state 4 x 32 x 32, bf16 (an earlier reading took the state as fp32: vLLM's
+    # gated_delta_net_state_dtype keeps the conv dtype unless mamba_ssm_cache_dtype is set)
+    assert q.state_bytes_per_layer() == 3 * 256 * 2 + 4 * 32 * 32 * 2
+    assert q.state_bytes_per_layer(tp=2) == 3 * (2 * 1 * 32 + 2 * 32) * 2 + 2 * 32 * 32 * 2
 
 
 @pytest.mark.parametrize("change, message", [
@@ -379,6 +381,16 @@ def test_bad_layer_kinds_are_named(change, message):
 def test_linear_layers_need_their_state_shape():
     with pytest.raises(ModelConfigError, match="linear_key_head_dim: missing"):
         from_hf({k: v for k, v in QWEN3_NEXT.items() if k != "linear_key_head_dim"})
+
+
+def test_state_bytes_are_what_vllm_keeps_for_the_tiny_qwen3_next():
+    # The engine test (test_vllm_hybrid.py) finds 35,840 B per layer in vLLM 0.32's state pages
+    # for this model in bf16: conv 3 x 512 and SSM 4 x 64 x 64.
+    from kvstore.app.bench.vllm_engine import FAMILIES
+
+    shape = dict(FAMILIES["qwen3-next"][3], model_type="qwen3_next", torch_dtype="bfloat16",
+                 linear_conv_kernel_dim=4)
+    assert from_hf(shape).state_bytes_per_layer() == (3 * 512 + 4 * 64 * 64) * 2
 
 
 def test_plan_sizes_windowed_and_state_layers(capsys, tmp_path):
