@@ -76,22 +76,25 @@ class CPUCopyWorker(OffloadingWorker):
         self._done: list[TransferResult] = []
 
     def _spans(self, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec):
-        """Per KV cache group: (engine block ids, chunk ids, sub-block index in the chunk)."""
+        """Per KV cache group with blocks to copy: (its index, engine block ids, chunk ids,
+        sub-block index in the chunk). The index is the group's own, not a count of the groups
+        with blocks: a job may copy nothing of some groups (a Mamba group's one state block,
+        a window), and another group's pages have other sizes."""
         g_off = c_off = 0
         gpu_ids, cpu_ids = gpu.block_ids, cpu.block_ids
-        for n, first in zip(gpu.group_sizes, gpu.block_indices):
+        for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
             if n == 0:
                 continue
             skip = first % self.bpc
             chunks = cdiv(n + skip, self.bpc)
             flat = torch.arange(skip, skip + n)
             chunk = torch.as_tensor(cpu_ids[c_off:c_off + chunks], dtype=torch.long)[flat // self.bpc]
-            yield torch.as_tensor(gpu_ids[g_off:g_off + n], dtype=torch.long), chunk, flat % self.bpc
+            yield g, torch.as_tensor(gpu_ids[g_off:g_off + n], dtype=torch.long), chunk, flat % self.bpc
             g_off, c_off = g_off + n, c_off + chunks
 
     def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, to_rows: bool) -> bool:
         t0, nbytes = time.perf_counter(), 0
-        for g, (blocks, chunk, sub) in enumerate(self._spans(gpu, cpu)):
+        for g, blocks, chunk, sub in self._spans(gpu, cpu):
             for ref in self.refs[g]:
                 size = ref.page_size_bytes
                 pages, rows = self.pages[ref.tensor_idx], self.rows[ref.tensor_idx]

@@ -149,11 +149,6 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"kvstore secondary tier: {name} must be a positive number of seconds, got {v!r}")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if recurrent_layer_types(offloading_spec.config.model.name):
-            log.warning("kvstore secondary tier: %s has Mamba / linear-attention layers, whose state this tier does "
-                        "not yet restore exactly under OffloadingConnector (a fresh engine's output differed from "
-                        "plain vLLM's, docs/vllm-offloading.md); serve it with KVStoreConnector (docs/vllm.md)",
-                        offloading_spec.config.model.name)
         self.locality = Locality(locality) if locality is not None else None
         self.rpc_timeout_s, self.load_wait_s = float(rpc_timeout_s), float(load_wait_s)
         self._rows = np.asarray(primary_kv_view).view(np.uint8)  # [num_chunks, block_size_bytes], no copy
@@ -445,24 +440,6 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
 
 # --- set-up ------------------------------------------------------------------------------------
-
-ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention"})
-
-
-def recurrent_layer_types(model: str) -> list[str]:
-    """The layer types of ``model``'s HF config (read from local files: vLLM has them by then)
-    that are not attention (``linear_attention``, ``mamba``, ...); empty when it lists none or
-    cannot be read. The offloading spec names no KV cache spec types, so this is what the tier
-    can tell of a model's recurrent state."""
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any unreadable config: nothing to say
-        return []
-    cfg = getattr(cfg, "text_config", None) or cfg
-    return sorted({str(t) for t in getattr(cfg, "layer_types", None) or ()} - ATTENTION_LAYER_TYPES)
-
 
 def kv_transfer_config(socket_path: str | None, cpu_bytes_to_use: int, *, cpu_platform: bool = False,
                        **tier: Any) -> dict:

@@ -54,16 +54,36 @@ def test_a_fresh_engine_promotes_a_gemma3_prefix_from_kvstore(engines):
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs))
 
 
-def test_the_tier_names_a_models_recurrent_layers(tmp_path):
-    # What KVStoreSecondaryTier warns about at start-up (docs/vllm-offloading.md: a Qwen3-Next
-    # prefix promoted under OffloadingConnector gave other tokens than plain vLLM).
-    import transformers
+# --- a linear-attention model: vLLM's Mamba state groups under the same tier ---------------
 
-    from kvstore.app.bench.vllm_engine import FAMILIES
-    from kvstore.clients.vllm_tier import recurrent_layer_types
+@pytest.fixture(scope="module")
+def qwen_engines(tmp_path_factory, module_daemons):
+    work = tmp_path_factory.mktemp("tier-qwen3next")
+    model = str(save_family(work / "qwen3next", "qwen3-next"))
+    d = module_daemons(dram="256MiB", name="tier-qwen3next")
+    cfg = kv_transfer_config(d.socket_path, 64 << 20, cpu_platform=True)
+    spec = dict(dtype="bfloat16", block_size=64)
+    es = EngineProc.start_all([(EngineSpec(model, prefix_caching=False, **spec), work / "plain.log"),
+                               (EngineSpec(model, kv_transfer=cfg, **spec), work / "writer.log"),
+                               (EngineSpec(model, kv_transfer=cfg, **spec), work / "fresh.log")])
+    yield dict(zip(("plain", "writer", "fresh"), es))
+    EngineProc.stop_all(es)
 
-    for family, want in (("qwen3-next", ["linear_attention"]), ("gemma3", [])):
-        config_cls, _, _, shape = FAMILIES[family]
-        getattr(transformers, config_cls)(**shape).save_pretrained(tmp_path / family)
-        assert recurrent_layer_types(str(tmp_path / family)) == want, family
-    assert recurrent_layer_types(str(tmp_path / "missing")) == []
+
+def test_a_fresh_engine_promotes_a_qwen3_next_prefix_with_its_state_from_kvstore(qwen_engines):
+    e = qwen_engines
+    for name in ("writer", "fresh"):
+        assert e[name].call(op="config")["hma"] is True, name
+    prompt = PROMPT[:700]
+    ref = e["plain"].generate([prompt])["results"][0]
+    assert e["writer"].generate([prompt])["results"][0]["tokens"] == ref["tokens"]
+    for i in range(3):  # a store cascades to the secondary tier a step or two after it finished
+        e["writer"].generate([[5 + i] * 40], max_tokens=2, logprobs=0)
+    got = e["fresh"].generate([prompt])["results"][0]
+    # vLLM's Mamba checkpoint: the last 128-token boundary before the prompt's last token, its
+    # state snapshot and the full-attention blocks up to it, all promoted from kvstore.
+    assert got["cached_tokens"] == (len(prompt) - 1) // 128 * 128
+    assert got["tokens"] == ref["tokens"]
+    for mine, theirs in zip(got["logprobs"], ref["logprobs"]):
+        assert [t for t, _ in mine] == [t for t, _ in theirs]
+        assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs))
