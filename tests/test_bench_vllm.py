@@ -43,3 +43,19 @@ def test_bench_vllm_json_tiny(tmp_path):
     text = table(r)  # the default output, from the same figures
     assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1
     assert "first hit" in text and "floors" in text and "raw paths, same run" in text
+
+
+def test_bench_vllm_hybrid_json_qwen3_next(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm-hybrid", "--lengths", "300", "--reps", "1",
+                        "--json", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-6000:] + p.stdout
+    r = json.loads(p.stdout)
+    assert r["family"] == "qwen3-next" and r["hma"] is True and r["verified"] is True
+    [row] = r["rows"]
+    # vLLM's Mamba checkpoint at the last 128-token boundary before the prompt's last token:
+    # vLLM's own hit and kvstore's both hold 256 tokens (the state snapshot with them).
+    assert row["tokens"] == 300 and row["cached_tokens"] == 256 and row["problems"] == []
+    t = row["ttft_ms"]
+    assert set(t) == {"no_cache", "vllm_hit", "kvstore_dram"} and all(v > 0 for v in t.values())
+    assert abs(row["kvstore_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 1e-9
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself

@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("cluster", "3 daemons, multi-turn round-robin workload: hit rate, time-to-KV alone vs pulling"),
                         ("cluster-sim", "the cluster prefix directory fed by 8-1,024 synthetic daemons' event streams"),
                         ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
-                        ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier")):
+                        ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier"),
+                        ("vllm-hybrid", "TTFT of a hybrid model in real vLLM: no cache, vLLM's prefix cache, kvstore")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 DELEGATED = {("plan",): "kvstore.app.plan", ("cluster",): "kvstore.cluster.cli", ("bench", "store"): "kvstore.app.bench.store",
              ("bench", "tiers"): "kvstore.app.bench.tiers", ("bench", "transfer"): "kvstore.app.bench.transfer",
              ("bench", "vllm"): "kvstore.app.bench.vllm", ("bench", "cluster"): "kvstore.app.bench.cluster",
-             ("bench", "cluster-sim"): "kvstore.app.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.app.bench.vllm_offload"}
+             ("bench", "cluster-sim"): "kvstore.app.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.app.bench.vllm_offload",
+             ("bench", "vllm-hybrid"): "kvstore.app.bench.vllm_hybrid"}
 
 
 def main(argv: list[str] | None = None) -> int:
