@@ -418,6 +418,11 @@ def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layo
     if settings.transfer_peer:
         raise ValueError("kvstore: transfer_peer is not supported for models of several KV cache groups "
                          f"({len(groups)} here)")
+    for g in groups:
+        if g.kind == STATE and g.block_size != layout.block_tokens:
+            raise Refused(f"KV cache group {g.index} holds state snapshots at vLLM's {g.block_size}-token block "
+                          f"boundaries; kv_connector_extra_config's block_tokens {layout.block_tokens} would key "
+                          "them elsewhere (leave block_tokens unset)")
     layouts = [group_layout(layout, g) for g in groups]
     links = [Link(settings, lay, g.model_id(model_id), rank, tp_world, map_arena)
              for g, lay in zip(groups, layouts)]

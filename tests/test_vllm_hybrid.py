@@ -323,3 +323,55 @@ def test_qwen3_next_prefix_from_nvme_after_a_daemon_restart(qengines, qref, qdae
     m = qengines["fresh"].metrics()["metrics"]
     assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == 2 * QBT
     d.stop_cleanly()
+
+
+# --- which state groups are stored, which refused (vLLM's own spec classes) ----------------------
+
+def _groups(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.x"], spec) for i, spec in enumerate(specs)])
+
+
+def _mamba(**kw):
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=128, shapes=((3, 512), (4, 64, 64)), dtypes=(torch.bfloat16, torch.bfloat16), **kw)
+
+
+def _full():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+
+def test_state_groups_in_align_mode_are_stored_with_their_shapes_in_the_namespace():
+    from kvstore.clients.vllm_hybrid import STATE, cache_groups, group_layout
+
+    state, full = cache_groups(_groups(_mamba(mamba_cache_mode="align"), _full()))
+    assert state.kind == STATE and state.state_bytes == (3 * 512 + 4 * 64 * 64) * 2
+    assert state.model_id("m") == "m#kv-group:state:0:3x512.bfloat16+4x64x64.bfloat16"
+    lay = group_layout(KVLayout(2, 2, 64, "bf16", block_tokens=128), state)
+    assert (lay.kind.value, lay.num_layers, lay.block_bytes) == ("state", 1, 35840)
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'none' keeps no state snapshots"),
+    ({"mamba_cache_mode": "align", "num_speculative_blocks": 1}, "speculative-decoding state blocks")])
+def test_state_kvstore_cannot_restore_exactly_is_refused_by_name(kw, why):
+    from kvstore.clients.vllm_hybrid import Refused, cache_groups
+
+    with pytest.raises(Refused, match=why):
+        cache_groups(_groups(_mamba(**kw), _full()))
+
+
+def test_a_block_size_other_than_vllms_is_refused_for_state_groups():
+    from kvstore.clients.vllm_hybrid import Refused, hybrid_sides
+    from kvstore.clients.vllm_setup import ConnectorSettings
+
+    with pytest.raises(Refused, match="block_tokens 64 would key them elsewhere"):
+        hybrid_sides(None, _groups(_mamba(mamba_cache_mode="align"), _full()), ConnectorSettings.from_extra({}),
+                     KVLayout(2, 2, 64, "bf16", block_tokens=64), "m", 0, 1)
