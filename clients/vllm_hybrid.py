@@ -34,7 +34,8 @@ vLLM's null block). The connector follows that split:
   several-group models.
 
 Events (``BlockStored``/``BlockRemoved``) come from the first full-attention group, whose keys
-the namespaces share.
+the namespaces share; a step's stored blocks of a request whose save failed in another group
+are not announced (the parts are one block).
 """
 
 from __future__ import annotations
@@ -161,26 +162,32 @@ class HybridScheduler(ConnectorScheduler):
             return 0, False
         blocks, tiers = cap, b""
         # Token-row groups first (leading hits), then the state groups' snapshots at the
-        # boundaries those allow (each key on its own: a state namespace is sparse).
-        order = sorted(range(len(self.links)), key=lambda g: self.groups[g].kind == STATE)
-        for g in order:
+        # boundaries those allow (each key on its own: a state namespace is sparse), over one
+        # range for all of them: the hit ends at the last boundary every state group has.
+        rows = [g for g, grp in enumerate(self.groups) if grp.kind != STATE]
+        states = [g for g, grp in enumerate(self.groups) if grp.kind == STATE]
+        common: bytearray | None = None
+        for g in rows + states:
             link, state = self.links[g], self.groups[g].kind == STATE
             client = link.get()
             if client is None:
                 return 0, False
             if blocks <= 0:
-                break
+                return 0, False
             try:
                 r = client.lookup_keys(client.keys(prompt[:blocks * self.bt]), ask_peers=False, each=state)
             except KVStoreError as e:
                 link.lost(e)
                 link.retire()
                 return 0, False
-            if state:  # the last boundary this group has a snapshot for
-                blocks = max((i + 1 for i, f in enumerate(r.found) if f), default=0)
+            if state:
+                found = bytearray(r.found[:blocks].ljust(blocks, b"\0"))
+                common = found if common is None else bytearray(a & b for a, b in zip(common, found))
                 continue
             blocks = min(blocks, r.hit_blocks, r.load_blocks if self.settings.follow_policy else r.hit_blocks)
             tiers = tiers or bytes(r.tiers)
+        if common is not None:
+            blocks = max((i + 1 for i, f in enumerate(common) if f), default=0)
         ext = max(0, blocks * self.bt - num_computed_tokens)
         if not ext:
             return 0, False
@@ -226,7 +233,7 @@ class ReuseOff(ConnectorScheduler):
 
 # --- the worker side ------------------------------------------------------------------------
 
-class _GroupWorker(ConnectorWorker):
+class GroupWorker(ConnectorWorker):
     """One group's worker: the requests whose load did not wholly land are ``failed``."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -243,14 +250,17 @@ class HybridWorker:
     """The worker side for a model of several KV cache groups: one :class:`ConnectorWorker`
     per group (its layers, its session), fed each step's spans cut to what the group holds."""
 
-    state_worker_class = StateWorker  # a state group's worker (a test subclass may name its own)
+    state_worker_class = StateWorker   # a state group's worker (a test subclass may name its own)
+    group_worker_class = GroupWorker  # a token-row group's worker (likewise)
 
     def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings, groups: list[CacheGroup],
                  links: list[Link], layouts: list[KVLayout], bt: int, roots: list[bytes]) -> None:
         self.groups, self.bt = groups, bt
         self.subs = [self.state_worker_class(link, lay, g.layers, settings.load_wait_s) if g.kind == STATE else
-                     _GroupWorker(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root)
+                     self.group_worker_class(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root)
                      for g, link, lay, root in zip(groups, links, layouts, roots)]
+        for sub in self.subs:
+            sub.saves_failed = set()
         self._events_from = next(i for i, g in enumerate(groups) if g.kind == FULL)
         self._group_of = {name: i for i, g in enumerate(groups) for name in g.layers}
         self._metas: tuple[object, list[KVStoreConnectorMetadata]] | None = None
@@ -315,8 +325,21 @@ class HybridWorker:
             self.subs[g].save_kv_layer(layer_name, self._split(meta)[g])
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
-        for sub, part in zip(self.subs, self._split(meta)):
-            sub.wait_for_save(part)
+        """Every group's saves, the group whose events vLLM publishes last: a request whose save
+        failed in any other group has its blocks of this step stored but not announced as
+        stored (a router reading the events must not send a prompt here for a prefix that is a
+        miss: the scheduler needs every group's part)."""
+        parts = self._split(meta)
+        failed: set[str] = set()
+        order = [g for g in range(len(self.subs)) if g != self._events_from] + [self._events_from]
+        for g in order:
+            sub = self.subs[g]
+            if g == self._events_from:
+                sub.unannounced = failed
+            sub.wait_for_save(parts[g])
+            failed |= sub.saves_failed
+            sub.saves_failed = set()
+        self.subs[self._events_from].unannounced = set()
         self._metas = None
 
     def get_transfer_results(self, finished_req_ids: set[str]):

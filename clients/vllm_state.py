@@ -98,6 +98,8 @@ class StateWorker:
         self.link, self.layout, self.layers = link, layout, layers
         self.load_wait_s = load_wait_s
         self.failed: set[str] = set()
+        self.saves_failed: set[str] = set()  # requests a snapshot of this step was not stored for
+        self.unannounced: set[str] = set()   # (a state group announces nothing anyway)
         self._done: set[str] = set()
         self._caches: list[list[torch.Tensor]] = []
         self._stats = KVStoreConnectorStats()
@@ -131,6 +133,10 @@ class StateWorker:
                     pos += n
                     continue
                 size = view.numel() * view.element_size()
+                if len(parts) == 1 and size > n:  # one tensor whose page holds more: the state leads it
+                    view.reshape(-1).view(torch.uint8)[:n].copy_(data[pos:pos + n])
+                    pos += n
+                    continue
                 view.copy_(data[pos:pos + size].view(view.dtype).view(view.shape))
                 pos += size
 
@@ -177,9 +183,11 @@ class StateWorker:
         """The step's snapshots, each reserved, copied out of vLLM's block and committed; one
         that fails is aborted (a later miss)."""
         if part is None or not part.snapshots:
+            self.link.retire()
             return
         client = self.link.get()
         if client is None:
+            self.saves_failed.update(snap.req_id for snap in part.snapshots)
             return
         for snap in part.snapshots:
             # Filed as a chain head of its own: its namespace holds no block before it (the
@@ -199,10 +207,16 @@ class StateWorker:
                     raise
                 w.commit()
                 self._stats.data["saved_blocks"] += 1
-            except KVStoreError as e:
+            except Exception as e:  # noqa: BLE001 - a save is best effort; never fail vLLM's step
                 log.warning("kvstore: state save of %s not stored (a later miss): %s", snap.req_id, e)
                 self._stats.data["save_failed_blocks"] += 1
-                self.link.lost(e)
+                self.saves_failed.add(snap.req_id)
+                if isinstance(e, KVStoreError):
+                    self.link.lost(e)
+                if self.link.client is not client:  # the daemon is gone: the rest would fail too
+                    self.saves_failed.update(x.req_id for x in part.snapshots)
+                    break
+        self.link.retire()  # a lost daemon's client closed (nothing of it in flight any more)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._done = self._done, set()

@@ -74,6 +74,11 @@ class ConnectorWorker:
         self._pulling: dict[str, BlockSpan] = {}
         self._pull_loads: list[tuple[BlockSpan, LoadHandle, float]] = []  # and the copies' deadline
         self._recved: set[str] = set()  # pulls ended (loaded or not) since the last get_finished
+        # A hybrid model's group (vllm_hybrid.HybridWorker sets a set here): the requests a save
+        # of this step failed for; and the requests whose stored blocks this step must not
+        # announce (another group failed them: the parts are one block).
+        self.saves_failed: set[str] | None = None
+        self.unannounced: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
@@ -325,7 +330,7 @@ class ConnectorWorker:
                     e, moved = err, True
             if e is not None:  # a save is best effort: the blocks stay uncached
                 log.warning("kvstore save of %s skipped: %s", span.req_id, e)
-                self._stats.data["save_failed_blocks"] += span.end - span.start
+                self._save_failed(span)
                 if isinstance(e, KVStoreError) and not moved:
                     self.link.lost(e)
                 if moved or self.link.client is None:  # the rest are not this path's to fill
@@ -358,7 +363,7 @@ class ConnectorWorker:
             for span, h in saves:
                 if span.req_id in failed or bad & self._vllm_blocks(span, 0):
                     _quietly(h.abort)  # computed from (or over) a prefix that failed to load
-                    self._stats.data["save_failed_blocks"] += span.end - span.start
+                    self._save_failed(span)
                     continue
                 try:
                     h.store_all()
@@ -366,12 +371,13 @@ class ConnectorWorker:
                 except Exception as e:  # noqa: BLE001 - a save is best effort; never fail vLLM's step
                     log.warning("kvstore save of %s failed (blocks not stored): %s", span.req_id, e)
                     _quietly(h.abort)
-                    self._stats.data["save_failed_blocks"] += span.end - span.start
+                    self._save_failed(span)
                     if isinstance(e, KVStoreError):
                         self.link.lost(e)
                     continue
                 self._stats.data["saved_blocks"] += n
-                stored.append(self._stored_event(span))
+                if span.req_id not in self.unannounced:
+                    stored.append(self._stored_event(span))
         finally:
             for span, h in loads:
                 if span.req_id not in failed:
@@ -384,6 +390,11 @@ class ConnectorWorker:
         self._worker_events += stored
         if saves:
             self._stats.data["save_s"] += time.perf_counter() - t0
+
+    def _save_failed(self, span: BlockSpan) -> None:
+        self._stats.data["save_failed_blocks"] += span.end - span.start
+        if self.saves_failed is not None:
+            self.saves_failed.add(span.req_id)
 
     def _stored_event(self, span: BlockSpan) -> BlockStored:
         chain = chain_keys(self.event_root, span.token_ids, self.bt)  # once: the parent is in it

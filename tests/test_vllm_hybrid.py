@@ -23,6 +23,7 @@ from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.vllm_scheduler import BlockSpan  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from test_vllm_connector import kvstore_json, same  # noqa: E402
+from wait_util import wait_for  # noqa: E402
 
 BT = 32
 VOCAB = 512
@@ -163,6 +164,31 @@ def test_a_load_one_group_failed_is_recomputed_whole(engines, ref, workdir):
     got = engines["reader"].generate([P4])["results"][0]
     assert [line for line in loads(workdir) if line[-1] == "failed"]  # the fault fired
     same(got, ref["P4"])  # vLLM recomputed the prompt: no group's KV was used alone
+
+
+def test_a_prefix_one_group_failed_to_save_is_not_announced_as_stored(gemma, workdir, daemon):
+    # vLLM's KV events name kvstore's blocks by the full-attention group's keys; a router reading
+    # them must not be told a prefix is stored that one windowed group failed to save (the
+    # scheduler's lookup needs every group's part: a miss).
+    from test_vllm_connector import replayed_events
+
+    pub, replay = f"ipc://{workdir / 'h-events.ipc'}", f"ipc://{workdir / 'h-replay.ipc'}"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
+    fail, ok = tokens(200, seed=16), tokens(200, seed=17)
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "KVSTORE_TEST_LOAD_LOG": str(workdir / "saves.log"),
+           "KVSTORE_TEST_FAIL_SAVE_PREFIX": ",".join(map(str, fail[:8])),
+           "KVSTORE_TEST_FAIL_SAVE_LAYER": "model.layers.2.self_attn.attn"}
+    ktc = connector(daemon.socket_path, module="vllm_faults", name="FailingSaveConnector")
+    with EngineProc.start(EngineSpec(gemma, kv_transfer=ktc, kv_events=events, env=env), workdir / "events.log") as e:
+        e.generate([fail], max_tokens=2)
+        e.generate([ok], max_tokens=2)
+        stored = wait_for(lambda: [ev for ev in replayed_events(replay)
+                                   if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"], 30,
+                          "kvstore's BlockStored events")
+    assert (workdir / "saves.log").read_text().count("save failed") >= 1  # the fault fired
+    announced = [t for ev in stored for t in ev.token_ids]
+    assert announced == ok[:len(ok) // BT * BT]  # the other prompt's blocks, all; none of the failed one's
 
 
 def test_gemma3_prefix_from_nvme_after_a_daemon_restart(engines, ref, daemon, daemons, nvme, workdir):
@@ -375,3 +401,32 @@ def test_a_block_size_other_than_vllms_is_refused_for_state_groups():
     with pytest.raises(Refused, match="block_tokens 64 would key them elsewhere"):
         hybrid_sides(None, _groups(_mamba(mamba_cache_mode="align"), _full()), ConnectorSettings.from_extra({}),
                      KVLayout(2, 2, 64, "bf16", block_tokens=64), "m", 0, 1)
+
+
+def test_a_hit_ends_at_the_last_boundary_every_state_group_has(module_daemons):
+    # Two state groups whose snapshots drifted apart (an eviction, a failed save): A has them
+    # after blocks 2 and 4, B after 2 and 3. The hit is 2 blocks, the last boundary both have.
+    from types import SimpleNamespace
+
+    from kvstore.clients.vllm_hybrid import FULL, STATE, CacheGroup, HybridScheduler, group_layout
+    from kvstore.clients.vllm_setup import ConnectorSettings, Link
+
+    d = module_daemons(dram="64MiB", name="state-boundaries")
+    s = ConnectorSettings.from_extra({"kvstore_socket": d.socket_path, "follow_policy": False})
+    base = KVLayout(1, 2, 64, "bf16", block_tokens=QBT)
+    groups = [CacheGroup(0, FULL, ("f",), QBT), CacheGroup(1, STATE, ("a",), QBT, 35840, "x"),
+              CacheGroup(2, STATE, ("b",), QBT, 35840, "x")]
+    links = [Link(s, group_layout(base, g), g.model_id("drift"), 0, 1, map_arena=False) for g in groups]
+    prompt = tokens(5 * QBT + 10, seed=31)
+    with KVStoreClient(d.socket_path) as c:
+        for g, have in zip(groups, (range(5), (1, 3), (1, 2))):
+            c.register(group_layout(base, g), g.model_id("drift"))
+            keys = c.keys(prompt[:5 * QBT])
+            for i in have:
+                c.reserve([keys[i]] if g.kind == STATE else keys[:i + 1][-1:],
+                          parent=b"" if g.kind == STATE or i == 0 else keys[i - 1]).commit()
+    sched = HybridScheduler(s, groups, links, QBT, can_load=True, can_save=False)
+    got, is_async = sched.get_num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=prompt), 0)
+    assert (got, is_async) == (2 * QBT, True)
+    for link in links:
+        link.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from kvstore.clients.vllm_connector import KVStoreConnector
-from kvstore.clients.vllm_hybrid import HybridWorker
+from kvstore.clients.vllm_hybrid import HybridWorker, GroupWorker
 from kvstore.clients.vllm_state import StateWorker
 from kvstore.clients.vllm_worker import ConnectorWorker
 
@@ -117,3 +117,34 @@ class FaultyStateHybridWorker(HybridWorker):
 
 class FaultyStateConnector(KVStoreConnector):
     hybrid_worker_class = FaultyStateHybridWorker
+
+
+class FailingSaveGroupWorker(GroupWorker):
+    """A token-row group's worker whose saves of a prompt starting with
+    ``KVSTORE_TEST_FAIL_SAVE_PREFIX`` fail when it holds layer ``KVSTORE_TEST_FAIL_SAVE_LAYER``
+    (as a Reserve the daemon refused would), each writing a line to ``KVSTORE_TEST_LOAD_LOG``."""
+
+    def _begin_saves(self, meta):
+        saves = super()._begin_saves(meta)
+        want = [int(t) for t in os.environ.get("KVSTORE_TEST_FAIL_SAVE_PREFIX", "").split(",") if t]
+        if not want or os.environ.get("KVSTORE_TEST_FAIL_SAVE_LAYER") not in self._layer_index:
+            return saves
+        keep = []
+        for span, h in saves:
+            if span.token_ids[:len(want)] != want:
+                keep.append((span, h))
+                continue
+            h.abort()
+            self._save_failed(span)
+            with open(os.environ["KVSTORE_TEST_LOAD_LOG"], "a") as f:
+                f.write(f"{span.req_id} save failed\n")
+        saves[:] = keep
+        return saves
+
+
+class FailingSaveHybridWorker(HybridWorker):
+    group_worker_class = FailingSaveGroupWorker
+
+
+class FailingSaveConnector(KVStoreConnector):
+    hybrid_worker_class = FailingSaveHybridWorker

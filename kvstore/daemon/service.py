@@ -225,9 +225,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.core.lock:
             s = self._session(req.session_id)
             hits, tiers, found = self.core.lookup(s, req.keys, req.each)
-            decision = self.advisor.decide(s.ns, tiers)
+            # Keys each on its own (sparse snapshots): no prefix to advise on or count as one.
+            decision = None if req.each else self.advisor.decide(s.ns, tiers)
+        if req.each:
+            if self.metrics:
+                self.metrics.lookups.inc()
+            return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, found=found)
         advice = self.advisor.fields(decision)
-        if self.cluster is not None and not req.each:  # without a cluster the answer has none of these fields
+        if self.cluster is not None:  # without a cluster the answer has none of these fields
             advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
         m = self.metrics
         if m:
@@ -236,7 +241,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             m.lookup_query_tokens.inc(len(req.keys) // KEY_BYTES * bt)
             for t in set(tiers):
                 m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
-        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, found=found, **advice)
+        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
 
     @rpc
     def Reserve(self, req, context):
