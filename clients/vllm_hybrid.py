@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from kvstore.clients.client import KVStoreError
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata, _Match
 from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
-from kvstore.clients.vllm_state import Snapshot, StateWorker, state_bytes, state_layout, state_signature
+from kvstore.clients.vllm_state import Snapshot, StateWorker, state_layout, state_signature
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
@@ -99,7 +99,8 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
                               "block boundaries (vLLM's 'align' mode does, with prefix caching on)")
             if spec.num_speculative_blocks:
                 raise Refused(f"{what} holds speculative-decoding state blocks kvstore cannot restore exactly")
-            out.append(CacheGroup(i, kind, layers, int(spec.block_size), state_bytes(spec), state_signature(spec)))
+            out.append(CacheGroup(i, kind, layers, int(spec.block_size), spec.state_content_size_bytes,
+                                  state_signature(spec)))
             continue
         out.append(CacheGroup(i, kind, layers, int(spec.block_size)))
     sizes = {g.block_size for g in out}
@@ -147,8 +148,9 @@ class HybridScheduler(ConnectorScheduler):
 
     def __init__(self, settings: ConnectorSettings, groups: list[CacheGroup], links: list[Link], bt: int,
                  can_load: bool, can_save: bool) -> None:
-        rows = [i for i, g in enumerate(groups) if g.kind != STATE]
-        super().__init__(settings, links[rows[0]], bt, can_load, can_save)
+        # Token-row groups first (leading hits), then the state groups (module docstring).
+        self._order = sorted(range(len(groups)), key=lambda g: groups[g].kind == STATE)
+        super().__init__(settings, links[self._order[0]], bt, can_load, can_save)
         self.groups, self.links = groups, links
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -164,10 +166,8 @@ class HybridScheduler(ConnectorScheduler):
         # Token-row groups first (leading hits), then the state groups' snapshots at the
         # boundaries those allow (each key on its own: a state namespace is sparse), over one
         # range for all of them: the hit ends at the last boundary every state group has.
-        rows = [g for g, grp in enumerate(self.groups) if grp.kind != STATE]
-        states = [g for g, grp in enumerate(self.groups) if grp.kind == STATE]
         common: bytearray | None = None
-        for g in rows + states:
+        for g in self._order:
             link, state = self.links[g], self.groups[g].kind == STATE
             client = link.get()
             if client is None:

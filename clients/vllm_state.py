@@ -34,7 +34,6 @@ Not thread-safe: vLLM calls each worker from one thread.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +55,6 @@ class Snapshot:
     group: int
     block_id: int
     token_ids: list[int]
-
-
-def state_bytes(spec) -> int:
-    """Bytes of one layer's state in a vLLM ``MambaSpec`` (its shapes and dtypes, no padding)."""
-    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in zip(spec.shapes, spec.dtypes))
 
 
 def state_signature(spec) -> str:
@@ -128,16 +121,12 @@ class StateWorker:
             pos = layer * n
             for p in parts:
                 view = p[block_id]
-                if len(parts) == 1 and view.dtype.itemsize == 1:  # a raw page: the state's bytes lead it
-                    view.reshape(-1)[:n].copy_(data[pos:pos + n].view(view.dtype))
-                    pos += n
-                    continue
-                size = view.numel() * view.element_size()
-                if len(parts) == 1 and size > n:  # one tensor whose page holds more: the state leads it
-                    view.reshape(-1).view(torch.uint8)[:n].copy_(data[pos:pos + n])
-                    pos += n
-                    continue
-                view.copy_(data[pos:pos + size].view(view.dtype).view(view.shape))
+                # As _read took them: at most the state's bytes (a raw page holds more after them).
+                size = min(view.numel() * view.element_size(), n - (pos - layer * n))
+                if view.is_contiguous():
+                    view.reshape(-1).view(torch.uint8)[:size].copy_(data[pos:pos + size])
+                else:  # a strided state tensor: whole (_parts checked the sizes add up)
+                    view.copy_(data[pos:pos + size].view(view.dtype).view(view.shape))
                 pos += size
 
     # --- vLLM's hooks, as HybridWorker hands them on -------------------------------------------

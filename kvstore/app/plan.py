@@ -276,10 +276,6 @@ def _hybrid(model: ModelConfig, opts: PlanOptions, tok_gpu: int) -> dict | None:
             "saving_factor": whole / hma if hma else None}
 
 
-def model_layers(hy: dict) -> int:
-    return hy["full_layers"] + hy["sliding_layers"] + hy["linear_layers"]
-
-
 def _gb(n: float) -> str:
     return f"{n / GB:,.3f} GB"
 
@@ -331,7 +327,7 @@ def render(r: dict) -> str:
             out.append(f"  linear-attention state     {hy['state_bytes_per_request_per_gpu']:,} B "
                        f"({hy['state_bytes_per_layer_per_gpu']:,} B per layer, any length)")
             out.append(f"  kvstore per cached prefix  the attention layers' blocks (KV size above, "
-                       f"{hy['full_layers'] + hy['sliding_layers']} of {model_layers(hy)} layers) + one state snapshot of "
+                       f"{hy['full_layers'] + hy['sliding_layers']} of {m['layers']} layers) + one state snapshot of "
                        f"{hy['state_bytes_per_request_per_gpu']:,} B per GPU at each boundary vLLM keeps")
         out.append(f"  per request                {hy['bytes_per_request_per_gpu']:,} B; with every windowed layer "
                    f"whole {hy['bytes_per_request_per_gpu_every_layer_whole']:,} B ({hy['saving_factor']:.2f}x)")

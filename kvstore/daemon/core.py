@@ -168,17 +168,18 @@ class Core:
         get = s.ns.blocks.get
         committed = BlockState.COMMITTED
         hits: list[Block] = []
-        append = hits.append
-        found = bytearray()
-        for k in self.keys(packed):
-            b = get(k)
-            if b is None or b.state is not committed:
-                if not each:
+        found = b""
+        if each:
+            blocks = [get(k) for k in self.keys(packed)]
+            have = [b is not None and b.state is committed for b in blocks]
+            hits, found = [b for b, h in zip(blocks, have) if h], bytes(have)
+        else:
+            append = hits.append
+            for k in self.keys(packed):
+                b = get(k)
+                if b is None or b.state is not committed:
                     break
-                found.append(0)
-                continue
-            append(b)
-            found.append(1)
+                append(b)
         res = self.residency
         tick = res.tick + len(hits) + 1
         tiers = bytearray(len(hits))
@@ -188,7 +189,7 @@ class Core:
             b.hits += 1
             tiers[i] = b.tier
         res.tick += len(hits)
-        return hits, bytes(tiers), bytes(found) if each else b""
+        return hits, bytes(tiers), found
 
     def lru(self, tier: TierKind, ns_id: bytes) -> Lru:
         return self.residency.lru(tier, ns_id)
