@@ -27,7 +27,7 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
-from kvstore.layout import AttnKind, KVLayout
+from kvstore.layout import AttnKind, HeadShard, KVLayout
 from kvstore.tiers.arena import Arena, HandoutRefused, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -161,6 +161,10 @@ class KVStoreClient:
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
         self._copier: ThreadPoolExecutor | None = None  # second copy thread for large runs
+        # A TP rank's KV heads in blocks that hold all heads (kvstore.layout.HeadShard): its
+        # Reserves write that part of each block (the copy path writes those columns); None:
+        # whole blocks.
+        self.shard: HeadShard | None = None
 
     def release_later(self, req: pb.ReleaseRequest) -> None:
         """Send a Release without waiting for it (finished ones are forgotten as we go)."""
@@ -436,6 +440,8 @@ class KVStoreClient:
         tokens = b"" if token_ids is None else np.asarray(token_ids).astype("<i4", copy=False).tobytes()
         req = pb.ReserveRequest(session_id=self.session_id, keys=pack(keys), parent=parent, doorbell=doorbell,
                                 token_ids=tokens)
+        if self.shard is not None and self.shard.parts > 1:
+            req.part, req.parts = self.shard.part, self.shard.parts
         deadline, pause = time.monotonic() + retry_s, 0.002
         while True:
             try:
@@ -506,6 +512,9 @@ class KVStoreClient:
         """Store the full blocks of ``token_ids`` from ``kv``; returns blocks newly stored
         (blocks already cached or being written by another client are skipped)."""
         self.require_data_session()
+        if self.shard is not None:
+            raise ValueError("put: writes whole blocks; a client writing a TP rank's heads (shard) stores through "
+                             "kvstore.clients.gpu.GpuKVPath")
         src = as_bytes_view(kv, self.layout, "kv")
         keys = self.keys(token_ids)
         bt = self.layout.block_tokens

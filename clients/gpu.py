@@ -202,9 +202,10 @@ class GpuKVPath:
                  inline: bool = False) -> None:
         client.require_data_session()
         self.client, self.layout = client, client.layout
-        self.paged = PagedKV(kv_caches, self.layout)
+        shard = client.shard  # a TP rank's heads of blocks that hold all of them, or None
+        self.paged = PagedKV(kv_caches, shard.local(self.layout) if shard is not None else self.layout)
         self.arena = client.arena
-        self.mover = KVMover(self.paged, self.layout, client.arena.buf, copy_path, inline=inline)
+        self.mover = KVMover(self.paged, self.layout, client.arena.buf, copy_path, inline=inline, shard=shard)
 
     @property
     def copy_path(self) -> CopyPath:

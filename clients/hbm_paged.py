@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.layout import AttnKind, DType, KVLayout
+from kvstore.layout import AttnKind, DType, HeadShard, KVLayout
 from kvstore.tiers.arena import slot_runs
 from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin,
                                       choose_device, make_stream)
@@ -279,11 +279,21 @@ class KVMover:
 
     ``inline`` (CPU caches only): run each copy in the calling thread (:class:`InlineStream`)
     instead of on a copy thread, for a caller that waits for its copies at once (vLLM's CPU
-    backend: the caches are the engine's device, not a GPU's stand-in)."""
+    backend: the caches are the engine's device, not a GPU's stand-in).
+
+    ``shard`` (:class:`~kvstore.layout.HeadShard`): the slots hold every KV head of ``layout``
+    and ``paged`` (a TP rank's cache) some of them: the copies read and write those heads'
+    columns of each token row, nothing else (the legacy copies: the batched kernels move whole
+    rows)."""
 
     def __init__(self, paged: PagedKV, layout: KVLayout, host: np.ndarray,
-                 copy_path: CopyPath | str = DEFAULT_COPY_PATH, inline: bool = False) -> None:
+                 copy_path: CopyPath | str = DEFAULT_COPY_PATH, inline: bool = False,
+                 shard: HeadShard | None = None) -> None:
         self.paged, self.layout = paged, layout
+        self.slot_row = layout.bytes_per_token_layer // paged.halves  # bytes of a slot's token row
+        self.cols = slice(None)
+        if shard is not None and shard.count < layout.num_kv_heads:
+            self.cols = slice(*shard.columns(layout))
         self.choice = _choice_for(paged.device)
         self.stream = make_stream(self.choice, "kvstore-gpu-side", inline=inline)
         self.pin = HostPin(self.choice, host.ctypes.data, host.nbytes)
@@ -297,6 +307,10 @@ class KVMover:
             self.copy_path = CopyPath.LEGACY
             self.copy_reason = ("the pages are tiled (the CPU backend's AMX layout); the batched kernels take "
                                 "[blocks, heads, tokens, dim] views: using the legacy per-block copies")
+        if self.copy_path is not CopyPath.LEGACY and self.cols != slice(None):
+            self.copy_path = CopyPath.LEGACY
+            self.copy_reason = ("the slots hold every KV head and this rank some: the batched kernels copy whole "
+                                "token rows; using the legacy per-block copies of this rank's columns")
         self.batched = None
         self._last_index: tuple = (None, None, None)  # (rows, offsets, _block_index of them)
         if self.copy_path is not CopyPath.LEGACY:
@@ -340,10 +354,16 @@ class KVMover:
         return self.stream.record()
 
     def _slot_blocks(self, a: int, b: int, off: int) -> torch.Tensor:
-        """Slots of blocks ``[a, b)``, adjacent from ``off``, as bytes ``[b - a, layers, halves, bt, row]``."""
-        p = self.paged
+        """Slots of blocks ``[a, b)``, adjacent from ``off``, as bytes ``[b - a, layers, halves, bt, row]``
+        (this rank's columns of each row)."""
         return self.host[off:off + (b - a) * self.layout.block_bytes].view(
-            b - a, self.layout.num_layers, p.halves, self.layout.block_tokens, p.row)
+            b - a, self.layout.num_layers, self.paged.halves, self.layout.block_tokens, self.slot_row)[..., self.cols]
+
+    def _slot_layer(self, off: int, l: int) -> torch.Tensor:
+        """Layer ``l`` of the slot at ``off`` as bytes ``[halves, bt, row]`` (this rank's columns)."""
+        C = self.chunk
+        return self.host[off + l * C:off + (l + 1) * C].view(
+            self.paged.halves, self.layout.block_tokens, self.slot_row)[..., self.cols]
 
     def device_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` on the cache's device, copied on the side stream (pinned, async)."""
@@ -383,7 +403,6 @@ class KVMover:
 
     def store_layer(self, l: int, rows: torch.Tensor, offsets: Sequence[int | None]):
         """Gather layer ``l`` of the blocks into their slots; returns the op's event."""
-        C = self.chunk
         if self.batched is not None:
             self.stream.submit(lambda: self.batched.store_layer(l, rows, offsets))
             return self.stream.record()
@@ -396,14 +415,14 @@ class KVMover:
             staged = self._gather(l, rows, len(offsets)).contiguous()
             for j, off in enumerate(offsets):
                 if off is not None:
-                    self.host[off + l * C: off + (l + 1) * C].copy_(staged[j].view(-1), non_blocking=True)
+                    self._slot_layer(off, l).copy_(staged[j], non_blocking=True)
 
         self.stream.submit(run)
         return self.stream.record()
 
     def load_layer(self, l: int, rows: torch.Tensor, offsets: Sequence[int]):
         """Scatter layer ``l`` of the blocks from their slots; returns the op's event."""
-        p, C = self.paged, self.chunk
+        p = self.paged
         if self.batched is not None:
             self.stream.submit(lambda: self.batched.load_layer(l, rows, offsets))
             return self.stream.record()
@@ -416,7 +435,7 @@ class KVMover:
             staged = torch.empty((len(offsets), p.halves, self.layout.block_tokens, p.row),
                                  dtype=torch.uint8, device=p.device)
             for j, off in enumerate(offsets):
-                staged[j].view(-1).copy_(self.host[off + l * C: off + (l + 1) * C], non_blocking=True)
+                staged[j].copy_(self._slot_layer(off, l), non_blocking=True)
             self._scatter(l, rows, staged)
 
         self.stream.submit(run)
@@ -443,7 +462,7 @@ class KVMover:
                 for l in range(L):
                     staged[:, l] = self._gather(l, rows[j0 * bt:j1 * bt], j1 - j0)
                 for a, b, off in slot_runs(offsets[j0:j1], B):
-                    self.host[off:off + (b - a) * B].copy_(staged[a:b].view(-1), non_blocking=True)
+                    self._slot_blocks(a, b, off).copy_(staged[a:b], non_blocking=True)
 
         self.stream.submit(run)
         return self.stream.record()
@@ -464,7 +483,7 @@ class KVMover:
             for j0, j1 in self._steps(len(offsets)):
                 staged = torch.empty((j1 - j0, L, p.halves, bt, p.row), dtype=torch.uint8, device=p.device)
                 for a, b, off in slot_runs(offsets[j0:j1], B):
-                    staged[a:b].view(-1).copy_(self.host[off:off + (b - a) * B], non_blocking=True)
+                    staged[a:b].copy_(self._slot_blocks(a, b, off), non_blocking=True)
                 for l in range(L):
                     self._scatter(l, rows[j0 * bt:j1 * bt], staged[:, l])
 

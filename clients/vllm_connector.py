@@ -37,9 +37,12 @@ is aborted (a later miss). A daemon that is gone is retried at most every ``reco
 meanwhile the engine runs as if it had no connector.
 
 Keys and block sizes: kvstore keys full blocks of ``block_tokens`` tokens (default: vLLM's
-``block_size``); loads start at a kvstore block boundary. The scheduler looks keys up in TP rank
-0's namespace; every rank stores the same token blocks in its own namespace, except for MLA,
-whose latent every rank holds whole: one namespace (TP=1's), written by rank 0, read by all.
+``block_size``); loads start at a kvstore block boundary. Every TP size stores under TP=1's
+namespace, so engines of any TP size share prefixes: a block holds every KV head of its tokens,
+each rank writes its heads as one part of it (the daemon shows the block once every part is
+committed) and reads its heads of it (:class:`~kvstore.layout.HeadShard`; with fewer KV heads
+than ranks, the first rank of each head writes it). MLA's latent, which every rank holds whole,
+is written by rank 0 and read by all.
 Models of several KV cache groups (vLLM's hybrid KV cache manager): :mod:`kvstore.clients.vllm_hybrid`.
 
 The two sides live in their own modules: :class:`~kvstore.clients.vllm_scheduler.ConnectorScheduler`
@@ -68,7 +71,7 @@ from kvstore.clients.vllm_setup import (ConnectorSettings, KVStoreConnectorStats
                                         check_on_import, join_vllm_logging, kv_layout, tp_rank)
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
-from kvstore.layout import AttnKind
+from kvstore.layout import AttnKind, HeadShard, KVLayout
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -112,36 +115,47 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         model_id = s.model_id or str(getattr(vllm_config.model_config, "model", "model"))
         tp_world = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
         rank = 0 if scheduler_side else tp_rank(s)
+        self.writes, shard, store_layout = True, None, self.layout
+        hybrid = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
         if self.layout.kind is AttnKind.MLA:
             # The latent is the same on every rank: one copy, under TP=1's namespace, written by
             # rank 0 and read by all (so engines of every TP size share it).
             rank, tp_world, self.writes = 0, 1, rank == 0
-        else:
-            self.writes = True
+        elif tp_world > 1:
+            # Blocks of every KV head, under TP=1's namespace: each rank writes its heads as one
+            # part of the block (the daemon shows it once all are in) and reads its heads of it,
+            # so engines of every TP size share prefixes.
+            store_layout = kv_layout(vllm_config, bt, all_heads=True)
+            shard = HeadShard.of_rank(store_layout.num_kv_heads, rank, tp_world)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | HybridWorker | IdleWorker | None = None
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            self._init_hybrid(vllm_config, kv_cache_config, model_id, rank, tp_world, bt, scheduler_side)
+        if hybrid:  # a state group's snapshot is sharded otherwise: its namespace keeps rank and size
+            self._init_hybrid(vllm_config, kv_cache_config, model_id, rank, tp_world, bt, scheduler_side,
+                              store_layout, shard)
             return
-        self.link = Link(s, self.layout, model_id, rank, tp_world, map_arena=not scheduler_side)
+        if shard is not None:
+            rank, tp_world, self.writes = 0, 1, shard.writes
+        self.link = Link(s, store_layout, model_id, rank, tp_world, map_arena=not scheduler_side,
+                         shard=None if scheduler_side else shard)
         self.links = [self.link]
         if scheduler_side:
             can_load = bool(ktc.is_kv_consumer) and not _prefill_ignores_context(vllm_config, model_id)
             self._scheduler = self.scheduler_class(s, self.link, bt, can_load, bool(ktc.is_kv_producer))
         else:
             # The scheduler looks keys up in rank 0's namespace; events name blocks by those keys.
-            root0 = Namespace(model_id, self.layout, 0, tp_world, s.tenant_salt).root
+            root0 = Namespace(model_id, store_layout, 0, tp_world, s.tenant_salt).root
             self._worker = self.worker_class(vllm_config, kv_cache_config, s, self.link, self.layout, bt, block_size,
                                              root0, writes=self.writes)
 
     def _init_hybrid(self, vllm_config, kv_cache_config, model_id: str, rank: int, tp_world: int, bt: int,
-                     scheduler_side: bool) -> None:
+                     scheduler_side: bool, store_layout: KVLayout, shard: HeadShard | None) -> None:
         """Sides for several KV cache groups, one session each; a model kvstore cannot restore
         exactly runs as plain vLLM, said once at start-up (by the scheduler's connector)."""
         s, ktc = self.settings, vllm_config.kv_transfer_config
         try:
             groups, self.links, layouts, roots = hybrid_sides(vllm_config, kv_cache_config, s, self.layout,
-                                                              model_id, rank, tp_world, not scheduler_side)
+                                                              model_id, rank, tp_world, not scheduler_side,
+                                                              store_layout, shard)
         except Refused as e:
             if scheduler_side:
                 log.warning("kvstore: prefix reuse is off for %s: %s; the engine runs as plain vLLM (no lookups, "

@@ -50,7 +50,7 @@ from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats,
 from kvstore.clients.vllm_state import Snapshot, StateWorker, state_layout, state_signature
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
+from kvstore.layout import HeadShard, KVLayout
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -433,10 +433,13 @@ class IdleWorker:
 
 
 def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layout: KVLayout, model_id: str,
-                 rank: int, tp_world: int, map_arena: bool = True
-                 ) -> tuple[list[CacheGroup], list[Link], list[KVLayout], list[bytes]]:
-    """Each group's layout, session (on rank ``rank``; ``map_arena`` on the worker side) and
-    event root (TP rank 0's namespace)."""
+                 rank: int, tp_world: int, map_arena: bool = True, store_layout: KVLayout | None = None,
+                 shard: HeadShard | None = None) -> tuple[list[CacheGroup], list[Link], list[KVLayout], list[bytes]]:
+    """Each group's layout (of this rank's pages), session (on rank ``rank``; ``map_arena`` on the
+    worker side) and event root (TP rank 0's namespace). ``shard``: at TP > 1, token-row groups
+    store blocks of every KV head (``store_layout``) under TP=1's namespace, this rank writing and
+    reading its heads (:class:`~kvstore.layout.HeadShard`); state groups keep a namespace per
+    rank (a rank's state is its heads' share of the recurrent state, no head range of a block)."""
     groups = cache_groups(kv_cache_config)
     if settings.transfer_peer:
         raise ValueError("kvstore: transfer_peer is not supported for models of several KV cache groups "
@@ -447,10 +450,13 @@ def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layo
                           f"boundaries; kv_connector_extra_config's block_tokens {layout.block_tokens} would key "
                           "them elsewhere (leave block_tokens unset)")
     layouts = [group_layout(layout, g) for g in groups]
-    links = [Link(settings, lay, g.model_id(model_id), rank, tp_world, map_arena)
-             for g, lay in zip(groups, layouts)]
-    roots = [Namespace(g.model_id(model_id), lay, 0, tp_world, settings.tenant_salt).root
-             for g, lay in zip(groups, layouts)]
+    links, roots = [], []
+    for g, lay in zip(groups, layouts):
+        where = (rank, tp_world, None)
+        if shard is not None and g.kind != STATE:
+            lay, where = group_layout(store_layout, g), (0, 1, shard)
+        links.append(Link(settings, lay, g.model_id(model_id), where[0], where[1], map_arena, shard=where[2]))
+        roots.append(Namespace(g.model_id(model_id), lay, 0, where[1], settings.tenant_salt).root)
     return groups, links, layouts, roots
 
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreClient, KVStoreError, default_socket_path
-from kvstore.layout import DType, KVLayout
+from kvstore.layout import DType, HeadShard, KVLayout
 from kvstore.modelcfg import from_hf
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
@@ -173,8 +173,9 @@ def check_on_import(module: str) -> None:
     reach_daemon(ConnectorSettings.from_extra(ktc.kv_connector_extra_config))
 
 
-def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
-    """The KV layout one TP rank holds: shape from the HF config, dtype from the cache dtype."""
+def kv_layout(vllm_config, block_tokens: int, all_heads: bool = False) -> KVLayout:
+    """The KV layout one TP rank holds (``all_heads``: the whole model's, every KV head): shape
+    from the HF config, dtype from the cache dtype."""
     mc = vllm_config.model_config
     hf = mc.hf_config
     cfg = from_hf(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf), str(getattr(mc, "model", "model")))
@@ -188,7 +189,7 @@ def kv_layout(vllm_config, block_tokens: int) -> KVLayout:
         dtype = CACHE_DTYPES[cache_dtype]
     else:
         dtype = DType.parse(cache_dtype)
-    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    tp = 1 if all_heads else int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
     return cfg.gpu_layout(dtype, tp, block_tokens)
 
 
@@ -238,12 +239,15 @@ class KVStoreKVEvents(LMCacheKVEvents):
 class Link:
     """The client and its session, re-made when the daemon went away (at most every
     ``reconnect_s``). ``client`` is None while there is no daemon to talk to. ``map_arena``:
-    the worker's link maps the daemon's arena; the scheduler's (lookups only) does not."""
+    the worker's link maps the daemon's arena; the scheduler's (lookups only) does not.
+    ``shard``: the KV heads this TP rank writes and reads in blocks of every head (``layout``'s),
+    set on each client (:class:`~kvstore.layout.HeadShard`)."""
 
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str, tp_rank: int,
-                 tp_world: int, map_arena: bool = True) -> None:
+                 tp_world: int, map_arena: bool = True, shard: HeadShard | None = None) -> None:
         self.settings, self.layout, self.model_id = settings, layout, model_id
         self.tp_rank, self.tp_world, self.map_arena = tp_rank, tp_world, map_arena
+        self.shard = shard
         self.client: KVStoreClient | None = None
         self.generation = 0          # bumped on every new session: views into the old arena are stale
         self._next_try = 0.0
@@ -256,6 +260,7 @@ class Link:
     def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
         s = self.settings
         c = KVStoreClient(s.socket_path, timeout_s=s.rpc_timeout_s, map_arena=self.map_arena)
+        c.shard = self.shard
         try:
             c.register(self.layout, self.model_id, tp_rank=self.tp_rank, tp_world=self.tp_world,
                        tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),

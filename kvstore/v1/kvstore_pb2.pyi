@@ -199,18 +199,22 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ..., found: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids")
+    __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids", "part", "parts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     parent: bytes
     doorbell: bool
     token_ids: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., doorbell: _Optional[bool] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    part: int
+    parts: int
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., doorbell: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "states", "expires_in_s", "doorbell_offset")

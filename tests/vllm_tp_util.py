@@ -1,0 +1,50 @@
+"""Engines of one model at TP=1 and TP=2 for the tests that compare them (test_vllm_mla,
+test_vllm_tp): plain vLLM and vLLM with kvstore's connector at each size, one core per TP=2 rank."""
+
+from __future__ import annotations
+
+import os
+
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec
+
+CORES = sorted(os.sched_getaffinity(0))
+NAMES = ("plain1", "plain2", "tp1", "tp2")
+
+
+def connector(sock: str, model_id: str) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": model_id}}
+
+
+def start_tp_engines(model: str, work, sock: str, model_id: str, **spec) -> dict:
+    """:data:`NAMES` -> started engines: plain (vLLM's prefix cache off) and with the connector,
+    at TP=1 and TP=2; ``spec``: further :class:`EngineSpec` fields for all four."""
+    tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"})
+    kv = dict(kv_transfer=connector(sock, model_id))
+    specs = [dict(prefix_caching=False), dict(prefix_caching=False, **tp2), kv, dict(kv, **tp2)]
+    return dict(zip(NAMES, EngineProc.start_all([(EngineSpec(model, **s, **spec), work / f"{n}.log")
+                                                  for n, s in zip(NAMES, specs)])))
+
+
+def stored(sock: str, layout, model_id: str, prompt: list[int]):
+    """The stored KV of the prompt's full blocks (all layers, every head) as fp32, read through
+    a TP=1 client session (the namespace every TP size stores in)."""
+    import numpy as np
+    from kvstore.clients import KVStoreClient
+
+    with KVStoreClient(sock) as c:
+        c.register(layout, model_id)
+        n = len(prompt) // layout.block_tokens * layout.block_tokens
+        out = np.zeros(layout.tensor_shape(n), np.float32)
+        assert c.get(prompt[:n], out) == n
+        return out
+
+
+def forget(sock: str, layout, model_id: str, prompt: list[int]) -> None:
+    """Delete the prompt's full blocks from the daemon."""
+    from kvstore.clients import KVStoreClient
+
+    with KVStoreClient(sock) as c:
+        c.register(layout, model_id)
+        c.delete(c.keys(prompt[:len(prompt) // layout.block_tokens * layout.block_tokens]))
