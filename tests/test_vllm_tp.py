@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.app.bench.vllm_engine import EngineProc, save_family, save_llama  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, save_llama  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from vllm_tp_util import CORES, forget, start_tp_engines, stored  # noqa: E402
 from test_vllm_connector import close_top, kvstore_json, same  # noqa: E402
@@ -48,24 +48,6 @@ def engines(tmp_path_factory, module_daemons):
     es = start_tp_engines(model, tmp_path_factory.mktemp("tp"), d.socket_path, MODEL_ID, block_size=BT)
     yield dict(es, daemon=d)
     EngineProc.stop_all(list(es.values()))
-
-
-# Hybrid models at TP=2: (family, engine spec, tokens a 300-token prompt loads, whether TP=1
-# reads TP=2's prefix). Qwen3-Next's linear-attention state keeps a namespace per rank (its
-# heads' share of the state is no head range of a block), so TP=1 finds no snapshot of TP=2's.
-HYBRID = {"gemma3": (dict(block_size=BT), LOADABLE, True),
-          "qwen3-next": (dict(dtype="bfloat16", block_size=64), 256, False)}
-
-
-@pytest.fixture(scope="module", params=sorted(HYBRID))
-def hybrid(request, tmp_path_factory, module_daemons):
-    family = request.param
-    spec, loadable, shared = HYBRID[family]
-    model = str(save_family(tmp_path_factory.mktemp(family), family))
-    d = module_daemons(dram="128MiB", name=f"tp-{family}")
-    es = start_tp_engines(model, tmp_path_factory.mktemp(f"tp-{family}"), d.socket_path, family, **spec)
-    yield dict(es, daemon=d, family=family, loadable=loadable, shared=shared)
-    EngineProc.stop_all([es[n] for n in es])
 
 
 def test_tp2_and_tp1_share_one_layout(engines):
@@ -119,42 +101,3 @@ def test_tp2_and_tp1_share_one_layout(engines):
     assert np.allclose(by_tp1, again, rtol=1e-3, atol=1e-4)
     print("TP=1 vs TP=2 block bytes, max abs difference per layer:",
           [float(np.abs(by_tp1[l] - again[l]).max()) for l in range(LAYOUT.num_layers)])
-
-
-def blocks_by_namespace(sock: str) -> dict[str, int]:
-    return {ns["model_id"]: max(ns["blocks"].values(), default=0) for ns in kvstore_json(sock, "ls")}
-
-
-def test_hybrid_models_at_tp2(hybrid):
-    """Gemma-3 (sliding window + global) and Qwen3-Next (linear attention + full) at TP=2 with
-    vLLM's hybrid manager on: a TP=2 engine reloads its own prefix exactly; Gemma-3's groups
-    are shared with TP=1 both ways, at the same blocks per group."""
-    e, sock, loadable = hybrid, hybrid["daemon"].socket_path, hybrid["loadable"]
-    for name in ("tp1", "tp2"):
-        assert e[name].call(op="config")["hma"] is True, name
-    ref1 = {id(p): e["plain1"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
-    ref2 = {id(p): e["plain2"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
-
-    got = e["tp2"].generate([P_TP2])["results"][0]
-    assert got["cached_tokens"] == 0
-    same(got, ref2[id(P_TP2)])
-    by_tp2 = blocks_by_namespace(sock)
-    assert e["tp2"].call(op="reset_prefix_cache")["reset"]
-    got = e["tp2"].generate([P_TP2])["results"][0]
-    assert got["cached_tokens"] == loadable
-    same(got, ref2[id(P_TP2)])
-    if not e["shared"]:
-        assert e["tp1"].generate([P_TP2])["results"][0]["cached_tokens"] == 0
-        return
-
-    # TP=1 writes a prompt as long: no namespace of its own, each group's blocks doubled.
-    got = e["tp1"].generate([P_TP1])["results"][0]
-    assert got["cached_tokens"] == 0
-    same(got, ref1[id(P_TP1)])
-    assert blocks_by_namespace(sock) == {m: 2 * n for m, n in by_tp2.items()}
-    for reader, prompt, ref in (("tp1", P_TP2, ref1), ("tp2", P_TP1, ref2)):
-        got = e[reader].generate([prompt])["results"][0]
-        assert got["cached_tokens"] == loadable, reader
-        assert got["tokens"] == ref[id(prompt)]["tokens"], reader
-        for g, w in zip(got["logprobs"], ref[id(prompt)]["logprobs"]):
-            close_top(g, w, 1e-3)

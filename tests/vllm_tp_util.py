@@ -17,14 +17,14 @@ def connector(sock: str, model_id: str) -> dict:
             "kv_connector_extra_config": {"kvstore_socket": sock, "follow_policy": False, "model_id": model_id}}
 
 
-def start_tp_engines(model: str, work, sock: str, model_id: str, **spec) -> dict:
-    """:data:`NAMES` -> started engines: plain (vLLM's prefix cache off) and with the connector,
-    at TP=1 and TP=2; ``spec``: further :class:`EngineSpec` fields for all four."""
+def start_tp_engines(model: str, work, sock: str, model_id: str, names=NAMES, **spec) -> dict:
+    """``names`` (of :data:`NAMES`) -> started engines: plain (vLLM's prefix cache off) and with
+    the connector, at TP=1 and TP=2; ``spec``: further :class:`EngineSpec` fields for all."""
     tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"})
     kv = dict(kv_transfer=connector(sock, model_id))
-    specs = [dict(prefix_caching=False), dict(prefix_caching=False, **tp2), kv, dict(kv, **tp2)]
-    return dict(zip(NAMES, EngineProc.start_all([(EngineSpec(model, **s, **spec), work / f"{n}.log")
-                                                  for n, s in zip(NAMES, specs)])))
+    specs = dict(zip(NAMES, [dict(prefix_caching=False), dict(prefix_caching=False, **tp2), kv, dict(kv, **tp2)]))
+    return dict(zip(names, EngineProc.start_all([(EngineSpec(model, **specs[n], **spec), work / f"{n}.log")
+                                                  for n in names])))
 
 
 def stored(sock: str, layout, model_id: str, prompt: list[int]):

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("cluster-sim", "the cluster prefix directory fed by 8-1,024 synthetic daemons' event streams"),
                         ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
                         ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier"),
-                        ("vllm-hybrid", "TTFT of a hybrid model in real vLLM: no cache, vLLM's prefix cache, kvstore")):
+                        ("vllm-hybrid", "TTFT of a hybrid model in real vLLM: no cache, vLLM's prefix cache, kvstore"),
+                        ("codec", "the lossless block codec on a trained model's KV: ratio, GB/s per core vs memcpy")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
@@ -217,7 +218,7 @@ DELEGATED = {("plan",): "kvstore.app.plan", ("cluster",): "kvstore.cluster.cli",
              ("bench", "tiers"): "kvstore.app.bench.tiers", ("bench", "transfer"): "kvstore.app.bench.transfer",
              ("bench", "vllm"): "kvstore.app.bench.vllm", ("bench", "cluster"): "kvstore.app.bench.cluster",
              ("bench", "cluster-sim"): "kvstore.app.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.app.bench.vllm_offload",
-             ("bench", "vllm-hybrid"): "kvstore.app.bench.vllm_hybrid"}
+             ("bench", "vllm-hybrid"): "kvstore.app.bench.vllm_hybrid", ("bench", "codec"): "kvstore.app.bench.codec"}
 
 
 def main(argv: list[str] | None = None) -> int:
