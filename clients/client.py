@@ -161,9 +161,9 @@ class KVStoreClient:
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
         self._copier: ThreadPoolExecutor | None = None  # second copy thread for large runs
-        # A TP rank's KV heads in blocks that hold all heads (kvstore.layout.HeadShard): its
-        # Reserves write that part of each block (the copy path writes those columns); None:
-        # whole blocks.
+        # What a TP rank writes of blocks that hold the whole model's KV: its KV heads
+        # (kvstore.layout.HeadShard; GpuKVPath copies those columns) or its share of a recurrent
+        # state (vllm_state.StateShard). Its Reserves send its part / parts. None: whole blocks.
         self.shard: HeadShard | None = None
 
     def release_later(self, req: pb.ReleaseRequest) -> None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from kvstore.clients.client import KVStoreError
 from kvstore.clients.vllm_scheduler import BlockSpan, ConnectorScheduler, KVStoreConnectorMetadata, _Match
 from kvstore.clients.vllm_setup import ConnectorSettings, KVStoreConnectorStats, KVStoreKVEvents, Link
-from kvstore.clients.vllm_state import Snapshot, StateWorker, state_layout, state_signature
+from kvstore.clients.vllm_state import Snapshot, StateWorker, state_layout, state_shard, state_signature
 from kvstore.clients.vllm_worker import ConnectorWorker
 from kvstore.keys import Namespace
 from kvstore.layout import HeadShard, KVLayout
@@ -257,7 +257,8 @@ class HybridWorker:
                  links: list[Link], layouts: list[KVLayout], bt: int, roots: list[bytes]) -> None:
         self.groups, self.bt = groups, bt
         self.subs = [self.state_worker_class(link, lay, g.layers, settings.load_wait_s) if g.kind == STATE else
-                     self.group_worker_class(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root)
+                     self.group_worker_class(vllm_config, kv_cache_config, settings, link, lay, bt, g.block_size, root,
+                                             writes=getattr(link.shard, "writes", True))
                      for g, link, lay, root in zip(groups, links, layouts, roots)]
         for sub in self.subs:
             sub.saves_failed = set()
@@ -438,8 +439,10 @@ def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layo
     """Each group's layout (of this rank's pages), session (on rank ``rank``; ``map_arena`` on the
     worker side) and event root (TP rank 0's namespace). ``shard``: at TP > 1, token-row groups
     store blocks of every KV head (``store_layout``) under TP=1's namespace, this rank writing and
-    reading its heads (:class:`~kvstore.layout.HeadShard`); state groups keep a namespace per
-    rank (a rank's state is its heads' share of the recurrent state, no head range of a block)."""
+    reading its heads (:class:`~kvstore.layout.HeadShard`). State groups whose sharding kvstore
+    knows (:func:`~kvstore.clients.vllm_state.state_shard`: Qwen3-Next's gated delta net) store
+    whole states under TP=1's namespace likewise, this rank writing and reading its share; any
+    other state keeps a namespace per rank."""
     groups = cache_groups(kv_cache_config)
     if settings.transfer_peer:
         raise ValueError("kvstore: transfer_peer is not supported for models of several KV cache groups "
@@ -451,10 +454,17 @@ def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layo
                           "them elsewhere (leave block_tokens unset)")
     layouts = [group_layout(layout, g) for g in groups]
     links, roots = [], []
-    for g, lay in zip(groups, layouts):
+    hf = vllm_config.model_config.hf_config if shard is not None else None
+    for i, (g, lay) in enumerate(zip(groups, layouts)):
         where = (rank, tp_world, None)
         if shard is not None and g.kind != STATE:
             lay, where = group_layout(store_layout, g), (0, 1, shard)
+        elif shard is not None:
+            share = state_shard(kv_cache_config.kv_cache_groups[g.index].kv_cache_spec, hf, rank, tp_world)
+            if share is not None:
+                groups[i] = g = dataclasses.replace(g, state_bytes=share.full_bytes, signature=share.signature)
+                layouts[i] = lay = group_layout(layout, g)
+                where = (0, 1, share)
         links.append(Link(settings, lay, g.model_id(model_id), where[0], where[1], map_arena, shard=where[2]))
         roots.append(Namespace(g.model_id(model_id), lay, 0, where[1], settings.tenant_salt).root)
     return groups, links, layouts, roots

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreClient, KVStoreError, default_socket_path
-from kvstore.layout import DType, HeadShard, KVLayout
+from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.kv_copy import DEFAULT_COPY_PATH, CopyPath
@@ -240,11 +240,13 @@ class Link:
     """The client and its session, re-made when the daemon went away (at most every
     ``reconnect_s``). ``client`` is None while there is no daemon to talk to. ``map_arena``:
     the worker's link maps the daemon's arena; the scheduler's (lookups only) does not.
-    ``shard``: the KV heads this TP rank writes and reads in blocks of every head (``layout``'s),
-    set on each client (:class:`~kvstore.layout.HeadShard`)."""
+    ``shard``: what this TP rank writes and reads of blocks that hold the whole model's KV
+    (``layout``'s): its KV heads (:class:`~kvstore.layout.HeadShard`) or its share of a
+    recurrent state (:class:`~kvstore.clients.vllm_state.StateShard`); set on each client, whose
+    Reserves then write that part of each block."""
 
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str, tp_rank: int,
-                 tp_world: int, map_arena: bool = True, shard: HeadShard | None = None) -> None:
+                 tp_world: int, map_arena: bool = True, shard=None) -> None:
         self.settings, self.layout, self.model_id = settings, layout, model_id
         self.tp_rank, self.tp_world, self.map_arena = tp_rank, tp_world, map_arena
         self.shard = shard

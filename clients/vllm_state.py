@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstore.clients.client import KVStoreError
@@ -64,6 +65,59 @@ def state_signature(spec) -> str:
                     for shape, dt in zip(spec.shapes, spec.dtypes))
 
 
+@dataclass(frozen=True, slots=True)
+class StateShard:
+    """A TP rank's share of a recurrent state, in snapshots of the whole model's state (TP=1's
+    bytes), so engines of every TP size share them. Each rank writes its share as part ``part``
+    of ``parts`` of the snapshot's block (the daemon shows it once every rank committed) and
+    reads its share back. ``runs``: ``(offset in the rank's state, offset in the whole state,
+    bytes)`` of one layer; ``signature``: the whole state's shapes (in the namespace)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    local_bytes: int
+    full_bytes: int
+    part: int
+    parts: int
+    signature: str
+
+
+# Models whose gated-delta-net layers vLLM shards as Qwen3-Next's: conv channels [q | k | v],
+# each split evenly over the ranks (mamba_v2_sharded_weight_loader), value heads split evenly.
+GDN_MODEL_TYPES = frozenset({"qwen3_next"})
+
+
+def state_shard(spec, hf_config, rank: int, tp: int) -> StateShard | None:
+    """Rank ``rank``'s share of a layer's state in the whole state, for the state kinds whose
+    sharding kvstore knows (Qwen3-Next's gated delta net); None at TP=1 or for any other kind
+    (its snapshots keep a namespace per rank)."""
+    if tp == 1 or getattr(hf_config, "model_type", "") not in GDN_MODEL_TYPES \
+            or getattr(spec.mamba_type, "name", "") != "GDN_ATTN" or len(spec.shapes) != 2:
+        return None
+    nk, dk = hf_config.linear_num_key_heads, hf_config.linear_key_head_dim
+    nv, dv = hf_config.linear_num_value_heads, hf_config.linear_value_head_dim
+    w = hf_config.linear_conv_kernel_dim - 1
+    kd, vd = nk * dk, nv * dv
+    if kd % tp or vd % tp or nv % tp:
+        return None
+    cd, cdl = 2 * kd + vd, (2 * kd + vd) // tp
+    (conv, ssm), (ec, es) = spec.shapes, (torch.empty(0, dtype=d).element_size() for d in spec.dtypes)
+    if tuple(ssm) != (nv // tp, dv, dk) or tuple(conv) not in ((w, cdl), (cdl, w)):
+        return None
+    dim_first = tuple(conv) == (cdl, w) and w != cdl
+    segments = [(0, rank * kd // tp, kd // tp), (kd // tp, kd + rank * kd // tp, kd // tp),
+                (2 * kd // tp, 2 * kd + rank * vd // tp, vd // tp)]  # (rank's channel, whole's, channels)
+    if dim_first:
+        runs = [(lc * w * ec, fc * w * ec, n * w * ec) for lc, fc, n in segments]
+    else:
+        runs = [((j * cdl + lc) * ec, (j * cd + fc) * ec, n * ec) for j in range(w) for lc, fc, n in segments]
+    share = nv // tp * dv * dk * es
+    runs.append((cdl * w * ec, cd * w * ec + rank * share, share))
+    whole = ((cd, w) if dim_first else (w, cd), (nv, dv, dk))
+    signature = "+".join("x".join(map(str, shape)) + "." + str(dt).removeprefix("torch.")
+                         for shape, dt in zip(whole, spec.dtypes))
+    return StateShard(tuple(runs), cdl * w * ec + share, cd * w * ec + tp * share, rank, tp, signature)
+
+
 def state_layout(num_layers: int, nbytes: int, block_tokens: int) -> KVLayout:
     return KVLayout(num_layers=num_layers, num_kv_heads=0, head_dim=0, dtype="int8", kind="state",
                     block_tokens=block_tokens, state_bytes=nbytes)
@@ -89,6 +143,9 @@ class StateWorker:
 
     def __init__(self, link: Link, layout: KVLayout, layers: tuple[str, ...], load_wait_s: float) -> None:
         self.link, self.layout, self.layers = link, layout, layers
+        # ``layout``: the snapshots' (whole states, with ``link.shard``: this rank's share of each)
+        self.shard: StateShard | None = getattr(link, "shard", None)
+        self.local_bytes = self.shard.local_bytes if self.shard is not None else layout.state_bytes
         self.load_wait_s = load_wait_s
         self.failed: set[str] = set()
         self.saves_failed: set[str] = set()  # requests a snapshot of this step was not stored for
@@ -98,13 +155,42 @@ class StateWorker:
         self._stats = KVStoreConnectorStats()
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._caches = [_parts(kv_caches[name], name, self.layout.state_bytes) for name in self.layers]
+        self._caches = [_parts(kv_caches[name], name, self.local_bytes) for name in self.layers]
 
     # --- copies between vLLM's blocks and a slot's bytes ---------------------------------------
     def _read(self, block_id: int, out) -> None:
-        """Block ``block_id``'s state, layer after layer, into ``out`` (``block_bytes`` uint8)."""
+        """Block ``block_id``'s state, layer after layer, into ``out`` (a slot, uint8): whole, or
+        with a shard this rank's share of each layer's whole state."""
+        if self.shard is None:
+            return self._read_local(block_id, out)
+        mine = np.empty(len(self._caches) * self.local_bytes, np.uint8)
+        self._read_local(block_id, mine)
+        self._runs(out, mine, to_slot=True)
+
+    def _write(self, block_id: int, src) -> None:
+        """``src`` (a slot's bytes, as :meth:`_read` wrote them) into block ``block_id``."""
+        if self.shard is None:
+            return self._write_local(block_id, src)
+        mine = np.empty(len(self._caches) * self.local_bytes, np.uint8)
+        self._runs(src, mine, to_slot=False)
+        self._write_local(block_id, mine)
+
+    def _runs(self, slot, mine, to_slot: bool) -> None:
+        """Move this rank's share of each layer between a slot (whole states) and ``mine`` (this
+        rank's states, layer after layer)."""
+        n, whole = self.local_bytes, self.layout.state_bytes
+        for layer in range(len(self._caches)):
+            for local, full, size in self.shard.runs:
+                a, b = layer * n + local, layer * whole + full
+                if to_slot:
+                    slot[b:b + size] = mine[a:a + size]
+                else:
+                    mine[a:a + size] = slot[b:b + size]
+
+    def _read_local(self, block_id: int, out) -> None:
+        """Block ``block_id``'s state as this rank holds it, layer after layer, into ``out``."""
         dst = torch.from_numpy(out)
-        n = self.layout.state_bytes
+        n = self.local_bytes
         for layer, parts in enumerate(self._caches):
             pos = layer * n
             for p in parts:
@@ -113,10 +199,10 @@ class StateWorker:
                 dst[pos:pos + raw.numel()].copy_(raw)
                 pos += raw.numel()
 
-    def _write(self, block_id: int, src) -> None:
-        """``src`` (a slot's bytes, as :meth:`_read` wrote them) into block ``block_id``."""
+    def _write_local(self, block_id: int, src) -> None:
+        """``src`` (this rank's states, as :meth:`_read_local` wrote them) into block ``block_id``."""
         data = torch.from_numpy(src)
-        n = self.layout.state_bytes
+        n = self.local_bytes
         for layer, parts in enumerate(self._caches):
             pos = layer * n
             for p in parts:

@@ -79,6 +79,7 @@ class ConnectorWorker:
         # announce (another group failed them: the parts are one block).
         self.saves_failed: set[str] | None = None
         self.unannounced: set[str] = set()
+        self._events_due = False  # report events this step even if none (a rank writing parts)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
@@ -390,6 +391,9 @@ class ConnectorWorker:
         self._worker_events += stored
         if saves:
             self._stats.data["save_s"] += time.perf_counter() - t0
+            # A block written in parts is whole only if every rank's part is in: vLLM keeps the
+            # events every reporting worker sent, so a rank with saves reports even none.
+            self._events_due = getattr(self.link, "shard", None) is not None
 
     def _save_failed(self, span: BlockSpan) -> None:
         self._stats.data["save_failed_blocks"] += span.end - span.start
@@ -423,7 +427,8 @@ class ConnectorWorker:
         return stats
 
     def get_kv_connector_kv_cache_events(self) -> KVStoreKVEvents | None:
-        if not self._worker_events:
+        due, self._events_due = self._events_due, False
+        if not self._worker_events and not due:
             return None
         ev = KVStoreKVEvents(num_workers=1)
         ev.add_events(self._worker_events)

@@ -407,3 +407,55 @@ def test_a_block_read_while_it_is_written_keeps_its_slot_and_stays_pinned_throug
     core.release(s, held.id)
     put(core, s, chain(50, 4))                           # now b is evictable, least recent first
     assert all(s.ns.blocks.get(k) is None for k in b)
+
+
+# --- blocks written in parts (TP ranks each writing their KV heads of one block) ---------------
+
+def _ranks(core, n: int):
+    return [core.register(Namespace("m", LAYOUT)) for _ in range(n)]
+
+
+def _used(core) -> int:
+    return core.dram.stats().used_bytes // core.dram.slot_stride(LAYOUT.block_bytes)
+
+
+def test_a_block_whose_missing_part_never_comes_is_dropped_at_its_deadline(env):
+    core, s, clock = env
+    r0, _ = _ranks(core, 2)
+    keys = chain(41, 1)
+    lease, _, _ = core.reserve(r0, b"".join(keys), b"", part=0, parts=2)
+    assert core.commit(r0, lease.id, b"") == []      # rank 1 never reserves: nothing is published
+    assert _used(core) == 1 and core.reserve(s, b"".join(keys), b"")[2] == bytes([pb.SLOT_BUSY])
+    clock.t += 4.0
+    core.expire()
+    assert _used(core) == 1                          # not before its deadline (the lease TTL)
+    clock.t += 2.0
+    core.expire()
+    assert _used(core) == 0 and not core.lookup(s, b"".join(keys))[0]
+    assert core.reserve(s, b"".join(keys), b"")[2] == bytes([pb.SLOT_RESERVED])  # written afresh
+
+
+def test_a_commit_naming_a_key_twice_is_refused_and_frees_nothing(env):
+    core, s, _ = env
+    r0, r1 = _ranks(core, 2)
+    key = chain(42, 1)[0]
+    l0, _, _ = core.reserve(r0, key, b"", part=0, parts=2)
+    l1, _, _ = core.reserve(r1, key, b"", part=1, parts=2)
+    core.abort(r1, l1.id)                            # the block fails; rank 0 still writes into it
+    with pytest.raises(KVError) as e:
+        core.commit(r0, l0.id, key + key)
+    assert e.value.code is Code.INVALID_ARGUMENT and _used(core) == 1
+    core.commit(r0, l0.id, key)
+    assert _used(core) == 0                          # freed once, by the last writer
+
+
+def test_parent_links_hold_when_parts_commit_child_first(env):
+    core, s, _ = env
+    r0, r1 = _ranks(core, 2)
+    a, b = chain(43, 2)
+    l0, _, _ = core.reserve(r0, a + b, b"", part=0, parts=2)
+    l1, _, _ = core.reserve(r1, a + b, b"", part=1, parts=2)
+    for r, l, k in ((r0, l0, b), (r1, l1, b), (r0, l0, a), (r1, l1, a)):
+        core.commit(r, l.id, k)
+    blocks = s.ns.blocks
+    assert blocks[b].parent is blocks[a] and blocks[b] in blocks[a].kids  # leaves-first eviction holds

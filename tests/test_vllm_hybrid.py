@@ -430,3 +430,34 @@ def test_a_hit_ends_at_the_last_boundary_every_state_group_has(module_daemons):
     assert (got, is_async) == (2 * QBT, True)
     for link in links:
         link.close()
+
+
+def test_a_tp_rank_writes_its_share_of_qwen3_nexts_whole_state():
+    """At TP=2 each rank holds half of Qwen3-Next's conv channels (its q, k and v heads) and half
+    its value heads' SSM state; its share lands where TP=1's state has those channels and heads,
+    so the two ranks' shares tile the whole state, and TP=1's own state is stored as it is."""
+    import types
+
+    import numpy as np
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvstore.clients.vllm_state import state_shard, state_signature
+
+    hf = types.SimpleNamespace(model_type="qwen3_next", linear_num_key_heads=2, linear_key_head_dim=64,
+                               linear_num_value_heads=4, linear_value_head_dim=64, linear_conv_kernel_dim=4)
+    half = MambaSpec(block_size=128, shapes=((3, 256), (2, 64, 64)), dtypes=(torch.bfloat16, torch.bfloat16),
+                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    shares = [state_shard(half, hf, r, 2) for r in range(2)]
+    whole = np.zeros(shares[0].full_bytes, np.int32)
+    for s in shares:
+        assert (s.part, s.parts, s.local_bytes) == (shares.index(s), 2, half.state_content_size_bytes)
+        assert s.signature == "3x512.bfloat16+4x64x64.bfloat16" == state_signature(_mamba())  # TP=1's namespace
+        for local, full, n in s.runs:
+            whole[full:full + n] += 1
+    assert (whole == 1).all()  # every byte of the whole state written by exactly one rank
+    # conv row 0: rank 1's q channels follow rank 0's; its k channels start at channel 128 + 64
+    assert [r[1] // 2 for r in shares[1].runs[:3]] == [64, 128 + 64, 256 + 128]
+    assert state_shard(half, hf, 0, 1) is None  # TP=1: stored as it is
+    assert state_shard(half, types.SimpleNamespace(**{**vars(hf), "model_type": "olmo_hybrid"}), 0, 2) is None

@@ -89,6 +89,9 @@ class Core:
         self.leases = LeaseTable(cfg.lease_ttl_s, clock, doorbells)
         self.lrus = res.lrus
         self._own_ids = itertools.count(1)
+        # Blocks reserved in parts and not yet whole (by id): one whose writers all committed
+        # with a part still missing has no lease left to end it; expire() drops it at its deadline.
+        self.partial: dict[int, Block] = {}
         self.writes_refused = ""  # why new blocks are refused (draining before a shutdown); "" = taken
 
     @property
@@ -281,7 +284,8 @@ class Core:
                     b = Block(keys[i], ns.id, TierKind.DRAM, off, lease_id=lease.id,
                               parent_key=keys[i - 1] if i else (parent or None))
                     if parts > 1:
-                        b.parts = Parts(parts, {part: lease.id})
+                        b.parts = Parts(parts, {part: lease.id}, lease.expires)
+                        self.partial[id(b)] = b
                     if tokens:
                         b.tokens = tokens[i * step:(i + 1) * step]
                     ns.blocks[keys[i]] = b
@@ -299,6 +303,7 @@ class Core:
         for i in joins:  # another writer's slot: this lease fills its own part of it
             b = ns.blocks[keys[i]]
             b.parts.writers[part] = lease.id
+            b.parts.deadline = max(b.parts.deadline, lease.expires)
             lease.blocks.append(b)
             offsets[i] = b.offset
         self.residency.room_found()
@@ -319,6 +324,8 @@ class Core:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)
         if packed:
             wanted = self.keys(packed)
+            if len(set(wanted)) != len(wanted):
+                raise invalid("keys: a key appears twice in one commit")
             by_key = {b.key: b for b in lease.blocks}
             missing = [k for k in wanted if k not in by_key]
             if missing:
@@ -333,6 +340,7 @@ class Core:
             lease.blocks = [b for b in lease.blocks if id(b) not in picked]
             chosen = self._parts_done(lease, chosen)
         lru = self.lru(TierKind.DRAM, ns.id)
+        waiting = [(b, b.parts.kids) for b in chosen if b.parts is not None and b.parts.kids]
         for b in chosen:
             b.state = BlockState.COMMITTED
             b.lease_id = 0
@@ -342,12 +350,19 @@ class Core:
             if p is not None and p.state is BlockState.COMMITTED:
                 b.parent = p
                 p.kids.add(b)
+            elif p is not None and p.parts is not None:
+                p.parts.kids.append(b)  # its parent is written in parts, not whole yet
             elif p is not None and p.lease_id == lease.id:
                 lease.orphans[p.key] = b  # its parent is in a piece of this lease not committed yet
             kid = lease.orphans.pop(b.key, None)
             if kid is not None and kid.state is BlockState.COMMITTED and ns.blocks.get(kid.key) is kid:
                 kid.parent = b
                 b.kids.add(kid)
+        for b, kids in waiting:  # children committed before this parent's last part
+            for kid in kids:
+                if kid.state is BlockState.COMMITTED and kid.parent is None and ns.blocks.get(kid.key) is kid:
+                    kid.parent = b
+                    b.kids.add(kid)
         for b in reversed(chosen):  # leaf first, then each parent: ancestors stay more recent
             self.touch(b)
             if b.ref_cnt == 0:  # a block read while it was written (a transfer) is filed when let go
@@ -375,12 +390,31 @@ class Core:
             p.writers.pop(lease.part, None)
             if p.failed:
                 if not p.writers:
-                    self.residency.free_reserved(b)
+                    self._drop_partial(b)
                 continue
             p.done |= 1 << lease.part
             if p.complete:
+                self.partial.pop(id(b), None)
                 whole.append(b)
+            else:
+                p.deadline = max(p.deadline, self.clock() + self.cfg.lease_ttl_s)
         return whole
+
+    def _drop_partial(self, b: Block) -> None:
+        """A block written in parts that will not be whole: out of the index, its slot freed
+        (no writer is left to write into it)."""
+        self.partial.pop(id(b), None)
+        b.parts.failed = True
+        self.residency.free_reserved(b)
+
+    def _reap_partial(self) -> int:
+        """Drop the blocks written in parts whose writers are all gone with a part still
+        missing, once their deadline passed (a rank that never reserved its part)."""
+        now = self.clock()
+        dead = [b for b in self.partial.values() if not b.parts.writers and b.parts.deadline <= now]
+        for b in dead:
+            self._drop_partial(b)
+        return len(dead)
 
     def abort(self, s: Session, lease_id: int) -> int:
         lease = self.lease(s, lease_id, LeaseKind.WRITE)
@@ -402,6 +436,7 @@ class Core:
                 self.residency.forget(b)
                 if p.writers:
                     continue
+                self.partial.pop(id(b), None)
             self.residency.free_reserved(b)
             n += 1
         lease.blocks = []
@@ -485,7 +520,7 @@ class Core:
             self._drop_lease(lease)
             if self.metrics:
                 self.metrics.lease_expiries.labels(kind=lease.kind).inc()
-        return len(dead)
+        return len(dead) + (self._reap_partial() if self.partial else 0)
 
     # --- delete ----------------------------------------------------------------------------
     def delete(self, s: Session, packed: bytes) -> tuple[int, int]:

@@ -30,8 +30,10 @@ class Parts:
 
     count: int
     writers: dict[int, int]  # part -> the write lease filling it
+    deadline: float  # with no writer left and a part missing, dropped after this (Core.expire)
     done: int = 0  # bit p: part p committed
     failed: bool = False
+    kids: list = field(default_factory=list)  # blocks committed meanwhile whose chain parent this is
 
     @property
     def complete(self) -> bool:
