@@ -5,9 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TSTAMP := $(VENV)/.installed-test
 FSTAMP := $(VENV)/.built-fused
+CSTAMP := $(VENV)/.built-kvcodec
 ARGS   ?=
 
-.PHONY: install install-test fused sysdeps serve test test-fast proto bench clean
+.PHONY: install install-test fused codec sysdeps serve test test-fast proto bench clean
 
 # The daemon alone: no torch, transformers or vLLM.
 $(STAMP): pyproject.toml
@@ -31,9 +32,16 @@ $(FSTAMP): transport/_fused.c scripts/build_fused.sh $(TSTAMP) | sysdeps
 	./scripts/build_fused.sh $(PY)
 	touch $@
 
+# The C block codec (kvstore/_kvcodec.c) for kvstore.codec; needs only a C compiler. Without it
+# the codec tests measure the slower zstd codec and decode the C codec's payloads in numpy.
+$(CSTAMP): kvstore/_kvcodec.c scripts/build_kvcodec.sh $(TSTAMP)
+	./scripts/build_kvcodec.sh $(PY)
+	touch $@
+
 install: $(STAMP)
 install-test: $(TSTAMP)
 fused: $(FSTAMP)
+codec: $(CSTAMP)
 
 # System tools the tests use: fio (same-run NVMe reference), etcd (the cluster tests) and
 # xxhash.h (the fused UCX receive's build). Installed only when missing, in one apt-get run.
@@ -56,7 +64,7 @@ serve: $(STAMP)
 # (--no-loadscope-reorder with a longest-first order) measured slower in a fresh clone (tests
 # 10:59 against 9:46): two vLLM modules then start their engines together on two cores.
 TEST_WORKERS ?= 2
-test: $(TSTAMP) sysdeps $(FSTAMP)
+test: $(TSTAMP) sysdeps $(FSTAMP) $(CSTAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 proto: $(TSTAMP)

@@ -1,15 +1,28 @@
-"""The lossless block codec (kvstore.codec): bit-exact round trips of every KV dtype, raw where
-encoding would not pay, clear errors for corrupt payloads. Ratios are measured on a trained
-model's KV (tests/trained_kv.py: all-MiniLM-L6-v2), not random weights."""
+"""The lossless block codecs (kvstore.codec): bit-exact round trips of every KV dtype through
+both codecs (the C codec's payloads also through its numpy decoder), raw where encoding would not
+pay, clear errors for corrupt payloads. Ratios are measured on a trained model's KV
+(tests/trained_kv.py: all-MiniLM-L6-v2), not random weights."""
 
 import numpy as np
 import pytest
 
+from kvstore import codec as kvcodec
 from kvstore.codec import Codec, CodecError, MIN_SAVING, decode, encode
 
 torch = pytest.importorskip("torch")
 
 from trained_kv import trained_kv  # noqa: E402
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
+# Least ratio each codec reaches on the trained KV (issue 33: bf16 >= 1.3, fp8 >= 1.08).
+LEAST = {("bf16", Codec.PLANES_ZSTD): 1.3, ("fp16", Codec.PLANES_ZSTD): 1.1, ("fp32", Codec.PLANES_ZSTD): 1.1,
+         ("fp8_e4m3", Codec.PLANES_ZSTD): 1.08, ("bf16", Codec.NIBBLE): 1.3, ("fp16", Codec.NIBBLE): 1.08,
+         ("fp32", Codec.NIBBLE): 1.1, ("fp8_e4m3", Codec.NIBBLE): 1.08}
+needs_c = pytest.mark.skipif(kvcodec.native() is None, reason="the C codec is not built (make codec)")
+
+
+def block(kv, dtype: str) -> np.ndarray:
+    return kv.to(getattr(torch, DTYPES[dtype])).contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -17,35 +30,58 @@ def kv():
     return trained_kv(tokens=256)
 
 
-@pytest.mark.parametrize("dtype,least", [("bfloat16", 1.3), ("float16", 1.05), ("float32", 1.1),
-                                         ("float8_e4m3fn", 1.08)])
-def test_trained_kv_round_trips_bit_exact_and_shrinks(kv, dtype, least):
-    x = kv.to(getattr(torch, dtype)).contiguous()
-    raw = x.view(torch.uint8).numpy().reshape(-1)
-    payload = encode(raw, x.element_size())
+@pytest.mark.parametrize("dtype,which", sorted(LEAST, key=str), ids=lambda x: getattr(x, "name", x))
+def test_trained_kv_round_trips_bit_exact_and_shrinks(kv, dtype, which):
+    if which is Codec.NIBBLE and kvcodec.native() is None:
+        pytest.skip("the C codec is not built (make codec)")
+    raw = block(kv, dtype)
+    payload = encode(raw, dtype, which)
     assert payload is not None
     ratio = raw.nbytes / len(payload)
-    print(f"{dtype}: {raw.nbytes} -> {len(payload)} bytes, ratio {ratio:.3f}")
-    assert ratio >= least
+    print(f"{dtype} {which.name}: {raw.nbytes} -> {len(payload)} bytes, ratio {ratio:.3f}")
+    assert ratio >= LEAST[dtype, which]
     out = np.empty_like(raw)
     decode(payload, out)
     assert np.array_equal(out, raw)
+    if which is Codec.NIBBLE:  # a daemon built without the C codec reads the same bytes back
+        again = np.empty_like(raw)
+        kvcodec._decode_nibble_numpy(np.frombuffer(payload, np.uint8), again)
+        assert np.array_equal(again, raw)
 
 
-def test_what_does_not_compress_is_left_raw():
+@needs_c
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 17, 4099])
+def test_nibble_odd_sizes_escapes_and_tails(n):
+    """Element counts that end mid code byte or mid group of 8, and every prefix escaping."""
+    rng = np.random.default_rng(n)
+    for dtype, ts in (("bf16", 2), ("fp8_e4m3", 1), ("fp16", 2), ("fp32", 4)):
+        few = rng.integers(0, 256, n * ts, dtype=np.uint8)
+        lib = kvcodec.native()
+        out = np.empty(few.nbytes * 2 + 64, np.uint8)
+        m = lib.kvn_encode(few.ctypes.data, n, ts, kvcodec.PREFIX_BITS[kvcodec.DType.parse(dtype)], out.ctypes.data,
+                           out.nbytes, out.nbytes)  # any size allowed: many escapes
+        assert m
+        for dec in (decode, lambda p, d: kvcodec._decode_nibble_numpy(np.frombuffer(p, np.uint8), d)):
+            back = np.empty_like(few)
+            dec(out[:m].tobytes(), back)
+            assert np.array_equal(back, few), (dtype, n)
+
+
+@pytest.mark.parametrize("which", [Codec.PLANES_ZSTD, pytest.param(Codec.NIBBLE, marks=needs_c)])
+def test_what_does_not_compress_is_left_raw(which):
     noise = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
-    assert encode(noise, 2) is None
+    assert encode(noise, "bf16", which) is None
     zeros = np.zeros(1 << 16, np.uint8)
-    payload = encode(zeros, 2)
-    assert payload is not None and len(payload) < (1 << 16) * MIN_SAVING
+    payload = encode(zeros, "bf16", which)
+    assert payload is not None and len(payload) < (1 << 16) * (1 - MIN_SAVING)
     out = np.ones_like(zeros)
     decode(payload, out)
     assert not out.any()
 
 
-def test_corrupt_or_truncated_payloads_are_refused(kv):
-    raw = kv.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().reshape(-1)
-    payload = bytearray(encode(raw, 2))
+def test_corrupt_or_truncated_planes_payloads_are_refused(kv):
+    raw = block(kv, "bf16")
+    payload = bytearray(encode(raw, "bf16", Codec.PLANES_ZSTD))
     out = np.empty_like(raw)
     for bad, why in [(b"XXXX" + payload[4:], "bad magic"), (payload[:-10], "announced"),
                      (payload + b"\0", "trailing"), (payload[:5], "truncated plane table")]:
@@ -63,12 +99,33 @@ def test_corrupt_or_truncated_payloads_are_refused(kv):
         decode(bytes(payload), np.empty(raw.nbytes + 1, np.uint8))
 
 
+@needs_c
+def test_corrupt_or_truncated_nibble_payloads_are_refused_by_both_decoders(kv):
+    raw = block(kv, "fp8_e4m3")
+    payload = bytearray(encode(raw, "fp8_e4m3", Codec.NIBBLE))
+    out = np.empty_like(raw)
+    escapes = int.from_bytes(payload[12:16], "little")
+    more = bytearray(payload)
+    more[12:16] = (escapes + 1).to_bytes(4, "little")
+    wide = bytearray(payload)
+    wide[32] = 0xFF  # a dictionary entry wider than fp8's 5 prefix bits
+    cases = [(payload[:-1], "length does not match"), (bytes(8) + payload[8:], "bad magic"),
+             (more + b"\0", "escape count does not match"), (wide, "prefix wider")]
+    for dec in (decode, lambda p, d: kvcodec._decode_nibble_numpy(np.frombuffer(p, np.uint8), d)):
+        for bad, why in cases:
+            with pytest.raises(CodecError, match=why):
+                dec(bytes(bad), out)
+        with pytest.raises(CodecError, match="does not fit"):
+            dec(bytes(payload), np.empty(raw.nbytes + 1, np.uint8))
+
+
 def test_codec_names_parse():
     assert Codec.parse("planes-zstd") is Codec.PLANES_ZSTD and Codec.parse("off") is Codec.RAW
+    assert Codec.parse("nibble") is Codec.NIBBLE
     with pytest.raises(ValueError, match="expected one of"):
         Codec.parse("gzip")
     with pytest.raises(ValueError, match="typesize"):
-        encode(np.zeros(9, np.uint8), 2)
+        encode(np.zeros(9, np.uint8), "bf16", Codec.PLANES_ZSTD)
 
 
 def test_bench_codec_runs_on_trained_kv():
@@ -81,5 +138,9 @@ def test_bench_codec_runs_on_trained_kv():
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
     assert r["kv"].startswith("all-MiniLM-L6-v2 (trained)") and set(r["rows"]) == {"bf16", "fp8_e4m3"}
-    assert r["rows"]["bf16"]["ratio"] >= 1.3 and r["rows"]["fp8_e4m3"]["ratio"] >= 1.08
-    assert all(x["encode_gbps"] > 0 and x["decode_gbps"] > 0 and x["memcpy_gbps"] > 0 for x in r["rows"].values())
+    codecs = ["kvstore_planes_zstd"] + (["kvstore_nibble"] if kvcodec.native() is not None else [])
+    for dt, least in (("bf16", 1.3), ("fp8_e4m3", 1.08)):
+        row = r["rows"][dt]
+        assert row["memcpy_gbps"] > 0 and set(row["meets"]) <= set(codecs)
+        for name in codecs:  # no speed asserted: a shared CI core says nothing about it
+            assert row[name]["ratio"] >= least and row[name]["encode_gbps"] > 0 and row[name]["decode_gbps"] > 0

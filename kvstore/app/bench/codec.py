@@ -20,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.codec import decode, encode
+from kvstore.codec import Codec, decode, encode, native
 
 TARGETS = {"bf16_ratio": 1.3, "fp8_ratio": 1.08, "encode_gbps": 1.0, "decode_gbps": 3.0}  # issue 33
 DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 _TORCH = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
 TYPESIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}
+CODEC_NAMES = {Codec.NIBBLE: "kvstore_nibble", Codec.PLANES_ZSTD: "kvstore_planes_zstd"}
+RATIO_TARGET = {"bf16": TARGETS["bf16_ratio"], "fp8_e4m3": TARGETS["fp8_ratio"]}
 MAX_POSITIONS = 512  # the model's
 
 
@@ -87,21 +89,26 @@ def _gbps(nbytes: int, fn, reps: int) -> float:
     return nbytes / statistics.median(best) / 1e9
 
 
-def measure(blocks: list[np.ndarray], typesize: int, reps: int) -> dict:
-    """Ratio and one-core GB/s (of raw bytes) of kvstore's codec and the references, same blocks."""
+def measure(blocks: list[np.ndarray], dtype: str, reps: int) -> dict:
+    """Ratio and one-core GB/s (of raw bytes) of kvstore's codecs and the references, same blocks."""
     raw = sum(b.nbytes for b in blocks)
     out = [np.empty_like(b) for b in blocks]
-    payloads = [encode(b, typesize) for b in blocks]
-    for p, b, o in zip(payloads, blocks, out):
-        if p is not None:
-            decode(p, o)
-            if not np.array_equal(o, b):
-                raise SystemExit("codec round trip is not bit-exact")
-    stored = sum(len(p) if p is not None else b.nbytes for p, b in zip(payloads, blocks))
-    row = {"raw_bytes": raw, "ratio": raw / stored, "raw_blocks": sum(p is None for p in payloads),
-           "encode_gbps": _gbps(raw, lambda: [encode(b, typesize) for b in blocks], reps),
-           "decode_gbps": _gbps(raw, lambda: [decode(p, o) for p, o in zip(payloads, out) if p is not None], reps),
-           "memcpy_gbps": _gbps(raw, lambda: [np.copyto(o, b) for o, b in zip(out, blocks)], reps)}
+    row = {"raw_bytes": raw, "memcpy_gbps": _gbps(raw, lambda: [np.copyto(o, b) for o, b in zip(out, blocks)], reps)}
+    for which in (Codec.NIBBLE, Codec.PLANES_ZSTD):
+        if which is Codec.NIBBLE and native() is None:
+            continue
+        payloads = [encode(b, dtype, which) for b in blocks]
+        for p, b, o in zip(payloads, blocks, out):
+            if p is not None:
+                decode(p, o)
+                if not np.array_equal(o, b):
+                    raise SystemExit(f"{which.name} round trip of {dtype} is not bit-exact")
+        stored = sum(len(p) if p is not None else b.nbytes for p, b in zip(payloads, blocks))
+        row[CODEC_NAMES[which]] = {
+            "ratio": raw / stored, "raw_blocks": sum(p is None for p in payloads),
+            "encode_gbps": _gbps(raw, lambda: [encode(b, dtype, which) for b in blocks], reps),
+            "decode_gbps": _gbps(raw, lambda: [decode(p, o) for p, o in zip(payloads, out) if p is not None], reps)}
+    typesize = TYPESIZE[dtype]
     try:
         import blosc2
     except ImportError:
@@ -128,30 +135,36 @@ def run(a) -> dict:
     rows = {}
     for dt in a.dtypes:
         blocks = blocks_of(kv, dt, a.block_tokens)
-        rows[dt] = measure(blocks, TYPESIZE[dt], a.reps)
+        rows[dt] = measure(blocks, dt, a.reps)
         rows[dt]["block_bytes"] = blocks[0].nbytes
-    met = a.kv == "trained" and all([
-        rows.get("bf16", {}).get("ratio", 0) >= TARGETS["bf16_ratio"],
-        rows.get("fp8_e4m3", {}).get("ratio", 0) >= TARGETS["fp8_ratio"],
-        min(r["encode_gbps"] for r in rows.values()) >= TARGETS["encode_gbps"],
-        min(r["decode_gbps"] for r in rows.values()) >= TARGETS["decode_gbps"]])
+        rows[dt]["meets"] = [name for name in CODEC_NAMES.values() if name in rows[dt] and meets(rows[dt][name], dt)]
+    met = a.kv == "trained" and all(rows[dt]["meets"] for dt in RATIO_TARGET if dt in rows)
     return {"kv": "all-MiniLM-L6-v2 " + ("(trained)" if a.kv == "trained" else "(random weights: not the figures to quote)"),
-            "tokens": a.tokens, "block_tokens": a.block_tokens, "rows": rows, "targets": TARGETS, "targets_met": met}
+            "tokens": a.tokens, "block_tokens": a.block_tokens, "c_codec": native() is not None, "rows": rows,
+            "targets": TARGETS, "targets_met": met}
+
+
+def meets(x: dict, dtype: str) -> bool:
+    """A codec's figures against issue 33's targets (the ratio target where the dtype has one)."""
+    return (x["ratio"] >= RATIO_TARGET.get(dtype, 1.0) and x["encode_gbps"] >= TARGETS["encode_gbps"]
+            and x["decode_gbps"] >= TARGETS["decode_gbps"])
 
 
 def table(r: dict) -> str:
-    lines = [f"KV: {r['kv']}, {r['tokens']} tokens in blocks of {r['block_tokens']}; one core, GB/s of raw bytes",
-             f"{'dtype':9s}{'codec':24s}{'ratio':>7s}{'encode':>9s}{'decode':>9s}{'memcpy':>9s}"]
+    lines = [f"KV: {r['kv']}, {r['tokens']} tokens in blocks of {r['block_tokens']}; one core, GB/s of raw bytes"
+             + ("" if r["c_codec"] else " (C codec not built: make codec)"),
+             f"{'dtype':9s}{'codec':24s}{'ratio':>7s}{'encode':>9s}{'decode':>9s}  targets"]
     for dt, x in r["rows"].items():
-        lines.append(f"{dt:9s}{'kvstore planes-zstd':24s}{x['ratio']:7.3f}{x['encode_gbps']:9.2f}{x['decode_gbps']:9.2f}"
-                     f"{x['memcpy_gbps']:9.2f}")
-        for name in ("blosc2_zstd_shuffle", "blosc2_lz4_bitshuffle"):
+        lines.append(f"{dt:9s}{'memcpy':24s}{'':7s}{x['memcpy_gbps']:9.2f}{x['memcpy_gbps']:9.2f}")
+        for name in (*CODEC_NAMES.values(), "blosc2_zstd_shuffle", "blosc2_lz4_bitshuffle"):
             if name in x:
                 y = x[name]
-                lines.append(f"{'':9s}{name:24s}{y['ratio']:7.3f}{y['encode_gbps']:9.2f}{y['decode_gbps']:9.2f}")
+                mark = ("met" if name in x["meets"] else "not met") if name.startswith("kvstore") else "(reference)"
+                lines.append(f"{'':9s}{name:24s}{y['ratio']:7.3f}{y['encode_gbps']:9.2f}{y['decode_gbps']:9.2f}  {mark}")
     t = r["targets"]
     lines.append(f"targets (bf16 >= {t['bf16_ratio']}x, fp8 >= {t['fp8_ratio']}x, encode >= {t['encode_gbps']} GB/s, "
-                 f"decode >= {t['decode_gbps']} GB/s per core): {'met' if r['targets_met'] else 'NOT met'}")
+                 f"decode >= {t['decode_gbps']} GB/s per core, by one codec per dtype): "
+                 f"{'met' if r['targets_met'] else 'NOT met'}")
     return "\n".join(lines)
 
 

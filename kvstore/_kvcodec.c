@@ -1,0 +1,320 @@
+/* A lossless codec for KV blocks at memory-copy-like speed (kvstore.codec, Codec.NIBBLE).
+ *
+ * A float's top bits (sign and exponent) take few values across a block of KV; its low bits
+ * (mantissa) are close to random. Each element is split into a prefix (its top `pbits` bits)
+ * and a suffix (the rest). The block's 15 most frequent prefixes (in a sample of its elements)
+ * get the 4-bit codes 0-14; code 15 marks an escape, whose prefix is listed after the rest.
+ * Suffixes are kept as they are: whole bytes when the prefix is the top byte (bf16, fp32),
+ * bit-packed otherwise (fp8 e4m3: 5 + 3 bits, fp16: 6 + 10 bits).
+ *
+ * Payload (little endian): "KVN1", typesize, pbits, dictionary size, 0, element count (u32),
+ * escape count (u32), 16 bytes of zeros, the 15-byte dictionary, the codes (two per byte, low
+ * nibble first), the suffixes (`typesize - 1` bytes each, low bytes first, or `typesize * 8 -
+ * pbits` bits each, least significant bit first), the escaped prefixes (a byte each).
+ *
+ * Decoding checks what keeps its reads in bounds (lengths, escape count); a code past the
+ * dictionary decodes to its zero fill, bytes the caller's checksum over the raw block rejects.
+ * Built as a plain shared library (scripts/build_kvcodec.sh) and called through ctypes, which
+ * releases the GIL for the call.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEAD 32
+#define DICT 15
+#define ESC 15
+#define SAMPLE 8 /* the dictionary is chosen from every 8th element; escapes are exact anyway */
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element loads and stores; every caller passes a constant ts (see the switches below), so
+ * each memcpy compiles to one move. */
+INLINE uint32_t load(const uint8_t *p, int ts) {
+    uint32_t v = 0;
+    memcpy(&v, p, (size_t)ts);
+    return v;
+}
+
+INLINE void store(uint8_t *p, uint32_t v, int ts) { memcpy(p, &v, (size_t)ts); }
+
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static size_t suffix_bytes(size_t n, int ts, int pbits) {
+    return pbits == 8 ? n * (size_t)(ts - 1) : (n * (size_t)(ts * 8 - pbits) + 7) / 8;
+}
+
+static size_t fixed_bytes(size_t n, int ts, int pbits) { return HEAD + DICT + (n + 1) / 2 + suffix_bytes(n, ts, pbits); }
+
+INLINE void histogram(const uint8_t *src, size_t n, int ts, int q, uint32_t *hist) {
+    for (size_t i = 0; i < n; i += SAMPLE)
+        hist[load(src + i * ts, ts) >> q]++;
+}
+
+/* Codes, bit-packed suffixes and escapes (at most room) of n elements whose prefix is their top
+ * ts * 8 - q bits (fewer than 8). Returns the escapes written, or room + 1 when they overflow. */
+INLINE size_t pack_bits(const uint8_t *restrict src, size_t n, int ts, int q, const uint8_t *lut,
+                        uint8_t *restrict codes, uint8_t *restrict suf, uint8_t *restrict escs, size_t room) {
+    uint64_t acc = 0; /* suffix bits not yet written, least significant first */
+    int bits = 0;
+    size_t e = 0;
+    const uint32_t mask = (1u << q) - 1;
+    memset(codes, 0, (n + 1) / 2);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = load(src + i * ts, ts);
+        uint8_t h = (uint8_t)(v >> q), c = lut[h];
+        codes[i / 2] |= (uint8_t)(c << (4 * (i & 1)));
+        if (__builtin_expect(c == ESC, 0)) {
+            if (e == room)
+                return room + 1;
+            escs[e++] = h;
+        }
+        acc |= (uint64_t)(v & mask) << bits;
+        bits += q;
+        while (bits >= 8) {
+            *suf++ = (uint8_t)acc;
+            acc >>= 8;
+            bits -= 8;
+        }
+    }
+    if (bits)
+        *suf = (uint8_t)acc;
+    return e;
+}
+
+INLINE int unpack_bits(const uint8_t *restrict codes, const uint8_t *restrict suf, const uint8_t *restrict escs,
+                       size_t esc, const uint8_t *dict, size_t n, int ts, int q, uint8_t *restrict dst) {
+    uint64_t acc = 0;
+    int bits = 0;
+    size_t e = 0;
+    const uint32_t mask = (1u << q) - 1;
+    for (size_t i = 0; i < n; i++) {
+        while (bits < q) {
+            acc |= (uint64_t)(*suf++) << bits;
+            bits += 8;
+        }
+        uint8_t c = (uint8_t)(codes[i / 2] >> (4 * (i & 1)) & 15);
+        uint32_t h = dict[c];
+        if (__builtin_expect(c == ESC, 0)) {
+            if (e == esc)
+                return -6;
+            h = escs[e++];
+        }
+        store(dst + i * ts, h << q | (uint32_t)(acc & mask), ts);
+        acc >>= q;
+        bits -= q;
+    }
+    return e == esc ? 0 : -6;
+}
+
+/* Encode n elements of ts bytes (1, 2 or 4) from src into dst (dst_cap bytes). Returns the
+ * payload's length, or 0 when it would be longer than max_out bytes (the caller stores the
+ * block raw) or the arguments are invalid. */
+size_t kvn_encode(const uint8_t *restrict src, size_t n, int ts, int pbits, uint8_t *restrict dst, size_t dst_cap,
+                  size_t max_out) {
+    if ((ts != 1 && ts != 2 && ts != 4) || pbits < 1 || pbits > 8 || n == 0 || n > 0xFFFFFFFFu)
+        return 0;
+    const int q = ts * 8 - pbits;
+    size_t fixed = fixed_bytes(n, ts, pbits), cap = dst_cap < max_out ? dst_cap : max_out;
+    if (fixed > cap)
+        return 0;
+    uint32_t hist[256] = {0};
+    switch (ts) {
+    case 1: histogram(src, n, 1, q, hist); break;
+    case 2: histogram(src, n, 2, q, hist); break;
+    default: histogram(src, n, 4, q, hist); break;
+    }
+    uint8_t dict[DICT] = {0}, lut[256];
+    memset(lut, ESC, sizeof lut);
+    int nd = 0;
+    for (; nd < DICT; nd++) { /* the most frequent prefixes first */
+        int best = -1;
+        for (int v = 0; v < (1 << pbits); v++)
+            if (lut[v] == ESC && hist[v] && (best < 0 || hist[v] > hist[best]))
+                best = v;
+        if (best < 0)
+            break;
+        dict[nd] = (uint8_t)best;
+        lut[best] = (uint8_t)nd;
+    }
+    uint8_t *restrict codes = dst + HEAD + DICT, *restrict suf = codes + (n + 1) / 2;
+    uint8_t *restrict escs = suf + suffix_bytes(n, ts, pbits);
+    size_t room = cap - fixed, e = 0;
+    if (pbits == 8 && ts == 2) { /* bf16: the top byte coded, the low byte kept; two at a time */
+        size_t j = 0;
+        for (; j < n / 2; j++) {
+            uint32_t w;
+            memcpy(&w, src + 4 * j, 4);
+            uint8_t h0 = (uint8_t)(w >> 8), h1 = (uint8_t)(w >> 24), c0 = lut[h0], c1 = lut[h1];
+            codes[j] = (uint8_t)(c0 | c1 << 4);
+            uint16_t lo = (uint16_t)((w & 0xFF) | ((w >> 8) & 0xFF00));
+            memcpy(suf + 2 * j, &lo, 2);
+            if (__builtin_expect(c0 == ESC || c1 == ESC, 0)) {
+                if (e + 2 > room)
+                    return 0;
+                if (c0 == ESC) escs[e++] = h0;
+                if (c1 == ESC) escs[e++] = h1;
+            }
+        }
+        if (n & 1) {
+            uint8_t h = src[2 * n - 1], c = lut[h];
+            codes[j] = c;
+            suf[n - 1] = src[2 * n - 2];
+            if (c == ESC) {
+                if (e == room)
+                    return 0;
+                escs[e++] = h;
+            }
+        }
+    } else if (pbits == 5 && ts == 1) { /* fp8 e4m3: 8 elements to 4 code bytes and 3 suffix bytes */
+        size_t j = 0;
+        for (; j < n / 8; j++) {
+            uint64_t x, m;
+            memcpy(&x, src + 8 * j, 8);
+            m = x & 0x0707070707070707ull;
+            uint32_t sw = (uint32_t)((m & 0x7) | (m >> 5 & 0x38) | (m >> 10 & 0x1C0) | (m >> 15 & 0xE00) |
+                                     (m >> 20 & 0x7000) | (m >> 25 & 0x38000) | (m >> 30 & 0x1C0000) |
+                                     (m >> 35 & 0xE00000));
+            uint32_t cw = 0;
+            for (int k = 0; k < 8; k++)
+                cw |= (uint32_t)lut[x >> (8 * k + 3) & 31] << (4 * k);
+            memcpy(codes + 4 * j, &cw, 4);
+            memcpy(suf + 3 * j, &sw, 3);
+            /* bit 4k set where code k is an escape; each taken in order, lowest first */
+            for (uint32_t t = cw & cw >> 1 & cw >> 2 & cw >> 3 & 0x11111111u; t; t &= t - 1) {
+                if (e == room)
+                    return 0;
+                escs[e++] = (uint8_t)(x >> (2 * __builtin_ctz(t) + 3) & 31);
+            }
+        }
+        if (8 * j < n) { /* the tail, bit by bit after the groups of 8 (3 * 8 bits: byte-aligned) */
+            size_t more = pack_bits(src + 8 * j, n - 8 * j, 1, 3, lut, codes + 4 * j, suf + 3 * j, escs + e, room - e);
+            if (more > room - e)
+                return 0;
+            e += more;
+        }
+    } else if (pbits == 8) { /* the top byte coded, the ts - 1 bytes below it kept */
+        memset(codes, 0, (n + 1) / 2);
+        for (size_t i = 0; i < n; i++) {
+            uint8_t h = src[i * ts + ts - 1], c = lut[h];
+            codes[i / 2] |= (uint8_t)(c << (4 * (i & 1)));
+            memcpy(suf + i * (size_t)(ts - 1), src + i * ts, (size_t)(ts - 1));
+            if (c == ESC) {
+                if (e == room)
+                    return 0;
+                escs[e++] = h;
+            }
+        }
+    } else {
+        switch (ts) {
+        case 1: e = pack_bits(src, n, 1, q, lut, codes, suf, escs, room); break;
+        case 2: e = pack_bits(src, n, 2, q, lut, codes, suf, escs, room); break;
+        default: e = pack_bits(src, n, 4, q, lut, codes, suf, escs, room); break;
+        }
+        if (e > room)
+            return 0;
+    }
+    memcpy(dst, "KVN1", 4);
+    dst[4] = (uint8_t)ts, dst[5] = (uint8_t)pbits, dst[6] = (uint8_t)nd, dst[7] = 0;
+    put32(dst + 8, (uint32_t)n);
+    put32(dst + 12, (uint32_t)e);
+    memset(dst + 16, 0, HEAD - 16);
+    memcpy(dst + HEAD, dict, DICT);
+    return fixed + e;
+}
+
+/* Decode a payload into dst (dst_len bytes: the block's raw size). 0 on success; negative when
+ * the payload cannot be a block of that size. */
+int kvn_decode(const uint8_t *restrict src, size_t len, uint8_t *restrict dst, size_t dst_len) {
+    if (len < HEAD + DICT || memcmp(src, "KVN1", 4))
+        return -1;
+    int ts = src[4], pbits = src[5], nd = src[6];
+    size_t n = get32(src + 8), esc = get32(src + 12);
+    if ((ts != 1 && ts != 2 && ts != 4) || pbits < 1 || pbits > 8 || nd > DICT)
+        return -2;
+    if (n * (size_t)ts != dst_len || esc > n)
+        return -3;
+    if (fixed_bytes(n, ts, pbits) + esc != len)
+        return -4;
+    const int q = ts * 8 - pbits;
+    uint8_t dict[16] = {0};
+    memcpy(dict, src + HEAD, DICT);
+    for (int c = 0; c < DICT; c++) /* a prefix holds pbits bits */
+        if (pbits < 8 && dict[c] >> pbits)
+            return -7;
+    const uint8_t *restrict codes = src + HEAD + DICT, *restrict suf = codes + (n + 1) / 2;
+    const uint8_t *restrict escs = suf + suffix_bytes(n, ts, pbits);
+    for (size_t k = 0; k < esc; k++)
+        if (pbits < 8 && escs[k] >> pbits)
+            return -7;
+    size_t e = 0;
+    if (pbits == 8 && ts == 2) { /* two elements per code byte: their top bytes from one table */
+        uint32_t tops[256];
+        for (int b = 0; b < 256; b++)
+            tops[b] = (uint32_t)dict[b & 15] << 8 | (uint32_t)dict[b >> 4] << 24;
+        size_t j = 0;
+        for (; j < n / 2; j++) {
+            uint8_t cb = codes[j];
+            uint16_t lo;
+            memcpy(&lo, suf + 2 * j, 2);
+            uint32_t w = tops[cb] | (lo & 0xFFu) | ((uint32_t)(lo & 0xFF00u) << 8);
+            if (__builtin_expect((cb & 15) == ESC || cb >= 0xF0, 0)) {
+                if (e + ((cb & 15) == ESC) + (cb >= 0xF0) > esc)
+                    return -6;
+                if ((cb & 15) == ESC) w = (w & ~0xFF00u) | (uint32_t)escs[e++] << 8;
+                if (cb >= 0xF0) w = (w & 0x00FFFFFFu) | (uint32_t)escs[e++] << 24;
+            }
+            memcpy(dst + 4 * j, &w, 4);
+        }
+        if (n & 1) {
+            uint8_t c = codes[j] & 15;
+            dst[2 * n - 2] = suf[n - 1];
+            if (c == ESC && e == esc)
+                return -6;
+            dst[2 * n - 1] = c == ESC ? escs[e++] : dict[c];
+        }
+        return e == esc ? 0 : -6;
+    }
+    if (pbits == 8) {
+        for (size_t i = 0; i < n; i++) {
+            uint8_t c = (uint8_t)(codes[i / 2] >> (4 * (i & 1)) & 15);
+            memcpy(dst + i * ts, suf + i * (size_t)(ts - 1), (size_t)(ts - 1));
+            if (c == ESC && e == esc)
+                return -6;
+            dst[i * ts + ts - 1] = c == ESC ? escs[e++] : dict[c];
+        }
+        return e == esc ? 0 : -6;
+    }
+    if (pbits == 5 && ts == 1) { /* fp8 e4m3: 8 elements per 4 code bytes and 3 suffix bytes */
+        uint16_t tops[256]; /* a code byte's two prefixes, shifted into place */
+        for (int b = 0; b < 256; b++)
+            tops[b] = (uint16_t)(dict[b & 15] << 3 | dict[b >> 4] << 11);
+        uint32_t spread[4096]; /* 4 suffixes of 3 bits, one per byte */
+        for (int v = 0; v < 4096; v++)
+            spread[v] = (uint32_t)((v & 7) | (v >> 3 & 7) << 8 | (v >> 6 & 7) << 16 | (uint32_t)(v >> 9 & 7) << 24);
+        size_t j = 0;
+        for (; j < n / 8; j++) {
+            uint32_t cw, sw = 0;
+            memcpy(&cw, codes + 4 * j, 4);
+            memcpy(&sw, suf + 3 * j, 3);
+            uint64_t out = (uint64_t)tops[cw & 255] | (uint64_t)tops[cw >> 8 & 255] << 16 |
+                           (uint64_t)tops[cw >> 16 & 255] << 32 | (uint64_t)tops[cw >> 24] << 48;
+            out |= (uint64_t)spread[sw & 4095] | (uint64_t)spread[sw >> 12] << 32;
+            for (uint32_t t = cw & cw >> 1 & cw >> 2 & cw >> 3 & 0x11111111u; t; t &= t - 1) {
+                int at = 2 * __builtin_ctz(t); /* bit 4k -> byte k's bit 8k */
+                if (e == esc)
+                    return -6;
+                out = (out & ~(0xF8ull << at)) | (uint64_t)escs[e++] << (at + 3);
+            }
+            memcpy(dst + 8 * j, &out, 8);
+        }
+        if (8 * j < n)
+            return unpack_bits(codes + 4 * j, suf + 3 * j, escs + e, esc - e, dict, n - 8 * j, 1, 3, dst + 8 * j);
+        return e == esc ? 0 : -6;
+    }
+    switch (ts) {
+    case 1: return unpack_bits(codes, suf, escs, esc, dict, n, 1, q, dst);
+    case 2: return unpack_bits(codes, suf, escs, esc, dict, n, 2, q, dst);
+    default: return unpack_bits(codes, suf, escs, esc, dict, n, 4, q, dst);
+    }
+}
