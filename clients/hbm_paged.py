@@ -283,8 +283,8 @@ class KVMover:
 
     ``shard`` (:class:`~kvstore.layout.HeadShard`): the slots hold every KV head of ``layout``
     and ``paged`` (a TP rank's cache) some of them: the copies read and write those heads'
-    columns of each token row, nothing else (the legacy copies: the batched kernels move whole
-    rows)."""
+    columns of each token row, nothing else (the zero-copy kernels and the legacy copies; the
+    staged path, which moves whole chunks, falls back to legacy)."""
 
     def __init__(self, paged: PagedKV, layout: KVLayout, host: np.ndarray,
                  copy_path: CopyPath | str = DEFAULT_COPY_PATH, inline: bool = False,
@@ -307,15 +307,17 @@ class KVMover:
             self.copy_path = CopyPath.LEGACY
             self.copy_reason = ("the pages are tiled (the CPU backend's AMX layout); the batched kernels take "
                                 "[blocks, heads, tokens, dim] views: using the legacy per-block copies")
-        if self.copy_path is not CopyPath.LEGACY and self.cols != slice(None):
+        if self.copy_path is CopyPath.STAGED and self.cols != slice(None):
             self.copy_path = CopyPath.LEGACY
-            self.copy_reason = ("the slots hold every KV head and this rank some: the batched kernels copy whole "
-                                "token rows; using the legacy per-block copies of this rank's columns")
+            self.copy_reason = ("the slots hold every KV head and this rank some: the staged path moves whole "
+                                "chunks; using the legacy per-block copies of this rank's columns (zerocopy writes "
+                                "them in place)")
         self.batched = None
         self._last_index: tuple = (None, None, None)  # (rows, offsets, _block_index of them)
         if self.copy_path is not CopyPath.LEGACY:
             try:
-                self.batched = BatchedKV(paged.pages, layout, self.host, self.copy_path, BULK_STAGING_BYTES)
+                self.batched = BatchedKV(paged.pages, layout, self.host, self.copy_path, BULK_STAGING_BYTES,
+                                         slot_col=self.cols.start or 0)
             except BaseException:
                 self.close()
                 raise

@@ -172,18 +172,22 @@ class RowCopy:
     # per word, so it takes tiles as large as the request.
     TILE_WORDS, NUM_WARPS, INTERPRETED_TILE_WORDS = 4096, 8, 1 << 16
 
-    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], block_tokens: int) -> None:
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], block_tokens: int, slot_row: int = 0,
+                 slot_col: int = 0) -> None:
         first = layers[0][0]
         self.device = first.device
         self.halves, self.heads = len(layers[0]), int(first.shape[1])
         self.head_bytes = int(first.shape[3]) * first.element_size()
         self.row = self.heads * self.head_bytes
+        # A slot's token row: these heads' bytes, or (a TP rank's heads in a block of every head)
+        # ``slot_row`` bytes of which these are the ``row`` from byte ``slot_col`` on.
+        self.slot_row, self.slot_col = slot_row or self.row, slot_col
         self.bt = block_tokens
-        self.chunk = self.halves * block_tokens * self.row
+        self.chunk = self.halves * block_tokens * self.slot_row
         self.table = np.array([[_view_desc(v) for v in halves] for halves in layers], dtype=np.int64)
         contiguous = self.table[..., 4] == self.table[..., 5]
         # A word may span elements only along a contiguous dim; else it is at most one element.
-        self.word = _align([*self.table[..., :4].ravel(), self.head_bytes,
+        self.word = _align([*self.table[..., :4].ravel(), self.head_bytes, self.slot_row, self.slot_col,
                             *self.table[..., 4:][~contiguous].ravel()])
         self.anchor = int(self.table[..., 0].min()) // 8 * 8  # base address: every offset counts from it
         self._desc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -223,7 +227,7 @@ class RowCopy:
         grid = (-(-T // bt_tile), len(layers))
         s0 = layers.start if slot_layer0 is None else slot_layer0
         self.kernel[grid](base, rows.contiguous(), self._tokens(block_addrs, w, T), desc, T, self.halves,
-                          self.heads * dw, dw, self.bt * self.row // w, layer_stride // w, layers.start, s0,
+                          self.heads * dw, dw, self.bt * self.slot_row // w, layer_stride // w, layers.start, s0,
                           TO_SLOTS=to_slots, BT=bt_tile, BD=bd, num_warps=self.NUM_WARPS)
 
     def _tokens(self, block_addrs: Sequence[int], w: int, T: int) -> torch.Tensor:
@@ -232,13 +236,18 @@ class RowCopy:
         key = (tuple(block_addrs), w, T)
         tok = self._tok_cache.get(key)
         if tok is None:
-            blk = (np.asarray(block_addrs, np.int64) - self.anchor) // w
-            rows = np.arange(self.bt, dtype=np.int64) * (self.row // w)
+            blk = (np.asarray(block_addrs, np.int64) - self.anchor + self.slot_col) // w
+            rows = np.arange(self.bt, dtype=np.int64) * (self.slot_row // w)
             tok = _to_device((blk[:, None] + rows[None, :]).reshape(-1)[:T], self.device)
             if len(self._tok_cache) >= 8:
                 self._tok_cache.pop(next(iter(self._tok_cache)))
             self._tok_cache[key] = tok
         return tok
+
+
+def _row_bytes(v: torch.Tensor) -> int:
+    """Bytes of one token's row of a ``[blocks, heads, n, dim]`` page view (plain or tiled)."""
+    return int(v.shape[1]) * int(np.prod(v.shape[3:] if v.dim() == 4 else v.shape[4:])) * v.element_size()
 
 
 def triton_next_pow2(n: int) -> int:
@@ -258,9 +267,19 @@ class BatchedKV:
     one DMA per run of adjacent slots), ``store_all`` / ``load_all`` one launch per staging
     step (zero-copy: one launch in all). Offsets are arena byte offsets (None: skip)."""
 
-    def __init__(self, pages, layout, host: torch.Tensor, path: CopyPath, staging_bytes: int) -> None:
+    def __init__(self, pages, layout, host: torch.Tensor, path: CopyPath, staging_bytes: int,
+                 slot_col: int = 0) -> None:
+        """``slot_col``: the pages hold some of ``layout``'s KV heads (a TP rank's), from byte
+        ``slot_col`` of each token row of a slot on (zero-copy only: the staged path moves whole
+        chunks, which would overwrite the other ranks' heads)."""
         self.path, self.layout, self.host = path, layout, host
-        self.rows = RowCopy([p.halves for p in pages], layout.block_tokens)
+        halves = len(pages[0].halves)
+        if slot_col or layout.bytes_per_token_layer // halves != _row_bytes(pages[0].halves[0]):
+            if path is not CopyPath.ZEROCOPY:
+                raise ValueError("copy_path staged moves whole chunks: a TP rank's heads of a block take zerocopy "
+                                 "or legacy")
+        self.rows = RowCopy([p.halves for p in pages], layout.block_tokens,
+                            slot_row=layout.bytes_per_token_layer // halves, slot_col=slot_col)
         self.device = self.rows.device
         host_ptr = host.data_ptr()
         # The kernel reaches the arena through its device address (UVA); the staged path's DMA

@@ -153,3 +153,40 @@ def test_daemon_round_trip(tmp_path):
             assert torch.equal(gathered(PagedKV(src, LAYOUT), t_src, 80), gathered(PagedKV(dst, LAYOUT), t_dst, 80))
     finally:
         d.stop_cleanly()
+
+
+@pytest.mark.parametrize("path", ["zerocopy", "legacy"])
+def test_tp_ranks_write_their_heads_of_one_block(path):
+    """Two TP=2 ranks' CUDA caches (4 of 8 KV heads each) store into the same pinned slots: the
+    slots hold a TP=1 cache's blocks byte for byte, and each rank loads its heads back."""
+    import torch
+
+    from kvstore.clients.hbm_paged import KVMover, PagedKV, wait_events
+    from kvstore.layout import HeadShard
+
+    full, table = caches(8, 16, seed=3), [5, 1, 6]
+    offsets = [2 * LAYOUT.block_bytes, 0, 4 * LAYOUT.block_bytes]
+    arena, ref = Arena(6 * LAYOUT.block_bytes), Arena(6 * LAYOUT.block_bytes)
+    try:
+        whole = KVMover(PagedKV(full, LAYOUT), LAYOUT, ref.buf, "legacy")
+        rows = whole.paged.token_rows(table, 3 * 16)
+        wait_events([whole.store_all(whole.device_rows(rows), offsets)])
+        whole.close()
+        shards = [HeadShard.of_rank(8, r, 2) for r in range(2)]
+        mine = {}
+        for s in shards:
+            kv = [t[:, :, :, s.first:s.first + s.count].contiguous() for t in full]
+            m = KVMover(PagedKV(kv, s.local(LAYOUT)), LAYOUT, arena.buf, path, shard=s)
+            assert m.copy_path.value == path, m.copy_reason
+            wait_events([m.store_all(m.device_rows(rows), offsets)])
+            m.close()
+            mine[s.part] = kv
+        assert np.array_equal(arena.buf, ref.buf)
+        for s in shards:
+            dst = [torch.zeros_like(t) for t in mine[s.part]]
+            m = KVMover(PagedKV(dst, s.local(LAYOUT)), LAYOUT, arena.buf, path, shard=s)
+            wait_events(m.load_all(m.device_rows(rows), offsets))
+            m.close()
+            assert all(torch.equal(a[:, table], b[:, table]) for a, b in zip(dst, mine[s.part]))
+    finally:
+        arena.close(), ref.close()
