@@ -129,7 +129,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             shard = HeadShard.of_rank(store_layout.num_kv_heads, rank, tp_world)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | HybridWorker | IdleWorker | None = None
-        if hybrid:  # a state group's snapshot is sharded otherwise: its namespace keeps rank and size
+        if hybrid:  # rank and size go on: a state kvstore cannot split keeps a namespace per rank
             self._init_hybrid(vllm_config, kv_cache_config, model_id, rank, tp_world, bt, scheduler_side,
                               store_layout, shard)
             return

@@ -256,8 +256,10 @@ class Link:
         self._retired: list[KVStoreClient] = []
         self._retired_lock = threading.Lock()  # retire may run on the worker's Reserve/Release thread
         if self.connect(raise_errors=True) is not None:
-            log.info("kvstore: connected to the daemon at %s (%s, TP rank %d of %d); session %s",
-                     self.client.socket_path, model_id, tp_rank, tp_world, self.client.session_id.hex()[:8])
+            where = f"TP rank {tp_rank} of {tp_world}" if shard is None else \
+                f"part {shard.part} of {shard.parts} of each block, TP=1's namespace"
+            log.info("kvstore: connected to the daemon at %s (%s, %s); session %s",
+                     self.client.socket_path, model_id, where, self.client.session_id.hex()[:8])
 
     def connect(self, raise_errors: bool = False) -> KVStoreClient | None:
         s = self.settings

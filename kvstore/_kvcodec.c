@@ -150,7 +150,7 @@ size_t kvn_encode(const uint8_t *restrict src, size_t n, int ts, int pbits, uint
             uint16_t lo = (uint16_t)((w & 0xFF) | ((w >> 8) & 0xFF00));
             memcpy(suf + 2 * j, &lo, 2);
             if (__builtin_expect(c0 == ESC || c1 == ESC, 0)) {
-                if (e + 2 > room)
+                if (e + (c0 == ESC) + (c1 == ESC) > room)
                     return 0;
                 if (c0 == ESC) escs[e++] = h0;
                 if (c1 == ESC) escs[e++] = h1;

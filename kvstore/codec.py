@@ -228,6 +228,8 @@ def _decode_nibble_numpy(src: np.ndarray, out: np.ndarray) -> None:
         raise CodecError("nibble payload: length does not match")
     dictionary = np.zeros(16, np.uint32)
     dictionary[:_DICT] = src[_HEAD:_HEAD + _DICT]
+    if pbits < 8 and (dictionary >> pbits).any():  # every entry, used or not, as the C decoder checks
+        raise CodecError("nibble payload: a prefix wider than its bits")
     packed = src[_HEAD + _DICT:codes_end]
     codes = np.empty(2 * packed.size, np.uint8)
     codes[0::2], codes[1::2] = packed & 15, packed >> 4

@@ -100,6 +100,16 @@ def test_corrupt_or_truncated_planes_payloads_are_refused(kv):
 
 
 @needs_c
+def test_a_payload_that_fits_the_limit_exactly_is_encoded():
+    """One escape left in the room and one element of a pair escaping: it fits."""
+    lib, src = kvcodec.native(), np.frombuffer(bytes([0, 1, 0, 2]), np.uint8)
+    big = np.empty(256, np.uint8)
+    size = lib.kvn_encode(src.ctypes.data, 2, 2, 8, big.ctypes.data, big.nbytes, big.nbytes)
+    exact = np.empty(size, np.uint8)
+    assert size and lib.kvn_encode(src.ctypes.data, 2, 2, 8, exact.ctypes.data, size, size) == size
+
+
+@needs_c
 def test_corrupt_or_truncated_nibble_payloads_are_refused_by_both_decoders(kv):
     raw = block(kv, "fp8_e4m3")
     payload = bytearray(encode(raw, "fp8_e4m3", Codec.NIBBLE))
@@ -108,7 +118,7 @@ def test_corrupt_or_truncated_nibble_payloads_are_refused_by_both_decoders(kv):
     more = bytearray(payload)
     more[12:16] = (escapes + 1).to_bytes(4, "little")
     wide = bytearray(payload)
-    wide[32] = 0xFF  # a dictionary entry wider than fp8's 5 prefix bits
+    wide[32 + 14] = 0xFF  # an unused dictionary entry wider than fp8's 5 prefix bits
     cases = [(payload[:-1], "length does not match"), (bytes(8) + payload[8:], "bad magic"),
              (more + b"\0", "escape count does not match"), (wide, "prefix wider")]
     for dec in (decode, lambda p, d: kvcodec._decode_nibble_numpy(np.frombuffer(p, np.uint8), d)):
