@@ -1,5 +1,6 @@
 """Engines of one model at TP=1 and TP=2 for the tests that compare them (test_vllm_mla,
-test_vllm_tp): plain vLLM and vLLM with kvstore's connector at each size, one core per TP=2 rank."""
+test_vllm_tp, test_vllm_tp_hybrid): plain vLLM and vLLM with kvstore's connector at each size,
+one core per TP=2 rank."""
 
 from __future__ import annotations
 
@@ -48,3 +49,25 @@ def forget(sock: str, layout, model_id: str, prompt: list[int]) -> None:
     with KVStoreClient(sock) as c:
         c.register(layout, model_id)
         c.delete(c.keys(prompt[:len(prompt) // layout.block_tokens * layout.block_tokens]))
+
+
+def misses(engines: dict, sock: str, prompts: list) -> dict:
+    """Each connector engine's (``tp1``, ``tp2``) output for ``prompts`` computed from scratch:
+    ``{name: {id(prompt): result}}``. A miss with the connector is plain vLLM's output
+    (tests/test_vllm_connector.py and test_vllm_mla compare them), so these are the references
+    without two more engine processes. Each engine's prompts are then dropped from the daemon
+    and from vLLM's prefix cache, so the other engine and the test start from nothing."""
+    from kvstore.clients import KVStoreClient
+    from kvstore.v1 import kvstore_pb2 as pb
+    from test_vllm_connector import kvstore_json
+
+    out = {}
+    for name in ("tp1", "tp2"):
+        results = [engines[name].generate([p])["results"][0] for p in prompts]
+        assert all(r["cached_tokens"] == 0 for r in results), name
+        out[name] = {id(p): r for p, r in zip(prompts, results)}
+        with KVStoreClient(sock) as c:
+            for ns in kvstore_json(sock, "ls"):
+                c.call("DropNamespace", pb.DropNamespaceRequest(namespace_id_hex=ns["namespace"]))
+        assert engines[name].call(op="reset_prefix_cache")["reset"]
+    return out
