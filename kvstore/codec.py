@@ -113,6 +113,12 @@ def encode(src: np.ndarray, dtype: DType | str, codec: Codec | None = None, leve
 
 
 def _encode_nibble(raw: np.ndarray, dtype: DType) -> bytes | None:
+    out = np.empty(raw.nbytes, np.uint8)
+    n = _nibble_into(raw, dtype, out)
+    return out[:n].tobytes() if n else None
+
+
+def _nibble_into(raw: np.ndarray, dtype: DType, out: np.ndarray) -> int:
     lib = native()
     if lib is None:
         raise ValueError("codec: nibble needs the C codec (scripts/build_kvcodec.sh)")
@@ -121,10 +127,32 @@ def _encode_nibble(raw: np.ndarray, dtype: DType) -> bytes | None:
     ts = dtype.bits // 8
     if raw.nbytes % ts:
         raise ValueError(f"typesize: {ts} does not divide a block of {raw.nbytes} bytes")
-    out = np.empty(raw.nbytes + 64, np.uint8)
-    n = lib.kvn_encode(raw.ctypes.data, raw.nbytes // ts, ts, PREFIX_BITS[dtype], out.ctypes.data, out.nbytes,
-                       int(raw.nbytes * (1 - MIN_SAVING)))
-    return out[:n].tobytes() if n else None
+    return lib.kvn_encode(raw.ctypes.data, raw.nbytes // ts, ts, PREFIX_BITS[dtype], out.ctypes.data, out.nbytes,
+                          int(raw.nbytes * (1 - MIN_SAVING)))
+
+
+def encode_into(src: np.ndarray, dtype: DType | str, out: np.ndarray, codec: Codec | None = None) -> int:
+    """:func:`encode` into ``out`` (uint8, writable): the payload's length, or 0 when the block
+    is better stored raw (it would not save :data:`MIN_SAVING`, or the payload does not fit
+    ``out``; a buffer of the block's size always fits a payload worth storing). NIBBLE writes
+    straight into ``out``; PLANES_ZSTD copies its payload there."""
+    dtype = dtype if isinstance(dtype, DType) else DType.parse(dtype)
+    raw = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+    if codec is None:
+        codec = Codec.NIBBLE if dtype in NIBBLE_FIRST and native() is not None else Codec.PLANES_ZSTD
+    if codec is Codec.NIBBLE:
+        return _nibble_into(raw, dtype, out)
+    payload = encode(raw, dtype, codec)
+    if payload is None or len(payload) > out.nbytes:
+        return 0
+    out[:len(payload)] = np.frombuffer(payload, np.uint8)
+    return len(payload)
+
+
+def codec_of(payload) -> Codec:
+    """The codec a payload names by its magic (RAW for none)."""
+    head = bytes(memoryview(payload)[:4])
+    return Codec.NIBBLE if head == NIBBLE_MAGIC else Codec.PLANES_ZSTD if head == MAGIC else Codec.RAW
 
 
 def _encode_planes(raw: np.ndarray, typesize: int, level: int) -> bytes | None:
@@ -252,4 +280,5 @@ def _decode_nibble_numpy(src: np.ndarray, out: np.ndarray) -> None:
     out[:] = value.astype("<u4").view(np.uint8).reshape(n, 4)[:, :ts].reshape(-1)
 
 
-__all__ = ["Codec", "CodecError", "MIN_SAVING", "NIBBLE_FIRST", "PREFIX_BITS", "decode", "encode", "native"]
+__all__ = ["Codec", "CodecError", "MIN_SAVING", "NIBBLE_FIRST", "PREFIX_BITS", "codec_of", "decode", "encode", "encode_into",
+           "native"]

@@ -131,6 +131,15 @@ class NvmeConfig:
     coalesce_bytes: int = field(default=1024**2, metadata={"help": "blocks in neighbouring slots move in one vectored I/O up to this size (bytes; 0 = off)"})
     io_timeout_s: float = field(default=120.0, metadata={"help": "a batch of NVMe writes still running after this long is logged as stuck (its slots stay reserved until it ends) (seconds)"})
     prefetch_deadline_s: float = field(default=30.0, metadata={"help": "deadline of a Prefetch that names none (seconds)"})
+    codec: str = field(default="off", metadata={"help": "lossless codec of NVMe blocks, in slots sized by the encoded length (more blocks in the same capacity; every read decoded and verified against the raw bytes' checksums): off, auto (nibble for bf16, fp32 and fp8 KV where the C codec is built), nibble or planes-zstd (docs/compression.md)"})
+    codec_namespaces: str = field(default="", metadata={"help": "comma-separated model ids or 64-hex namespace ids whose blocks nvme.codec encodes; empty = every namespace"})
+
+    def encodes(self, model_id: str, ns_id: bytes) -> bool:
+        """Whether nvme.codec applies to this namespace's blocks."""
+        if self.codec == "off":
+            return False
+        names = {x.strip() for x in self.codec_namespaces.split(",") if x.strip()}
+        return not names or model_id in names or ns_id.hex() in names
 
 
 @dataclass
@@ -268,6 +277,7 @@ class Config:
         _check(n.admit_after_hits >= 0, "nvme.admit_after_hits", "must be >= 0")
         _check(1 <= n.io_threads <= 256, "nvme.io_threads", "must be in [1, 256]")
         _check(n.coalesce_bytes >= 0, "nvme.coalesce_bytes", "must be >= 0")
+        _check(n.codec in ("off", "auto", "nibble", "planes-zstd"), "nvme.codec", "must be off, auto, nibble or planes-zstd")
         _check(self.hbm.capacity_bytes >= 0, "hbm.capacity_bytes", "must be >= 0")
         _check(self.hbm.streams >= 2, "hbm.streams", "must be >= 2")
         _check(self.hbm.admit_reads >= 1, "hbm.admit_reads", "must be >= 1")

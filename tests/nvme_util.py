@@ -31,8 +31,11 @@ def cfg(path, **kw) -> NvmeTierConfig:
     return NvmeTierConfig(**base)
 
 
-def put(tier, ids, ns=NS, nbytes=BLOCK, chunk=CHUNK):
-    b = tier.put_many([(ns, key(i, ns), key(i - 1, ns) if i else None, chunk, data(i, nbytes)) for i in ids])
+def put(tier, ids, ns=NS, nbytes=BLOCK, chunk=CHUNK, make=data, dtype=None):
+    """Blocks ``make(i, nbytes)`` under ``key(i)``, chained; ``dtype``: the element type a tier
+    with a codec encodes them as (None: raw)."""
+    b = tier.put_many([(ns, key(i, ns), key(i - 1, ns) if i else None, chunk, make(i, nbytes), None, dtype)
+                       for i in ids])
     assert b.wait(30)
     return b
 

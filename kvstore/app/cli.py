@@ -87,6 +87,10 @@ def cmd_stats(args) -> int:
         usage = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         state = ("emulated " if t.emulated else "") + ("enabled" if t.enabled else f"DISABLED {t.detail}")
         print(f"{name:<6} {t.capacity_bytes / 2**30:>13.3f} {t.used_bytes / 2**30:>10.3f} {usage:>7.1%} {t.blocks:>9}  {state}")
+        codec = json.loads(t.detail) if t.enabled and t.detail else {}
+        for ns, u in codec.get("namespaces", {}).items():  # a tier with a codec: what it achieves
+            print(f"       codec {codec['codec']}: namespace {ns[:16]} {u['blocks']} blocks, {u['raw_bytes'] / 2**20:.1f} MiB "
+                  f"in {u['slot_bytes'] / 2**20:.1f} MiB of slots: {u['ratio']:.3f}x")
     print("(GiB = 2^30 bytes)")
     for ln in resp.links:  # in a cluster: the measured link to each peer (priors until timed)
         print(f"peer {ln.node_id:<16} {ln.bytes_per_s / 1e9:>8.3f} GB/s  rtt {ln.rtt_s * 1e3:.2f} ms  "

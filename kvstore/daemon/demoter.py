@@ -61,7 +61,7 @@ class Demoter:
                  metrics: Metrics, policy: LoadPolicy, made_room: Callable[[], None]) -> None:
         self.res = res
         self.nvme = copies.nvme
-        self.io = NvmeIo(self.nvme, cfg.io_timeout_s)
+        self.io = NvmeIo(self.nvme, cfg.io_timeout_s, cfg.encodes)
         self.cfg = cfg
         self.dram_cfg = dram_cfg  # the demotion watermarks
         self.metrics = metrics
@@ -118,7 +118,7 @@ class Demoter:
         t0 = time.perf_counter()
         batch = None
         try:
-            batch = self.io.put([m.nvme_item() for m in plan.moves])
+            batch = self.io.put(self.io.items(plan.moves))
         finally:
             landed = self.res.complete_demotion(plan.moves, *outcome(batch), self.cfg.namespace_quota_bytes)
         self.io.delete(landed.delete)

@@ -222,7 +222,7 @@ class Daemon:
         file_bytes = max(extent, min(n.file_bytes, cap) // extent * extent)
         try:
             tier = NvmeTier(NvmeTierConfig(dir=n.dir, capacity_bytes=cap, file_bytes=file_bytes, extent_bytes=extent,
-                                       io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes),
+                                       io_threads=n.io_threads, coalesce_bytes=n.coalesce_bytes, codec=n.codec),
                             metrics=self.metrics)
         except (NvmeError, OSError, ValueError) as e:
             log.error("NVMe tier disabled: nvme.dir: %s", e)

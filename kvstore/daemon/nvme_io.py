@@ -5,6 +5,7 @@ batch past its bound is still waited for, because its DRAM slots are under I/O."
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvstore.tiers.base import KeyedTier
 
@@ -12,9 +13,18 @@ log = logging.getLogger("kvstore.daemon.tiering")
 
 
 class NvmeIo:
-    def __init__(self, nvme: KeyedTier, io_timeout_s: float) -> None:
+    """``encodes(model_id, ns_id)``: whether a namespace's blocks go to the tier's codec
+    (``NvmeConfig.encodes``)."""
+
+    def __init__(self, nvme: KeyedTier, io_timeout_s: float,
+                 encodes: Callable[[str, bytes], bool] = lambda model_id, ns_id: False) -> None:
         self.nvme = nvme
         self.io_timeout_s = io_timeout_s
+        self.encodes = encodes
+
+    def items(self, moves: list) -> list[tuple]:
+        """The ``put_many`` tuples of :class:`~kvstore.daemon.residency.Move` s."""
+        return [m.nvme_item(m.ns is not None and self.encodes(m.ns.model_id, m.ns_id)) for m in moves]
 
     def submit(self, items: list[tuple]):
         """Start writing ``items`` (``KeyedTier.put_many`` tuples); None when the tier is off."""

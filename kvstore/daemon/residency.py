@@ -48,10 +48,13 @@ class Move:
     view: object
     digests: object  # the block's layer digests (array of xxh3-64) or None
     slot: int = -1
+    ns: object = None  # the block's kvstore.keys.Namespace
 
-    def nvme_item(self) -> tuple:
-        """The tuple ``KeyedTier.put_many`` takes."""
-        return self.ns_id, self.key, self.parent_key, self.chunk_bytes, self.view, self.digests
+    def nvme_item(self, encode: bool = False) -> tuple:
+        """The tuple ``KeyedTier.put_many`` takes; with ``encode``, naming the block's element
+        type, so that a tier with a codec stores it encoded."""
+        dtype = self.ns.layout.dtype if encode and self.ns is not None else None
+        return self.ns_id, self.key, self.parent_key, self.chunk_bytes, self.view, self.digests, dtype
 
 
 @dataclass(slots=True)
@@ -84,7 +87,7 @@ class Residency(Placement):
         st = self.namespaces[b.ns_id]
         if view is None:
             view = self.dram.view(b.offset, st.block_bytes)
-        return Move(b, b.key, b.ns_id, b.parent_key, st.ns.layout.layer_chunk_bytes, view, b.digests, slot)
+        return Move(b, b.key, b.ns_id, b.parent_key, st.ns.layout.layer_chunk_bytes, view, b.digests, slot, st.ns)
 
     def _pick(self, want_bytes: int) -> list[Block]:
         """Least recent DRAM leaves across namespaces, up to ``want_bytes``. A parent whose DRAM

@@ -42,7 +42,9 @@ class Reporter:
             out.insert(0, st)
         if self.nvme is not None:
             st = self.nvme.stats()
-            st.extra = {} if st.enabled else {"reason": st.extra.get("disabled_reason", "")}
+            codec = st.extra.get("codec", "off")
+            st.extra = ({"codec": codec, "namespaces": st.extra.get("namespaces", {})} if codec != "off" else {}) \
+                if st.enabled else {"reason": st.extra.get("disabled_reason", "")}
             out.append(st)
         elif self.nvme_wanted:
             out.append(TierStats(TierKind.NVME, 0, 0, 0, enabled=False, extra={"reason": self.nvme_error}))

@@ -30,7 +30,7 @@ class NvmeStore:
         self.metrics = metrics
         self.nvme = nvme
         self.cfg = cfg
-        self.io = NvmeIo(nvme, cfg.io_timeout_s)
+        self.io = NvmeIo(nvme, cfg.io_timeout_s, cfg.encodes)
         self.ns_file = NamespaceFile(nvme.dir)
 
     # --- restart ----------------------------------------------------------------------------
@@ -59,7 +59,7 @@ class NvmeStore:
         moves = self.res.prepare_copy(blocks)
         batch = None
         try:
-            batch = self.io.submit([m.nvme_item() for m in moves]) if moves else None
+            batch = self.io.submit(self.io.items(moves)) if moves else None
             if batch is not None:
                 self.io.wait(batch, len(moves))
         finally:
@@ -124,7 +124,7 @@ class NvmeStore:
                     chunk.append(b)
             i += stride
             moves = res.prepare_copy(chunk)
-            batch = self.io.submit([m.nvme_item() for m in moves]) if moves else None
+            batch = self.io.submit(self.io.items(moves)) if moves else None
             if moves and batch is None:
                 why = "NVMe tier disabled"
                 self._copied(moves, None)

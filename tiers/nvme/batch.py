@@ -35,7 +35,9 @@ class PutItem(NamedTuple):
     checksum for the block). ``parent``: the chain parent's key, or None for a root block.
     ``sums``: the chunks' xxh3-64 when the caller already holds them (recorded when the block
     was first hashed): stored as given instead of hashing ``src`` again, so bytes that changed
-    since are caught on the first read, not written under a fresh checksum."""
+    since are caught on the first read, not written under a fresh checksum. ``dtype``: the
+    block's element type (a :class:`kvstore.layout.DType` or its label); with the tier's codec
+    on, a block of a type it codes is stored encoded. None: stored raw."""
 
     ns_id: bytes
     key: bytes
@@ -43,6 +45,7 @@ class PutItem(NamedTuple):
     chunk_bytes: int
     src: object
     sums: object = None
+    dtype: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,8 @@ class NvmeEntry:
     atime: float
     ctime: float
     slot: int
+    codec: int = 0   # how the slot holds it (kvstore.codec.Codec; 0 = raw)
+    stored: int = 0  # bytes in the slot (the payload when encoded, else nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +82,8 @@ class NvmeBatch(CopyHandle):
     error of each FAILED / CORRUPT key. ``error`` is None only if every key
     succeeded (OK, PRESENT, CANCELLED): a get's destination buffer is valid only for a key
     whose result is OK. ``nbytes`` is the bytes of the blocks that ended OK.
-    NO_SPACE / PRESENT / MISSING results are already set when put_many/get_many returns.
+    PRESENT / MISSING results are already set when put_many/get_many returns, and so is
+    NO_SPACE for a block stored raw (an encoded one gets its slot once encoded).
     The tier fills the batch (:meth:`set`, :meth:`finish_batch`); callers only read it.
     """
 

@@ -28,7 +28,9 @@ class NvmeTierConfig:
     allocation unit a namespace takes at a time; it must divide ``file_bytes``. ``map_bytes``
     bounds the LMDB index (address space, not disk: the file grows as records are added; about
     0.5 KiB per block for 32 layers). ``atime_flush_s``: dirty access times are written at
-    most this long after :meth:`NvmeTier.touch` (seconds).
+    most this long after :meth:`NvmeTier.touch` (seconds). ``codec``: ``off``, ``auto``,
+    ``nibble`` or ``planes-zstd`` (:class:`kvstore.tiers.nvme.coded.BlockCoder`): puts that
+    name their element type are stored encoded, in slots sized by the payload.
     """
 
     dir: str
@@ -44,6 +46,7 @@ class NvmeTierConfig:
     preallocate: bool = True  # fallocate the data files; False leaves them sparse (tests, thin disks)
     atime_flush_s: float = 5.0
     close_timeout_s: float = 30.0
+    codec: str = "off"
 
     def __post_init__(self) -> None:
         if self.extent_bytes <= 0 or self.extent_bytes % ALIGN:
@@ -60,6 +63,8 @@ class NvmeTierConfig:
             raise ValueError(f"io_threads: must be >= 1, got {self.io_threads}")
         if self.bounce_bytes < ALIGN or self.bounce_bytes % ALIGN:
             raise ValueError(f"bounce_bytes: must be a positive multiple of {ALIGN}, got {self.bounce_bytes}")
+        if str(self.codec).strip().lower() not in ("off", "auto", "nibble", "planes-zstd"):
+            raise ValueError(f"codec: expected off, auto, nibble or planes-zstd, got {self.codec!r}")
         if self.map_bytes < 64 * 1024:
             raise ValueError(f"map_bytes: must be at least 64 KiB, got {self.map_bytes}")
 

@@ -1,7 +1,9 @@
 """The NVMe tier's I/O engine: worker threads moving blocks between callers' buffers and the
 data files. Blocks of one submission whose slots are adjacent in a file move in one vectored
 I/O (up to ``coalesce_bytes``); every chunk is hashed on write (unless the caller recorded its
-checksums) and verified on read.
+checksums) and verified on read. A block stored encoded (``job.codec``, :mod:`kvstore.codec`)
+is encoded and decoded on these threads too, and moves alone; its checksums are over its raw
+bytes, verified after the decode, and a payload that does not decode counts as a checksum failure.
 
 The engine knows nothing of keys or the index: it runs :class:`Job` lists and reports each
 job's failure in ``job.error``. Thread-safe; callbacks run on its threads.
@@ -16,20 +18,28 @@ from typing import Callable
 
 import numpy as np
 
+from kvstore.codec import CodecError, decode
 from kvstore.tiers.nvme.errors import NvmeChecksumError, NvmeError, NvmeIOError
-from kvstore.tiers.nvme.files import IOV_MAX, DataFiles, aligned_buffer, chunk_sums
+from kvstore.tiers.nvme.files import IOV_MAX, DataFiles, aligned_buffer, chunk_sums, round_up
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
 
 class Job:
-    """One block moving between a caller's buffer and a slot (``offset``, bytes)."""
+    """One block moving between a caller's buffer (``buf``, ``nbytes`` of raw block) and a slot
+    (``offset``, of the allocator's ``slot_bytes``). ``codec`` (a :class:`kvstore.codec.Codec`
+    value, 0 = raw) and ``stored`` say how the slot holds it: ``stored`` bytes of payload.
+    ``dtype``: what a put may encode the block as (None: stored raw)."""
 
-    __slots__ = ("key", "ns_id", "parent", "chunk_bytes", "buf", "nbytes", "offset", "sums", "error")
+    __slots__ = ("key", "ns_id", "parent", "chunk_bytes", "buf", "nbytes", "offset", "sums", "error",
+                 "dtype", "codec", "stored", "slot_bytes")
 
-    def __init__(self, key, ns_id, parent, chunk_bytes, buf, nbytes, offset, sums=None):
+    def __init__(self, key, ns_id, parent, chunk_bytes, buf, nbytes, offset, sums=None, *, dtype=None,
+                 codec=0, stored=0, slot_bytes=0):
         self.key, self.ns_id, self.parent, self.chunk_bytes = key, ns_id, parent, chunk_bytes
         self.buf, self.nbytes, self.offset, self.sums = buf, nbytes, offset, sums
+        self.dtype, self.codec, self.stored = dtype, codec, stored or nbytes
+        self.slot_bytes = slot_bytes or nbytes
         self.error: NvmeError | None = None
 
 
@@ -99,6 +109,14 @@ class IoEngine:
         there, when ``jobs`` is empty)."""
         self._submit(jobs, self._write_run, done)
 
+    def write_each(self, jobs: list[Job], prepare: Callable[[Job, np.ndarray], np.ndarray | None],
+                   done: Callable[[], None]) -> None:
+        """For each job on a thread of its own: ``prepare(job, bounce)`` (the tier encodes the
+        block into the thread's bounce buffer or a buffer of its own, and gives it a slot) returns
+        the whole ALIGN units to write at ``job.offset``, or None for a job that ends unwritten
+        (its outcome already known); then the write. ``done()`` as for :meth:`write`."""
+        self._submit([[j] for j in jobs], lambda run, bounce: self._write_prepared(run[0], prepare, bounce), done)
+
     def read(self, jobs: list[Job], done: Callable[[], None]) -> None:
         """Read each job's slot into its buffer and verify every chunk against ``job.sums`` (a
         mismatch sets ``error`` to NvmeChecksumError); ``done()`` as for :meth:`write`."""
@@ -108,11 +126,13 @@ class IoEngine:
         """Let queued I/O finish, then stop the threads; False if one outlived ``timeout_s``."""
         return self._workers.close(timeout_s)
 
-    def _submit(self, jobs: list[Job], run_fn, done: Callable[[], None]) -> None:
+    def _submit(self, jobs: list, run_fn, done: Callable[[], None]) -> None:
+        """Run ``jobs`` (a list of Jobs, grouped here into runs, or a list of runs) as
+        ``run_fn(run, bounce)`` on the threads; ``done()`` after the last."""
         if not jobs:
             self._workers.submit(lambda bounce: done())
             return
-        runs = self._runs(jobs)
+        runs = jobs if isinstance(jobs[0], list) else self._runs(jobs)
         left = [len(runs)]
         mu = threading.Lock()
 
@@ -134,7 +154,7 @@ class IoEngine:
         runs: list[list[Job]] = []
         run_bytes, prev_ok = 0, False
         for j in sorted(jobs, key=lambda j: j.offset) if limit else jobs:
-            ok = bool(limit) and files.direct_ok(j.buf[:j.nbytes])
+            ok = bool(limit) and not j.codec and files.direct_ok(j.buf[:j.nbytes])
             last = runs[-1][-1] if runs else None
             if (ok and prev_ok and last.offset + last.nbytes == j.offset and run_bytes + j.nbytes <= limit
                     and len(runs[-1]) < IOV_MAX and files.file_of(j.offset) == files.file_of(last.offset)):
@@ -163,10 +183,41 @@ class IoEngine:
             for j in run:
                 j.error = err
 
-    def _read_run(self, run: list[Job], bounce: np.ndarray) -> None:
-        nbytes = sum(j.nbytes for j in run)
+    def _write_prepared(self, j: Job, prepare, bounce: np.ndarray) -> None:
         try:
             self._check()
+            buf = prepare(j, bounce)
+            if buf is None:
+                return
+            self.files.write(j.offset, buf, bounce)  # whole ALIGN units: never staged through bounce
+            self._count("write", j.stored, 1)
+        except BaseException as e:  # noqa: BLE001 - every failure must end up in the job
+            j.error = self._on_error(e, f"writing block {j.key.hex()[:16]}, {j.stored} bytes at data offset {j.offset}")
+
+    def _read_coded(self, j: Job, bounce: np.ndarray) -> None:
+        """Read an encoded block's payload (whole ALIGN units, into the bounce buffer when it
+        fits) and decode it into the caller's buffer."""
+        n = round_up(j.stored)
+        tmp = bounce if n <= bounce.nbytes else aligned_buffer(n)
+        self.files.read(j.offset, tmp, n, tmp)  # aligned address and length: never staged
+        self._count("read", j.stored, 1)
+        try:
+            decode(tmp[:j.stored], j.buf[:j.nbytes])
+        except CodecError as e:
+            j.error = NvmeChecksumError(
+                f"NVMe block {j.key.hex()[:16]}: its {j.stored}-byte encoded payload at data offset {j.offset} "
+                f"does not decode ({e}); block dropped, its destination buffer holds no valid data",
+                key=j.key, chunk=-1, offset=j.offset)
+
+    def _read_run(self, run: list[Job], bounce: np.ndarray) -> None:
+        nbytes = sum(j.stored for j in run)
+        try:
+            self._check()
+            if run[0].codec:  # alone in its run
+                self._read_coded(run[0], bounce)
+                if run[0].error is None:
+                    self._verify(run[0])
+                return
             if len(run) == 1:
                 self.files.read(run[0].offset, run[0].buf, run[0].nbytes, bounce)
             else:

@@ -23,9 +23,11 @@ import lmdb
 from kvstore.tiers.base import ExtentAllocator
 from kvstore.tiers.nvme.files import PRIVATE_DIR, PRIVATE_FILE, private_dir, private_mode
 
-RECORD_VERSION = 1
+RECORD_VERSION = 1   # a block stored raw (what every daemon before the codecs reads)
+CODED_VERSION = 2    # a block stored encoded: _HEAD, then _CODED, then as version 1
 # version, flags, ns length, chunk count, offset, slot_bytes, nbytes, chunk_bytes, atime, ctime
 _HEAD = struct.Struct("<BBHIQQQQdd")
+_CODED = struct.Struct("<BQ")  # codec (kvstore.codec.Codec), stored payload bytes
 _HAS_PARENT = 1
 
 
@@ -37,19 +39,25 @@ class BlockRecord:
     ns_id: bytes
     parent: bytes | None
     offset: int          # byte offset in the tier's flat data space (file = offset // file_bytes)
-    slot_bytes: int      # the allocator's slot size for this namespace (>= nbytes)
-    nbytes: int          # bytes of block data
+    slot_bytes: int      # the allocator's slot size (>= the bytes stored)
+    nbytes: int          # bytes of block data (raw, as the caller put and gets it)
     chunk_bytes: int     # bytes per checksummed chunk (one layer); 0 = whole block
-    sums: array          # xxh3_64 per chunk, array('Q')
+    sums: array          # xxh3_64 per chunk of the raw bytes, array('Q')
     atime: float
     ctime: float
+    codec: int = 0       # how the slot holds the block (kvstore.codec.Codec; 0 = raw)
+    stored: int = 0      # bytes in the slot: the encoded payload's length (= nbytes when raw)
+
+    def __post_init__(self) -> None:
+        self.stored = self.stored or self.nbytes
 
     def pack(self) -> bytes:
         flags = _HAS_PARENT if self.parent is not None else 0
+        coded = _CODED.pack(self.codec, self.stored) if self.codec else b""
         return b"".join((
-            _HEAD.pack(RECORD_VERSION, flags, len(self.ns_id), len(self.sums), self.offset,
-                       self.slot_bytes, self.nbytes, self.chunk_bytes, self.atime, self.ctime),
-            self.ns_id, self.parent or b"", self.sums.tobytes()))
+            _HEAD.pack(CODED_VERSION if self.codec else RECORD_VERSION, flags, len(self.ns_id), len(self.sums),
+                       self.offset, self.slot_bytes, self.nbytes, self.chunk_bytes, self.atime, self.ctime),
+            coded, self.ns_id, self.parent or b"", self.sums.tobytes()))
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> "BlockRecord":
@@ -57,9 +65,16 @@ class BlockRecord:
         if len(raw) < _HEAD.size:
             raise ValueError("record too short")
         ver, flags, ns_len, n, offset, slot_bytes, nbytes, chunk, atime, ctime = _HEAD.unpack_from(raw)
-        if ver != RECORD_VERSION:
-            raise ValueError(f"record version {ver}, expected {RECORD_VERSION}")
-        pos = _HEAD.size
+        if ver not in (RECORD_VERSION, CODED_VERSION):
+            raise ValueError(f"record version {ver}, expected {RECORD_VERSION} or {CODED_VERSION}")
+        pos, codec, stored = _HEAD.size, 0, 0
+        if ver == CODED_VERSION:
+            if len(raw) < pos + _CODED.size:
+                raise ValueError("record too short")
+            codec, stored = _CODED.unpack_from(raw, pos)
+            pos += _CODED.size
+            if not codec or not 0 < stored < nbytes:
+                raise ValueError(f"encoded record: codec {codec}, {stored} bytes stored for {nbytes}")
         ns_id = bytes(raw[pos:pos + ns_len])
         pos += ns_len
         parent = None
@@ -70,7 +85,7 @@ class BlockRecord:
         sums.frombytes(raw[pos:pos + 8 * n])
         if len(ns_id) != ns_len or len(sums) != n or pos + 8 * n != len(raw):
             raise ValueError("record length does not match its header")
-        return cls(bytes(key), ns_id, parent, offset, slot_bytes, nbytes, chunk, sums, atime, ctime)
+        return cls(bytes(key), ns_id, parent, offset, slot_bytes, nbytes, chunk, sums, atime, ctime, codec, stored)
 
 
 class NvmeIndex:
@@ -132,19 +147,19 @@ class NvmeIndex:
         with self.env.begin(db=self.blocks) as txn:
             return [txn.get(k) is not None for k in keys]
 
-    def delete(self, keys: Iterable[bytes], offsets: dict[bytes, int] | None = None) -> dict[bytes, int]:
+    def delete(self, keys: Iterable[bytes], offsets: dict[bytes, int] | None = None) -> dict[bytes, BlockRecord]:
         """Delete the records of ``keys``, in one transaction; with ``offsets``, only those whose
-        record still names that slot. Returns ``key -> slot offset`` of the records deleted."""
+        record still names that slot. Returns ``key -> record`` of the records deleted."""
         gone = {}
         with self.env.begin(write=True, db=self.blocks) as txn:
             for k in keys:
                 raw = txn.get(k)
                 if raw is None:
                     continue
-                off = BlockRecord.unpack(k, raw).offset
-                if offsets is None or offsets[k] == off:
+                rec = BlockRecord.unpack(k, raw)
+                if offsets is None or offsets[k] == rec.offset:
                     txn.delete(k)
-                    gone[k] = off
+                    gone[k] = rec
         return gone
 
     def count(self) -> int:
@@ -155,33 +170,28 @@ class NvmeIndex:
         self.env.close()
 
 
-def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[int, int, int]:
+def recover(index: NvmeIndex, alloc: ExtentAllocator) -> tuple[list[BlockRecord], int]:
     """Rebuild ``alloc``'s free space from every record in ``index``.
 
-    Returns ``(blocks kept, bytes of block data, records dropped)``. A record is dropped
-    (deleted from the index) when it is unreadable, its sizes disagree, or its slot cannot be
-    claimed (outside the data files, misaligned, in another namespace's extent, or claimed by
-    another record). Data bytes are not read here: every read verifies them.
+    Returns ``(records kept, records dropped)``. A record is dropped (deleted from the index)
+    when it is unreadable, its sizes disagree, or its slot cannot be claimed (outside the data
+    files, misaligned, in another namespace's extent, or claimed by another record). Data bytes
+    are not read here: every read verifies them.
     """
-    keep: list[tuple[bytes, bytes, int, int, int]] = []  # key, ns, slot_bytes, offset, nbytes
+    keep: list[BlockRecord] = []
     bad: list[bytes] = []
     for key, raw in index.scan():
         try:
             r = BlockRecord.unpack(key, raw)
             n_chunks = -(-r.nbytes // r.chunk_bytes) if r.chunk_bytes else 1
-            if len(key) != 32 or not 0 < r.nbytes <= r.slot_bytes or len(r.sums) != n_chunks:
+            if len(key) != 32 or not 0 < r.stored <= r.slot_bytes or len(r.sums) != n_chunks:
                 raise ValueError("inconsistent sizes")
         except ValueError:
             bad.append(key)
             continue
-        keep.append((key, r.ns_id, r.slot_bytes, r.offset, r.nbytes))
-    refused = set(alloc.restore((ns, sb, off) for _, ns, sb, off, _ in keep))
-    nbytes = 0
-    for i, (key, _, _, _, n) in enumerate(keep):
-        if i in refused:
-            bad.append(key)
-        else:
-            nbytes += n
+        keep.append(r)
+    refused = set(alloc.restore((r.ns_id, r.slot_bytes, r.offset) for r in keep))
+    bad += [r.key for i, r in enumerate(keep) if i in refused]
     if bad:
         index.delete(bad)
-    return len(keep) - len(refused), nbytes, len(bad)
+    return [r for i, r in enumerate(keep) if i not in refused], len(bad)

@@ -8,6 +8,11 @@
 (:class:`~kvstore.tiers.base.ExtentAllocator`), the data files and the I/O engine that moves
 blocks through them (:mod:`.files`, :mod:`.engine`), and the LMDB index (:mod:`.index`).
 
+With a codec on (``NvmeTierConfig.codec``), a put that names its block's element type stores
+the block encoded in a slot sized by the payload (:mod:`.coded`): the I/O threads encode, then
+the block gets its slot, so such a key's NO_SPACE is known only when its batch completes. Reads
+decode on the I/O threads and verify the raw bytes' checksums.
+
 Durability order of a put: data written (O_DIRECT) and, in ``SyncMode.DURABLE``, fdatasync'ed;
 then the LMDB transaction naming it commits; only then is the put reported OK. A restart
 therefore finds only blocks whose bytes were completely written; a torn write has no index
@@ -50,6 +55,7 @@ import lmdb
 from kvstore.keys import check_key
 from kvstore.tiers.base import ExtentAllocator, TierKind, TierStats
 from kvstore.tiers.nvme.batch import IoResult, NvmeBatch, NvmeEntry, PutItem, RecoveryReport
+from kvstore.tiers.nvme.coded import BlockCoder, CodecUse
 from kvstore.tiers.nvme.config import NvmeTierConfig, SyncMode
 from kvstore.tiers.nvme.engine import IoEngine, Job
 from kvstore.tiers.nvme.errors import (
@@ -102,6 +108,7 @@ class NvmeTier:
             if isinstance(e, lmdb.Error):
                 raise classify_lmdb_error(e, what, config.map_bytes) from e
             raise
+        self._coder = BlockCoder(config.codec)
         self._io = IoEngine(self._files, config.io_threads, config.bounce_bytes, config.coalesce_bytes,
                             check=self._raise_if_disabled, on_error=self._job_error, metrics=metrics)
         self._commit_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -125,9 +132,13 @@ class NvmeTier:
                                     "use the old file_bytes/extent_bytes or a new directory")
         self._files = DataFiles(cfg.dir, cfg.usable_bytes, cfg.file_bytes, cfg.io_mode, cfg.preallocate)
         self._alloc = ExtentAllocator(cfg.usable_bytes, cfg.extent_bytes, ALIGN)
+        self._use = CodecUse(self._alloc.slot_stride)
         t0 = time.perf_counter()
-        self._indexed, nbytes, dropped = recover(self._index, self._alloc)
-        report = RecoveryReport(self._indexed, nbytes, dropped, time.perf_counter() - t0)
+        kept, dropped = recover(self._index, self._alloc)
+        for r in kept:
+            self._use.add(r.ns_id, r.nbytes, r.stored, r.slot_bytes)
+        self._indexed = len(kept)
+        report = RecoveryReport(self._indexed, sum(r.nbytes for r in kept), dropped, time.perf_counter() - t0)
         log.log(logging.WARNING if dropped else logging.INFO,
                 "NVMe tier %s: %d blocks (%d bytes) recovered, %d untrustworthy index records dropped, "
                 "%s I/O, in %.3f s", cfg.dir, report.blocks, report.bytes, dropped, self._files.mode.value,
@@ -138,18 +149,19 @@ class NvmeTier:
 
     def put_many(self, items: Iterable[PutItem | tuple], on_done: Callable[[NvmeBatch], None] | None = None
                  ) -> NvmeBatch:
-        """Store blocks ``(ns_id, key, parent, chunk_bytes, src)`` (see :class:`PutItem`). The
-        batch completes when every block is on disk and in the index, or failed; ``on_done(batch)``
-        then runs on a tier thread. ``src`` must not change until then.
+        """Store blocks ``(ns_id, key, parent, chunk_bytes, src, sums, dtype)`` (see
+        :class:`PutItem`). The batch completes when every block is on disk and in the index, or
+        failed; ``on_done(batch)`` then runs on a tier thread. ``src`` must not change until then.
 
         Raises ValueError for a malformed item (nothing is stored) and NvmeDisabledError when the
         tier is disabled or closed. A full tier is back-pressure, not an error: those keys are
-        NO_SPACE as soon as this returns (see :meth:`room`). ``on_done`` always runs on a tier
-        thread, never inside this call, so it may take the caller's locks.
+        NO_SPACE (see :meth:`room`), as soon as this returns for blocks stored raw, when the batch
+        completes for blocks being encoded. ``on_done`` always runs on a tier thread, never
+        inside this call, so it may take the caller's locks.
         """
         jobs: list[Job] = []
         for it in items:
-            ns_id, key, parent, chunk_bytes, src, sums = PutItem(*it)
+            ns_id, key, parent, chunk_bytes, src, sums, dtype = PutItem(*it)
             key = check_key(key)
             if parent is not None:
                 parent = check_key(parent)
@@ -166,9 +178,11 @@ class NvmeTier:
                 if len(sums) != n:
                     raise ValueError(f"sums: {len(sums)} checksums for {n} chunks of block {key.hex()[:16]}")
                 sums = array("Q", sums)
-            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1, sums))
+            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1, sums,
+                            dtype=dtype if self._coder.codec_for(dtype) is not None else None))
         batch = NvmeBatch("put", [j.key for j in jobs], on_done)
         moving: list[Job] = []
+        coding: list[Job] = []  # to encode; each gets its slot once its payload's size is known
         with self._lock:
             self._check_enabled()
             try:
@@ -179,6 +193,10 @@ class NvmeTier:
                 if here or j.key in self._pending:
                     batch.set(j.key, IoResult.PRESENT)
                     continue
+                if j.dtype is not None:
+                    self._pending[j.key] = -1  # no slot yet
+                    coding.append(j)
+                    continue
                 off = self._alloc.allocate(j.ns_id, j.nbytes)
                 if off is None:
                     batch.set(j.key, IoResult.NO_SPACE)
@@ -187,13 +205,53 @@ class NvmeTier:
                 self._pending[j.key] = off
                 moving.append(j)
             # Queued under the lock, after the enabled check: before close() stops the threads.
-            if moving:
+            if coding:
+                self._write_coded(batch, moving, coding)
+            elif moving:
                 self._io.write(moving, lambda: self._commit_q.put((batch, moving)))
             elif on_done is not None:
                 self._io.write([], lambda: batch.finish_batch(0))  # on_done on a tier thread
-        if not moving and on_done is None:
+        if not moving and not coding and on_done is None:
             batch.finish_batch(0)
         return batch
+
+    def _write_coded(self, batch: NvmeBatch, moving: list[Job], coding: list[Job]) -> None:
+        """Write ``moving`` (slots given) and encode, place and write ``coding``; the placed
+        ones then commit with ``moving``. Called under ``_lock``."""
+        placed: list[Job] = []
+        left = [1 + bool(moving)]
+
+        def place(j: Job, bounce) -> object:
+            buf = self._coder.encode(j, bounce)  # None: stored raw after all
+            if buf is None:
+                buf = j.buf[:j.nbytes]
+            with self._lock:
+                result = IoResult.CANCELLED if j.key in self._cancelled else None
+                off = None if result else self._alloc.allocate(j.ns_id, j.slot_bytes)
+                if off is None:
+                    self._cancelled.discard(j.key)
+                    del self._pending[j.key]
+                    batch.set(j.key, result or IoResult.NO_SPACE)
+                    return None
+                j.offset = self._pending[j.key] = off
+                placed.append(j)
+            return buf
+
+        def part_done() -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+                for j in coding:  # failed before it had a slot (the tier disabled meanwhile)
+                    if j.offset < 0 and j.key in self._pending and j.key not in batch.results:
+                        del self._pending[j.key]
+                        self._cancelled.discard(j.key)
+                        batch.set(j.key, IoResult.FAILED, j.error or self._disabled_error())
+            self._commit_q.put((batch, moving + placed))
+
+        if moving:
+            self._io.write(moving, part_done)
+        self._io.write_each(coding, place, part_done)
 
     def get_many(self, keys: Sequence[bytes], dsts: Sequence, on_done: Callable[[NvmeBatch], None] | None = None
                  ) -> NvmeBatch:
@@ -228,7 +286,8 @@ class NvmeTier:
                 elif b.nbytes < rec.nbytes:
                     raise ValueError(f"dst: {b.nbytes} bytes, block {k.hex()[:16]} has {rec.nbytes}")
                 else:
-                    jobs.append(Job(k, rec.ns_id, rec.parent, rec.chunk_bytes, b, rec.nbytes, rec.offset, rec.sums))
+                    jobs.append(Job(k, rec.ns_id, rec.parent, rec.chunk_bytes, b, rec.nbytes, rec.offset, rec.sums,
+                                    codec=rec.codec, stored=rec.stored))
             for j in jobs:
                 self._pin(j.offset)
             if jobs or on_done is not None:
@@ -250,8 +309,8 @@ class NvmeTier:
                 self._cancelled.update(inflight)
             gone = self._index_write(self._index.delete, keys, what="deleting blocks")
             with self._lock:
-                for k, off in gone.items():
-                    self._unindex(k, off)
+                for rec in gone.values():
+                    self._unindex(rec)
         return len(gone) + len(inflight)
 
     def contains(self, keys: Iterable[bytes]) -> list[bool]:
@@ -292,7 +351,8 @@ class NvmeTier:
             dirty = dict(self._dirty_atime)
         for key, raw in self._index.scan():
             r = BlockRecord.unpack(key, raw)
-            yield NvmeEntry(key, r.ns_id, r.parent, r.nbytes, r.chunk_bytes, dirty.get(key, r.atime), r.ctime, r.offset)
+            yield NvmeEntry(key, r.ns_id, r.parent, r.nbytes, r.chunk_bytes, dirty.get(key, r.atime), r.ctime, r.offset,
+                            r.codec, r.stored)
 
     def flush(self) -> None:
         """Write pending access times to the index now."""
@@ -306,7 +366,7 @@ class NvmeTier:
         """Read and verify every committed block, dropping corrupt ones; returns how many were
         dropped. Reads the whole tier: for operators and tests, not for the serving path."""
         records = (BlockRecord.unpack(k, raw) for k, raw in self._index.scan())
-        todo = sorted((r.offset, r.key, self._alloc.slot_stride(r.slot_bytes)) for r in records)
+        todo = sorted((r.offset, r.key, self._alloc.slot_stride(max(r.slot_bytes, r.nbytes))) for r in records)
         dropped, i = 0, 0
         while i < len(todo):
             buf = aligned_buffer(max(batch_bytes, todo[i][2]))
@@ -335,7 +395,8 @@ class NvmeTier:
                          pending_writes=len(self._pending), direct_ios=files.direct_ios,
                          bounced_ios=files.bounced_ios, vectored_ios=files.vectored_ios,
                          coalesce_bytes=self.config.coalesce_bytes, recovered_blocks=self.recovery.blocks,
-                         recovery_dropped=self.recovery.dropped, disabled_reason=reason)
+                         recovery_dropped=self.recovery.dropped, disabled_reason=reason,
+                         codec=self._coder.setting, namespaces=self._use.report())
             return TierStats(self.kind, self._alloc.usable_bytes, self._alloc.used_bytes, self._alloc.used_slots,
                              enabled=not reason, extra=extra)
 
@@ -459,8 +520,8 @@ class NvmeTier:
                 live = [j for j in good if j.key not in self._cancelled] if err is None else []
                 atimes, self._dirty_atime = self._dirty_atime, {}
             now = self._clock()
-            records = [BlockRecord(j.key, j.ns_id, j.parent, j.offset, j.nbytes, j.nbytes, j.chunk_bytes,
-                                   j.sums, now, now) for j in live]
+            records = [BlockRecord(j.key, j.ns_id, j.parent, j.offset, j.slot_bytes, j.nbytes, j.chunk_bytes,
+                                   j.sums, now, now, j.codec, j.stored) for j in live]
             if records or atimes:
                 try:
                     self._index.commit(records, atimes)
@@ -477,6 +538,7 @@ class NvmeTier:
                         self._cancelled.discard(j.key)
                         if j.error is None and err is None and not cancelled:
                             self._indexed += 1
+                            self._use.add(j.ns_id, j.nbytes, j.stored, j.slot_bytes)
                             batch.set(j.key, IoResult.OK)
                             continue
                         self._release(j.offset)  # written, maybe, but never indexed: free space
@@ -508,13 +570,14 @@ class NvmeTier:
                 return  # the tier is disabled now; the records stay and fail their checksum again
             with self._lock:
                 self._counts["dropped"] += len(gone)
-                for k, off in gone.items():
-                    self._unindex(k, off)
+                for rec in gone.values():
+                    self._unindex(rec)
 
-    def _unindex(self, key: bytes, off: int) -> None:
+    def _unindex(self, rec: BlockRecord) -> None:
         self._indexed -= 1
-        self._dirty_atime.pop(key, None)
-        self._release(off)
+        self._use.remove(rec.ns_id, rec.nbytes, rec.stored, rec.slot_bytes)
+        self._dirty_atime.pop(rec.key, None)
+        self._release(rec.offset)
 
     def _release(self, off: int) -> None:
         """Free a slot, or mark it to be freed when its last read ends."""
