@@ -254,6 +254,23 @@ def test_a_waiting_writer_drives_demotion_below_the_high_watermark(make):
     assert env.dram_blocks() == 32
 
 
+def test_a_waiting_writer_is_given_room_in_slots_it_can_use(make):
+    """Free bytes in another namespace's extent are no room for this one (an extent holds one
+    namespace's slots of one size): the demoter makes room the writer can use. It counted all
+    free bytes, found enough, demoted nothing, and the writer was refused until it gave up."""
+    env = make()
+    other = env.session("m2")
+    env.put(chain(70, 1), s=other)                       # an extent of its own: 7 free slots only m2 can use
+    fill(env, n_chains=5, tail=3)                        # 23 blocks of m: 24 used, under the high watermark
+    want = chain(50, 8)
+    with pytest.raises(KVError) as e, env.core.lock:
+        env.core.reserve(env.s, join(want), b"")
+    assert e.value.transient and env.core.pressure.demand_bytes == 8 * BLOCK
+    assert env.tiering.run_round() >= 1
+    env.put(want)                                        # served
+    assert all(env.block(k).tier is DRAM for k in want)
+
+
 def test_no_space_on_nvme_drops_its_least_recent_leaves(make):
     env = make(nvme_blocks=8)
     a, b, c, *_ = demoted(env)                           # NVMe: a0..a3, b3 (5 of 8)

@@ -273,7 +273,8 @@ class Core:
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       f"namespace quota of {self.cfg.ns_quota_bytes} bytes in DRAM (dram.namespace_quota_bytes) "
                                       "is reached and none of this namespace's blocks can be evicted")
-                    if off is None and self.residency.refuse_for_room(len(todo) * self.dram.slot_stride(ns.block_bytes)):
+                    if off is None and self.residency.refuse_for_room(len(todo) * self.dram.slot_stride(ns.block_bytes),
+                                                                      ns.id, ns.block_bytes):
                         raise KVError(Code.RESOURCE_EXHAUSTED,
                                       "DRAM tier full while blocks are being demoted to NVMe; retry in a few milliseconds",
                                       transient=True, refusal=pb.REFUSAL_DRAM_DEMOTING)

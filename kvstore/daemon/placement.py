@@ -54,6 +54,8 @@ class DramPressure:
     waiting: bool = False  # a writer was refused for lack of room that demotion would make
     moving: int = 0  # blocks whose DRAM slot is being copied to NVMe right now
     demand_bytes: int = 0  # room the last such refusal needed
+    demand_ns: bytes = b""  # ... in slots of this namespace
+    demand_slot_bytes: int = 0  # ... of this size (0: any free bytes)
 
 
 @dataclass(slots=True)
@@ -155,14 +157,24 @@ class Placement:
         return st is not None and st.blocks.get(b.key) is b and b.state is BlockState.COMMITTED
 
     # --- DRAM room --------------------------------------------------------------------------
-    def refuse_for_room(self, demand_bytes: int) -> bool:
-        """A writer found no DRAM slot: True (and the demoter told how much room is wanted) if
-        demotion is making room, so the refusal is transient."""
+    def refuse_for_room(self, demand_bytes: int, ns_id: bytes = b"", slot_bytes: int = 0) -> bool:
+        """A writer found no DRAM slot: True (and the demoter told how much room is wanted, in
+        slots of ``slot_bytes`` for namespace ``ns_id``) if demotion is making room, so the
+        refusal is transient."""
         if not (self.pressure.waiting or self.pressure.moving):
             return False
-        self.pressure.waiting = True
-        self.pressure.demand_bytes = demand_bytes
+        p = self.pressure
+        p.waiting, p.demand_bytes, p.demand_ns, p.demand_slot_bytes = True, demand_bytes, ns_id, slot_bytes
         return True
+
+    def room_bytes(self) -> int:
+        """Free DRAM room as the waiting writer can use it: whole slots of its size in its
+        namespace's extents and in free extents (free bytes elsewhere are no room for it: an
+        extent holds slots of one size), else all free bytes."""
+        p, dram = self.pressure, self.dram
+        if not p.demand_slot_bytes:
+            return dram.capacity_bytes - dram.used_bytes
+        return dram.alloc.room(p.demand_ns, p.demand_slot_bytes) * dram.slot_stride(p.demand_slot_bytes)
 
     def room_found(self) -> None:
         """A writer's reservation fitted: nobody waits for room."""

@@ -120,7 +120,7 @@ class Residency(Placement):
             used, cap = dram.used_bytes, dram.capacity_bytes
             if used > high * cap or self.pressure.waiting:
                 draining = True
-            want = max(used - int(low * cap), self.pressure.demand_bytes - (cap - used))
+            want = max(used - int(low * cap), self.pressure.demand_bytes - self.room_bytes())
             if not draining or want <= 0:
                 self.pressure.waiting = False
                 return DemotionPlan(False, None)
