@@ -138,15 +138,21 @@ def test_codec_names_parse():
         encode(np.zeros(9, np.uint8), "bf16", Codec.PLANES_ZSTD)
 
 
-def test_bench_codec_runs_on_trained_kv():
+def test_bench_codec_runs_on_trained_kv(tmp_path):
     import json
     import subprocess
     import sys
 
+    nvme = ["--nvme", str(tmp_path), "--nvme-bytes", "24MiB", "--extent-bytes", "4MiB", "--rounds", "1"]
     out = subprocess.run([sys.executable, "-m", "kvstore", "bench", "codec", "--tokens", "256", "--reps", "1",
-                          "--dtypes", "bf16", "fp8_e4m3", "--json"], capture_output=True, text=True, timeout=300)
+                          "--dtypes", "bf16", "fp8_e4m3", "--json", *(nvme if kvcodec.native() else [])],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
+    if kvcodec.native() is not None:  # the NVMe tier through two daemons, codec off and on
+        n = r["nvme"]
+        assert n["verified"] and n["rounds"][0]["raw_blocks"] == 6 * 7  # 4 MiB extents of 7 raw 576 KiB blocks
+        assert n["capacity_ratio"] >= 1.25 and n["raw_read_GBps"] > 0 and n["codec_read_GBps"] > 0
     assert r["kv"].startswith("all-MiniLM-L6-v2 (trained)") and set(r["rows"]) == {"bf16", "fp8_e4m3"}
     codecs = ["kvstore_planes_zstd"] + (["kvstore_nibble"] if kvcodec.native() is not None else [])
     for dt, least in (("bf16", 1.3), ("fp8_e4m3", 1.08)):

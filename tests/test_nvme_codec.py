@@ -254,6 +254,9 @@ def test_daemon_with_the_codec_stores_more_and_serves_every_block_exact_across_a
         nvme = next(t for t in json.loads(out.stdout)["tiers"] if t["tier"] == "TIER_NVME")
         (use,) = json.loads(nvme["detail"])["namespaces"].values()  # the one namespace
         assert use["blocks"] == 128 and use["ratio"] > 1.2
+        text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+        gauge = next(ln for ln in text.splitlines() if ln.startswith("kvstore_tier_codec_ratio{"))
+        assert float(gauge.split()[-1]) == use["ratio"]
         c.close()
     finally:
         assert d.stop() == 0

@@ -410,3 +410,20 @@ def test_plan_sizes_windowed_and_state_layers(capsys, tmp_path):
     rc, out, _ = run(capsys, "--config", str(path), "--context", "2048", "--block-tokens", "32", "--params", "1000000")
     assert rc == 0 and "5 sliding-window" in out and f"{h['bytes_per_request_per_gpu']:,} B" in out
 
+
+
+def test_kvstore_tiers_hold_whole_blocks_and_the_codec_ratio_scales_nvme(capsys):
+    rc, out, _ = run(capsys, "--preset", "llama-3-8b", "--dram", "256GiB", "--nvme", "4TB", "--codec-ratio", "1.3",
+                     "--shared-prefix", "2048", "--json")
+    assert rc == 0
+    t = json.loads(out)["kvstore_tiers"]
+    block = 32 * 2 * 8 * 128 * 2 * 16  # layers x K,V x KV heads x head_dim x bf16 x 16 tokens: 2 MiB
+    assert t["block_bytes"] == block
+    assert t["dram_blocks"] == 256 * GIB // block and t["nvme_blocks"] == 4000 * GB // block
+    assert t["nvme_blocks_with_codec"] == math.floor(4000 * GB * 1.3 / block)
+    assert t["nvme_tokens_with_codec"] == 16 * t["nvme_blocks_with_codec"]
+    assert t["prefixes_of_shared_prefix"] == (t["dram_blocks"] + t["nvme_blocks_with_codec"]) // 128
+    rc, out, _ = run(capsys, "--preset", "llama-3-8b", "--json")
+    assert json.loads(out)["kvstore_tiers"] is None  # no tier sizes: no section
+    rc, _, err = run(capsys, "--preset", "llama-3-8b", "--nvme", "1TB", "--codec-ratio", "0.5")
+    assert rc == 2 and "--codec-ratio: must be in [1, 8]" in err

@@ -1,6 +1,7 @@
 """Prefill daemon A -> decode daemon B through the real transfer listener (TCP and UCX)."""
 
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -285,6 +286,29 @@ def test_digests_written_by_a_durable_commit_are_what_the_first_transfer_sends(t
         scribble(ca, keys[0], LAYOUT.layer_chunk_bytes + 7, 0x01)  # block 0, layer 1
         expect_data_loss(ca, keys, peer_b, "block 0, layer 1,")  # a run names the layer
         assert cb.lookup(tokens) == 0
+
+
+def test_blocks_read_back_from_an_encoded_nvme_tier_arrive_bit_exact(tmp_path):
+    """A's NVMe tier stores blocks encoded (nvme.codec); blocks demoted there and promoted back
+    for a transfer (decoded, checked against the raw checksums) reach B bit for bit."""
+    nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "32MiB",
+            "--nvme-codec", "planes-zstd", "--dram-extent-bytes", "1MiB", "--dram-capacity-bytes", "2MiB")
+    with linked(tmp_path, "tcp", args_a=nvme) as (a, b, peer_b, ca, cb):
+        prompts = [list(range(s * 1000, s * 1000 + 16 * 16)) for s in range(4)]  # 64 blocks, DRAM holds 42
+        for i, t in enumerate(prompts):
+            assert ca.put(t, kv_for(t, 10 + i)) == 16
+        first = prompts[0]
+        nvme_a = lambda: next(t for t in ca.stats().tiers if t.tier == pb.TIER_NVME)  # noqa: E731
+        wait_for(lambda: nvme_a().blocks >= 16, what="A demotes its oldest prompt to NVMe")
+        (use,) = json.loads(nvme_a().detail)["namespaces"].values()
+        assert use["blocks"] >= 16 and use["slot_bytes"] < use["raw_bytes"]  # stored encoded
+        with ca.acquire(ca.keys(first), wait_s=20) as lease:  # promoted: read and decoded
+            assert len(lease.offsets) == 16
+        r = ca.transfer(ca.keys(first), peer_b, deadline_s=20)
+        assert r.blocks == 16
+        out = np.zeros(LAYOUT.tensor_shape(len(first)), np.float16)
+        assert cb.get(first, out) == len(first)
+        assert out.tobytes() == kv_for(first, 10).tobytes()
 
 
 def test_digests_taken_at_commit_are_what_the_first_transfer_sends(tmp_path):

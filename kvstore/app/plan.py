@@ -108,6 +108,9 @@ class PlanOptions:
     gpu_flops_per_s: float = LoadPolicyConfig().default_prefill_flops_per_s  # effective, per GPU
     links: tuple[tuple[str, float], ...] = field(default=DEFAULT_LINKS)
     request_rate: float = 0.0                # requests/s for the disaggregated section; 0: skip
+    dram_bytes: int = 0                      # kvstore's DRAM tier on a node; 0 with nvme_bytes 0: skip
+    nvme_bytes: int = 0                      # kvstore's NVMe tier on a node
+    codec_ratio: float = 1.0                 # raw bytes per NVMe slot byte with nvme.codec (kvstore bench codec)
 
     def __post_init__(self) -> None:
         for flag, value in (("--block-tokens", self.block_tokens), ("--gpu-mem", self.gpu_mem_bytes),
@@ -123,6 +126,11 @@ class PlanOptions:
                             ("--mean-len", self.mean_tokens), ("--mean-prompt", self.mean_prompt_tokens)):
             if value is not None and value <= 0:
                 raise PlanError(f"{flag}: must be > 0, got {value}")
+        for flag, value in (("--dram", self.dram_bytes), ("--nvme", self.nvme_bytes)):
+            if value < 0:
+                raise PlanError(f"{flag}: must be >= 0, got {value}")
+        if not 1.0 <= self.codec_ratio <= 8.0:
+            raise PlanError(f"--codec-ratio: must be in [1, 8] (raw bytes per stored byte), got {self.codec_ratio}")
         if not self.gpu_flops_per_s > 0:
             raise PlanError(f"--gpu-tflops: must be > 0, got {self.gpu_flops_per_s / 1e12}")
         if not 0.0 <= self.hit_rate <= 1.0:
@@ -236,6 +244,7 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
                               f"{opts.prefill_tokens_per_s} tokens/s at {opts.prefill_ref_tokens} tokens"
                               if opts.prefill_tokens_per_s else f"{opts.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU x {tp}")},
         "crossover": crossover, "disaggregated": None, "hybrid": _hybrid(model, opts, tok_gpu),
+        "kvstore_tiers": _tiers(kv.block_bytes, bt, opts),
         "assumptions": list(ASSUMPTIONS), "warnings": [],
     }
     if headroom <= 0:
@@ -250,6 +259,23 @@ def build_plan(model: ModelConfig, opts: PlanOptions) -> dict:
                                    "bytes_per_request": shipped * tok_all, "bytes_per_s": need,
                                    "links_needed": {name: math.ceil(need / bw) for name, bw in opts.links}}
     return report
+
+
+def _tiers(block_bytes: int, bt: int, opts: PlanOptions) -> dict | None:
+    """Prefix tokens kvstore's tiers on one node hold (whole blocks of the model's whole KV):
+    DRAM raw, NVMe raw and with the codec at ``codec_ratio`` (what ``kvstore bench codec --nvme``
+    or ``kvstore stats`` measured: raw bytes per slot byte)."""
+    if not (opts.dram_bytes or opts.nvme_bytes):
+        return None
+    dram = opts.dram_bytes // block_bytes
+    nvme = opts.nvme_bytes // block_bytes
+    coded = math.floor(opts.nvme_bytes * opts.codec_ratio / block_bytes)
+    return {"block_bytes": block_bytes, "dram_bytes": opts.dram_bytes, "nvme_bytes": opts.nvme_bytes,
+            "codec_ratio": opts.codec_ratio, "dram_blocks": dram, "dram_tokens": dram * bt,
+            "nvme_blocks": nvme, "nvme_tokens": nvme * bt, "nvme_blocks_with_codec": coded,
+            "nvme_tokens_with_codec": coded * bt,
+            "prefixes_of_shared_prefix": (None if not opts.shared_prefix_tokens
+                                          else (dram + coded) // max(1, opts.shared_prefix_tokens // bt))}
 
 
 def _hybrid(model: ModelConfig, opts: PlanOptions, tok_gpu: int) -> dict | None:
@@ -348,6 +374,16 @@ def render(r: dict) -> str:
         wins = {None: "never", 1: "any length"}.get(x["load_wins_from_tokens"], f"{x['load_wins_from_tokens']:,} tok")
         out.append(f"  {x['link']:<14}{x['bytes_per_s'] / GB:>8.2f}{x['load_s'] * 1e3:>10.2f}"
                    f"{x['recompute_s'] * 1e3:>14.2f}  {x['faster']:<10}{x['crossover_bytes_per_s'] / GB:>15.2f}{wins:>16}")
+    t = r.get("kvstore_tiers")
+    if t:
+        out += ["", f"kvstore tiers on a node (blocks of {t['block_bytes']:,} B, the whole model's KV)",
+                f"  DRAM {_gb(t['dram_bytes']):>14}  {t['dram_blocks']:>12,} blocks  {t['dram_tokens']:>14,} tokens",
+                f"  NVMe {_gb(t['nvme_bytes']):>14}  {t['nvme_blocks']:>12,} blocks  {t['nvme_tokens']:>14,} tokens (raw)"]
+        if t["codec_ratio"] != 1.0:
+            out.append(f"  NVMe with nvme.codec at {t['codec_ratio']:g}x  {t['nvme_blocks_with_codec']:>12,} blocks  "
+                       f"{t['nvme_tokens_with_codec']:>14,} tokens")
+        if t["prefixes_of_shared_prefix"] is not None:
+            out.append(f"  distinct {p['shared_prefix_tokens']:,}-token prefixes held: {t['prefixes_of_shared_prefix']:,}")
     d = r["disaggregated"]
     if d:
         out += ["", f"Disaggregated prefill -> decode at {d['request_rate']:g} requests/s "
@@ -386,6 +422,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--link", action="append", metavar="NAME=RATE",
                     help="link for crossover and link counts, e.g. pcie5=50GB/s or ib=400Gbit/s (repeatable)")
     ap.add_argument("--rate", type=float, default=0.0, help="target requests/s for disaggregated serving")
+    ap.add_argument("--dram", default="0", help="kvstore DRAM tier per node, for the tier section (default 0: none)")
+    ap.add_argument("--nvme", default="0", help="kvstore NVMe tier per node, for the tier section (default 0: none)")
+    ap.add_argument("--codec-ratio", type=float, default=1.0,
+                    help="NVMe capacity ratio of nvme.codec (raw bytes per slot byte; kvstore bench codec --nvme "
+                         "measures it, kvstore stats shows it; default 1: codec off)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -418,7 +459,9 @@ def _options(a: argparse.Namespace) -> PlanOptions:
         shared_prefix_tokens=parse_tokens(a.shared_prefix, "--shared-prefix"), hit_rate=a.hit_rate,
         params=None if a.params is None else round(a.params),
         prefill_tokens_per_s=a.prefill_tps, prefill_ref_tokens=parse_tokens(a.prefill_ref, "--prefill-ref"),
-        gpu_flops_per_s=a.gpu_tflops * 1e12, links=tuple(links), request_rate=a.rate)
+        gpu_flops_per_s=a.gpu_tflops * 1e12, links=tuple(links), request_rate=a.rate,
+        dram_bytes=parse_plan_size(a.dram, "--dram", allow_zero=True),
+        nvme_bytes=parse_plan_size(a.nvme, "--nvme", allow_zero=True), codec_ratio=a.codec_ratio)
 
 
 def main(argv: list[str]) -> int:

@@ -25,6 +25,8 @@ class Metrics:
         self.tier_usage = Gauge("kvstore_tier_usage_ratio", "used / capacity of a tier", ["tier"], registry=r)
         self.tier_blocks = Gauge("kvstore_tier_blocks", "Blocks held in a tier", ["tier"], registry=r)
         self.tier_enabled = Gauge("kvstore_tier_enabled", "1 when the tier is serving", ["tier"], registry=r)
+        self.codec_ratio = Gauge("kvstore_tier_codec_ratio", "Raw block bytes per slot byte a tier's codec achieves, "
+                                 "per namespace (first 16 hex digits of its id)", ["tier", "namespace"], registry=r)
         self.hbm_emulated = Gauge("kvstore_hbm_emulated", "1 when the HBM tier runs on an emulated device", registry=r)
         # Lookups
         self.lookups = Counter("kvstore_lookups", "Lookup requests", registry=r)

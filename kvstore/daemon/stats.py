@@ -58,6 +58,7 @@ class Reporter:
             m.leases_active.labels(kind="write").set(len(core.leases) - reads)
             m.sessions.set(len(core.sessions))
             tiers = self.tier_stats()  # the slot allocators change under the lock: read them under it
+        m.codec_ratio.clear()  # namespaces whose blocks all left a tier drop out
         for st in tiers:
             name = st.kind.name.lower()
             m.tier_capacity.labels(tier=name).set(st.capacity_bytes)
@@ -65,6 +66,8 @@ class Reporter:
             m.tier_usage.labels(tier=name).set(st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0)
             m.tier_blocks.labels(tier=name).set(st.blocks)
             m.tier_enabled.labels(tier=name).set(1 if st.enabled else 0)
+            for ns, use in st.extra.get("namespaces", {}).items():  # a tier with a codec on
+                m.codec_ratio.labels(tier=name, namespace=ns[:16]).set(use["ratio"])
         m.hbm_emulated.set(1 if self.hbm_emulated else 0)
         for path, est in self.policy.bandwidth.snapshot().items():
             m.tier_bandwidth.labels(path=path).set(est.bytes_per_s)

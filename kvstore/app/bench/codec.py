@@ -7,12 +7,14 @@ The KV is a trained transformer's: all-MiniLM-L6-v2 (6 layers, 12 heads of 32), 
 projections are cut into kvstore blocks of ``--block-tokens`` tokens (all layers, K then V:
 the canonical layout). ``--kv random`` takes the same model with re-initialised weights, to
 show how far random-weight figures are from trained ones (kept apart: not the figures to quote).
+``--nvme DIR`` adds the NVMe tier through the daemon, codec off and on (:mod:`.codec_nvme`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -139,7 +141,19 @@ def run(a) -> dict:
         rows[dt]["block_bytes"] = blocks[0].nbytes
         rows[dt]["meets"] = [name for name in CODEC_NAMES.values() if name in rows[dt] and meets(rows[dt][name], dt)]
     met = a.kv == "trained" and all(rows[dt]["meets"] for dt in RATIO_TARGET if dt in rows)
-    return {"kv": "all-MiniLM-L6-v2 " + ("(trained)" if a.kv == "trained" else "(random weights: not the figures to quote)"),
+    nvme = None
+    if a.nvme:
+        from kvstore.app.bench import codec_nvme
+        from kvstore.layout import KVLayout
+
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        n = a.tokens // a.block_tokens * a.block_tokens
+        layers, _, _, row = kv.shape
+        heads = 12  # all-MiniLM-L6-v2: 12 heads of 32
+        layout = KVLayout(layers, heads, row // heads, "bf16", "mha", block_tokens=a.block_tokens)
+        bf16 = kv[:, :, :n].to(torch.bfloat16).reshape(layers, 2, n, heads, row // heads).contiguous()
+        nvme = codec_nvme.run(bf16, layout, a)
+    return {"nvme": nvme, "kv": "all-MiniLM-L6-v2 " + ("(trained)" if a.kv == "trained" else "(random weights: not the figures to quote)"),
             "tokens": a.tokens, "block_tokens": a.block_tokens, "c_codec": native() is not None, "rows": rows,
             "targets": TARGETS, "targets_met": met}
 
@@ -176,12 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     ap.add_argument("--reps", type=int, default=5, help="timed passes; medians reported")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--nvme", default="", metavar="DIR",
+                    help="also measure the NVMe tier through the daemon, codec off and on, on this filesystem")
+    ap.add_argument("--nvme-bytes", default="512MiB", help="--nvme: the tier's capacity, both modes")
+    ap.add_argument("--extent-bytes", default="16MiB", help="--nvme: the tier's allocation unit")
+    ap.add_argument("--codec", default="auto", choices=("auto", "nibble", "planes-zstd"), help="--nvme: nvme.codec")
+    ap.add_argument("--rounds", type=int, default=2, help="--nvme: rounds, alternating which mode runs first")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if a.tokens < a.block_tokens or a.block_tokens < 1 or a.reps < 1:
         raise SystemExit("--tokens must be >= --block-tokens >= 1 and --reps >= 1")
     r = run(a)
     print(json.dumps(r, indent=2) if a.json else table(r))
-    return 0
+    if r["nvme"] is not None and not a.json:
+        from kvstore.app.bench.codec_nvme import table as nvme_table
+
+        print(nvme_table(r["nvme"]))
+    return 0 if r["nvme"] is None or r["nvme"]["verified"] else 1
 
 
 if __name__ == "__main__":
