@@ -149,6 +149,38 @@ def encode_into(src: np.ndarray, dtype: DType | str, out: np.ndarray, codec: Cod
     return len(payload)
 
 
+def fast_codec(dtype) -> Codec | None:
+    """The codec for blocks of ``dtype`` (a DType or its label) on a hot path (the NVMe tier's
+    ``auto``, the wire): NIBBLE for bf16, fp32 and fp8 where the C codec is built (1.1-1.33x at
+    about 1.2 GB/s encode and 3.3-3.8 GB/s decode per core); None for the rest (stored or sent
+    raw)."""
+    try:
+        dt = dtype if isinstance(dtype, DType) else DType.parse(dtype)
+    except ValueError:
+        return None
+    if native() is None or dt not in PREFIX_BITS or not (dt in NIBBLE_FIRST or dt.bits == 8):
+        return None
+    return Codec.NIBBLE
+
+
+class ChunkEncoder:
+    """Encodes a transfer's chunks (what :meth:`kvstore.transport.Sender.open` takes): a call
+    returns the payload of ``codec`` for a buffer of ``dtype`` elements, or None where the chunk
+    does not shrink (it then travels raw)."""
+
+    def __init__(self, codec: Codec, dtype) -> None:
+        self.codec = int(codec)
+        self._codec, self._dtype = codec, dtype
+
+    def __call__(self, buf) -> bytes | None:
+        return encode(np.frombuffer(buf, np.uint8), self._dtype, self._codec)
+
+
+def decode_buffer(payload, dst) -> None:
+    """:func:`decode` into any writable buffer (a transport's destination memoryview)."""
+    decode(payload, np.frombuffer(dst, np.uint8))
+
+
 def codec_of(payload) -> Codec:
     """The codec a payload names by its magic (RAW for none)."""
     head = bytes(memoryview(payload)[:4])
@@ -280,5 +312,5 @@ def _decode_nibble_numpy(src: np.ndarray, out: np.ndarray) -> None:
     out[:] = value.astype("<u4").view(np.uint8).reshape(n, 4)[:, :ts].reshape(-1)
 
 
-__all__ = ["Codec", "CodecError", "MIN_SAVING", "NIBBLE_FIRST", "PREFIX_BITS", "codec_of", "decode", "encode", "encode_into",
-           "native"]
+__all__ = ["ChunkEncoder", "Codec", "CodecError", "MIN_SAVING", "NIBBLE_FIRST", "PREFIX_BITS", "codec_of", "decode", "decode_buffer", "encode",
+           "encode_into", "fast_codec", "native"]

@@ -165,6 +165,8 @@ class TransportConfig:
     tls_key_file: str = field(default="", metadata={"help": "tcp: PEM private key of tls_cert_file (a file only the daemon's user can read)"})
     tls_ca_file: str = field(default="", metadata={"help": "tcp: PEM CA bundle that peers' certificates must chain to (both directions)"})
     allow_unauthenticated: bool = field(default=False, metadata={"help": "let a transfer listener without TLS or a secret listen beyond loopback (UCX always listens on every interface): any host that reaches it may write blocks. Only on a fabric nobody else can reach"})
+    compress: str = field(default="off", metadata={"help": "tcp: send blocks losslessly encoded (kvstore.codec's nibble, bf16/fp32/fp8 KV) where the receiving daemon decodes: off, on, or auto (when the link to that peer, as measured by earlier transfers in wire bytes, is slower than compress_below_bytes_per_s); ucx links carry raw blocks"})
+    compress_below_bytes_per_s: float = field(default=1.0e9, metadata={"help": "compress auto: encode for links measured slower than this (bytes/second; about what one core encodes)"})
     accept: dict = field(default_factory=dict, metadata={"help": "which namespaces (model ids, or 64-hex namespace ids, or \"*\") each peer may send, by peer name (\"*\" = every peer); a TOML table, or peer=ns1,ns2;*=ns3 on the command line; empty = every namespace from every peer that authenticated"})
 
 
@@ -289,6 +291,8 @@ class Config:
                "must be adaptive, blocking or polling")
         _check(-1 <= self.transport.verify_threads <= 64, "transport.verify_threads", "must be -1 (auto) or 0..64")
         _check(self.transport.verify_min_bytes >= 0, "transport.verify_min_bytes", "must be >= 0")
+        _check(self.transport.compress in ("off", "on", "auto"), "transport.compress", "must be off, on or auto")
+        _check(self.transport.compress_below_bytes_per_s > 0, "transport.compress_below_bytes_per_s", "must be > 0")
         _check_transfer_auth(self.transport)
         _check(self.policy.prefill_tokens_per_s > 0, "policy.prefill_tokens_per_s", "must be > 0")
         c = self.cluster

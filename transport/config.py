@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from .auth import TlsFiles, check_name
 
@@ -71,6 +72,9 @@ class TransferConfig:
     verify_min_bytes: int = 1 * MiB       # ... for payloads of at least this size (smaller: inline)
     ucx_fused_verify: bool = True         # UCX receiver without a pool: hash as UCX copies in (shared memory)
     tcp_keepalive_s: int = 5              # dead-host detection where no FIN/RST ever arrives
+    # TCP receiver: decodes encoded chunks with decode(payload, dst) (ValueError: not a valid
+    # payload for dst's size); None: takes raw chunks only (kvstore.codec.decode in a daemon)
+    decode: Callable[[memoryview, memoryview], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", Backend.parse(self.backend))

@@ -18,6 +18,13 @@ A chunk is one layer of one block: ``header.chunk_bytes`` contiguous bytes. Its 
 computed by the sender over the source buffer and checked by the receiver over the bytes that
 landed in the destination, so both memory and wire corruption are caught.
 
+Encoded chunks (:mod:`kvstore.codec`): a sender that may encode sets :data:`BEGIN_ENCODED` in
+BEGIN's ``flags``; a receiver that decodes answers with the codecs it takes as a bit mask in
+ACCEPT's ``flags`` (:data:`DECODES`; an older receiver answers 0, and gets raw chunks). An
+encoded CHUNK names its codec in ``status`` and carries ``length`` bytes of payload for its
+``k`` layers (``flags`` = k for a run, 0 for one layer, as for a raw one); its checksum and
+digests are those of the raw layers, checked after the decode.
+
 A CHUNK frame may carry a *run*: ``k`` consecutive layers of one block that are contiguous on the
 sender (``length = k * chunk_bytes``, ``layer`` = the first, ``flags = k``). Its header is followed
 by the ``k`` per-layer xxh3-64 digests (little-endian u64) and its checksum is
@@ -40,6 +47,8 @@ MAX_BATCH = 64  # CHUNK headers one BATCH frame may carry
 BATCH_BYTES = 64 << 10  # ... and at most this many bytes of headers and run digests
 MAX_RUN_LAYERS = 1024  # layers one run may carry
 KEY_BYTES = 32
+BEGIN_ENCODED = 1  # BEGIN.flags: the sender may send encoded chunks
+DECODES = (1 << 1) | (1 << 2)  # ACCEPT.flags of a receiver that decodes: kvstore.codec.Codec 1 and 2
 # Room a manifest's meta gets per key on top of ``max_meta_bytes``: 16 int32 token ids, one block
 # of vLLM's default size, so a transfer of any length can carry its blocks' token ids for the
 # receiver's KV events (the daemon's use of meta, kvstore/daemon/transfer_meta.py).
@@ -161,6 +170,7 @@ class Frame:
     key: bytes = _ZERO_KEY
     status: int = 0
     flags: int = 0      # CHUNK: the number of run digests following the header (0: one layer)
+    # (CHUNK.status: the codec of an encoded payload, 0 = raw; BEGIN/ACCEPT.flags: see the docstring)
 
     @property
     def trailer_bytes(self) -> int:

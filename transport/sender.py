@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from .config import Backend, TransferConfig, parse_peer
-from .protocol import (KEY_BYTES, Frame, FrameType, TransferError, TransferHeader, TransferStatus,
+from .protocol import (BEGIN_ENCODED, KEY_BYTES, Frame, FrameType, TransferError, TransferHeader, TransferStatus,
                        MAX_RUN_LAYERS, checksum, layer_digests, pack_digests, parse_status, run_checksum,
                        status_frame)
 
@@ -50,12 +50,27 @@ class Channel(Protocol):
         """Tear down; on return no posted buffer is read any more."""
 
 
+class ChunkEncoder(Protocol):
+    """What :meth:`Sender.open` encodes chunks with (:class:`kvstore.codec.ChunkEncoder` in a
+    daemon): ``codec``, the id encoded chunks carry; a call returns a chunk's (or run's)
+    payload, or None to send it raw."""
+
+    codec: int
+
+    def __call__(self, buf: memoryview) -> bytes | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class TransferResult:
     transfer_id: int
     chunks: int
     bytes: int
     seconds: float  # open() to the receiver's verdict
+    wire_bytes: int = -1  # payload bytes sent (encoded chunks at their encoded size); -1: = bytes
+
+    def __post_init__(self) -> None:
+        if self.wire_bytes < 0:
+            object.__setattr__(self, "wire_bytes", self.bytes)
 
     @property
     def gbps(self) -> float:
@@ -66,12 +81,14 @@ class OutboundTransfer:
     """One running transfer. Not thread-safe: feed it from one thread (the doorbell watcher)."""
 
     def __init__(self, sender: "Sender", channel: Channel, header: TransferHeader, key: tuple,
-                 deadline: float, t_open: float) -> None:
+                 deadline: float, t_open: float, codec: int | None = None, encoder=None) -> None:
         self._sender, self._channel, self.header, self._pool_key = sender, channel, header, key
         self.deadline = deadline
         self._t_open = t_open
+        self.codec, self._encoder = codec, encoder  # chunks are encoded with codec (None: raw)
         self._seq = 0     # CHUNK frames posted (a run is one)
         self._chunks = 0  # layer chunks posted
+        self._wire = 0    # payload bytes posted (encoded ones at their encoded size)
         self._sent = bytearray(header.n_chunks)
         self._state = "open"  # -> "done" | "failed"
         self.submit_times: list[float] | None = None  # monotonic per seq, when a benchmark sets a list
@@ -100,8 +117,10 @@ class OutboundTransfer:
         self._check_channel()
         # Hashed here, on the caller's thread, so it overlaps the I/O thread's work on earlier
         # chunks (xxh3 releases the GIL) instead of stalling the wire.
-        self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes,
-                         checksum(mv) if digest is None else digest, h.keys[block]), mv)
+        sums = [checksum(mv) if digest is None else digest]
+        if not self._post_encoded(block, layer, mv, sums):
+            self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, layer, mv.nbytes, sums[0],
+                             h.keys[block]), mv)
 
     def send_run(self, block: int, first_layer: int, buf, digests: Sequence[int] | None = None) -> list[int]:
         """Queue layers ``first_layer .. first_layer + k - 1`` of block ``block`` in one message:
@@ -127,23 +146,41 @@ class OutboundTransfer:
             raise ValueError(f"send_run: {len(digests)} digests for {k} layers")
         self._check_channel()
         sums = list(digests) if digests is not None else layer_digests(mv, h.chunk_bytes)
-        self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
-                         run_checksum(sums), h.keys[block], flags=k if k > 1 else 0),
-                   mv, pack_digests(sums) if k > 1 else b"")
+        if not self._post_encoded(block, first_layer, mv, sums):
+            self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, mv.nbytes,
+                             run_checksum(sums), h.keys[block], flags=k if k > 1 else 0),
+                       mv, pack_digests(sums) if k > 1 else b"")
         return sums
+
+    def _post_encoded(self, block: int, first_layer: int, mv: memoryview, sums: list[int]) -> bool:
+        """Post layers ``first_layer..`` of ``block`` (``mv``, their raw bytes, with their
+        digests ``sums``) encoded, if the transfer encodes and they shrink; False: post them raw.
+        Encoded here, on the caller's thread, like the hashing."""
+        if self.codec is None:
+            return False
+        payload = self._encoder(mv)
+        if payload is None:
+            return False
+        k, h = len(sums), self.header
+        self._post(Frame(FrameType.CHUNK, h.transfer_id, self._seq, block, first_layer, len(payload),
+                         sums[0] if k == 1 else run_checksum(sums), h.keys[block], status=self.codec,
+                         flags=k if k > 1 else 0), memoryview(payload), pack_digests(sums) if k > 1 else b"", k)
+        return True
 
     def _check_channel(self) -> None:
         err = self._channel.error()
         if err is not None:
             self._fail(err)
 
-    def _post(self, frame: Frame, mv: memoryview, trailer: bytes = b"") -> None:
-        """Hand a validated CHUNK (one layer or a run) to the channel and mark its layers sent."""
+    def _post(self, frame: Frame, mv: memoryview, trailer: bytes = b"", k: int = 0) -> None:
+        """Hand a validated CHUNK (one layer or a run of ``k``; raw: from its length) to the
+        channel and mark its layers sent."""
         tamper = self._sender.tamper
         if self.submit_times is not None:
             self.submit_times.append(time.monotonic())
         self._channel.post_chunk(frame, tamper(frame, mv) if tamper else mv, trailer)
-        k = frame.length // self.header.chunk_bytes
+        k = k or frame.length // self.header.chunk_bytes
+        self._wire += frame.length
         first = frame.block * self.header.n_layers + frame.layer
         self._sent[first:first + k] = b"\x01" * k
         self._seq += 1
@@ -172,7 +209,8 @@ class OutboundTransfer:
         self._state = "done"
         self._sender._give_back(self._pool_key, self._channel)
         h = self.header
-        return TransferResult(h.transfer_id, self._chunks, self._chunks * h.chunk_bytes, time.monotonic() - self._t_open)
+        return TransferResult(h.transfer_id, self._chunks, self._chunks * h.chunk_bytes, time.monotonic() - self._t_open,
+                              self._wire)
 
     def abort(self, reason: str = "aborted by caller") -> None:
         """Give up: the receiver releases everything it reserved. Idempotent."""
@@ -223,8 +261,12 @@ class Sender:
             self._connector = TcpConnector(config)
 
     def open(self, peer: str, keys: Sequence[bytes], n_layers: int, chunk_bytes: int, *,
-             deadline_s: float | None = None, meta: bytes = b"", transfer_id: int | None = None) -> OutboundTransfer:
+             deadline_s: float | None = None, meta: bytes = b"", transfer_id: int | None = None,
+             encoder: "ChunkEncoder | None" = None) -> OutboundTransfer:
         """Start a transfer of ``len(keys) * n_layers`` chunks of ``chunk_bytes`` to ``peer``.
+
+        ``encoder``: sends chunks encoded where the receiver decodes its ``codec`` (TCP; UCX
+        links carry raw chunks) and they shrink; the transfer's ``codec`` says what was agreed.
 
         Blocks until the receiver accepted (it has reserved room for every chunk). Raises
         TransferError: REFUSED, CONNECT_FAILED, PEER_LOST, DEADLINE_EXCEEDED, PROTOCOL_ERROR.
@@ -243,6 +285,7 @@ class Sender:
         deadline = t0 + deadline_s
         pool_key = parse_peer(peer)
         manifest = header.encode()
+        codec = encoder.codec if encoder is not None and self.config.backend is Backend.TCP else None
         for attempt in (0, 1):
             try:
                 channel, reused = self._take(pool_key, deadline)
@@ -251,7 +294,8 @@ class Sender:
                 raise
             channel.set_deadline(deadline)
             try:
-                frame, data = channel.call(Frame(FrameType.BEGIN, tid, length=len(manifest)), manifest, deadline)
+                frame, data = channel.call(Frame(FrameType.BEGIN, tid, length=len(manifest),
+                                                 flags=BEGIN_ENCODED if codec is not None else 0), manifest, deadline)
             except TransferError as err:
                 channel.close()
                 # A pooled connection may predate a restart of the peer: one fresh try.
@@ -266,7 +310,8 @@ class Sender:
                 err = err or TransferError(TransferStatus.PROTOCOL_ERROR, f"got {frame.type.name} after BEGIN")
                 err.transfer_id = tid
                 raise err
-            return OutboundTransfer(self, channel, header, pool_key, deadline, t0)
+            agreed = codec if codec is not None and frame.flags & (1 << codec) else None
+            return OutboundTransfer(self, channel, header, pool_key, deadline, t0, agreed, encoder)
         raise AssertionError("unreachable")
 
     def _take(self, key: tuple[str, int], deadline: float) -> tuple[Channel, bool]:

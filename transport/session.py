@@ -18,8 +18,9 @@ import time
 
 from .auth import AuthError, Peer
 from .config import TransferConfig
-from .protocol import (MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError, TransferHeader,
-                       TransferStatus, payload_digests, run_checksum, status_frame, unpack_digests)
+from .protocol import (BEGIN_ENCODED, DECODES, MAX_RUN_LAYERS, Frame, FrameType, ProtocolError, TransferError,
+                       TransferHeader, TransferStatus, checksum, layer_digests, payload_digests, run_checksum,
+                       status_frame, unpack_digests)
 from .sink import Sink, Target
 
 log = logging.getLogger("kvstore.transport")
@@ -70,9 +71,9 @@ def refused(sink: Sink, address: str, err: AuthError) -> None:
 
 
 class _Active:
-    __slots__ = ("header", "target", "deadline", "seen", "count", "digests", "bounce")
+    __slots__ = ("header", "target", "deadline", "seen", "count", "digests", "bounce", "encoded", "raw")
 
-    def __init__(self, header: TransferHeader, target: Target, deadline: float) -> None:
+    def __init__(self, header: TransferHeader, target: Target, deadline: float, encoded: bool = False) -> None:
         self.header = header
         self.target = target
         self.deadline = deadline
@@ -80,13 +81,20 @@ class _Active:
         self.count = 0
         self.digests = getattr(target, "digests", None)  # optional: verified xxh3 per chunk index
         self.bounce: dict[tuple[int, int], bytearray] = {}  # runs the target cannot take in one piece
+        self.encoded = encoded  # encoded chunks were agreed at BEGIN
+        self.raw: dict[tuple[int, int], memoryview] = {}  # an encoded chunk's destination, until decoded
 
 
 class InboundSession:
-    """Protocol state machine of the receiving end of one connection. Times are monotonic seconds."""
+    """Protocol state machine of the receiving end of one connection. Times are monotonic seconds.
+    ``decodes``: the backend takes encoded chunks (TCP, with ``config.decode``): they are
+    received into a buffer of their own, decoded into the destination, then hashed
+    (:meth:`chunk_landed`)."""
 
-    def __init__(self, config: TransferConfig, sink: Sink, peer: str, clock=time.monotonic) -> None:
+    def __init__(self, config: TransferConfig, sink: Sink, peer: str, clock=time.monotonic,
+                 decodes: bool = False) -> None:
         self.config = config
+        self.decodes = decodes and config.decode is not None
         self.sink = sink
         self.peer = peer
         self.clock = clock
@@ -148,8 +156,9 @@ class InboundSession:
             return status_frame(FrameType.REFUSE, tid, TransferStatus.REFUSED,
                                 f"receiver has no room for {header.n_chunks} chunks of {header.chunk_bytes} bytes")
         deadline = self.clock() + min(header.deadline_s, c.max_deadline_s)
-        self.active = _Active(header, target, deadline)
-        return Frame(FrameType.ACCEPT, tid), b""
+        encoded = bool(frame.flags & BEGIN_ENCODED) and self.decodes
+        self.active = _Active(header, target, deadline, encoded)
+        return Frame(FrameType.ACCEPT, tid, flags=DECODES if encoded else 0), b""
 
     def _require(self, frame: Frame) -> _Active:
         a = self.active
@@ -162,13 +171,22 @@ class InboundSession:
 
     def chunk_buffer(self, frame: Frame) -> memoryview:
         """Validate a CHUNK header (one layer, or a run of layers of one block) and return where
-        its payload must be written."""
+        its payload must be written (an encoded chunk's: a buffer of its own)."""
         a = self._require(frame)
         h = a.header
         if frame.type is not FrameType.CHUNK:
             raise ProtocolError(f"expected CHUNK, got {frame.type.name}", frame.transfer_id)
-        k = frame.length // h.chunk_bytes
-        if frame.length != k * h.chunk_bytes or k == 0:
+        if frame.status:  # encoded: flags say how many layers, length is the payload's
+            if not a.encoded or not DECODES & (1 << frame.status if frame.status < 32 else 0):
+                raise ProtocolError(f"chunk {frame.seq} encoded with codec {frame.status}, which was not agreed "
+                                    f"at BEGIN", h.transfer_id)
+            k = frame.flags or 1
+            if not 0 < frame.length <= k * h.chunk_bytes:
+                raise ProtocolError(f"encoded chunk of {frame.length} bytes for {k} layers of {h.chunk_bytes}",
+                                    h.transfer_id)
+        else:
+            k = frame.length // h.chunk_bytes
+        if not frame.status and (frame.length != k * h.chunk_bytes or k == 0):
             raise ProtocolError(f"chunk of {frame.length} bytes: not a whole number of {h.chunk_bytes}-byte "
                                 f"layers", h.transfer_id)
         if k > MAX_RUN_LAYERS or frame.flags != (k if k > 1 else 0):
@@ -195,14 +213,17 @@ class InboundSession:
                 run = getattr(a.target, "run", None)
                 dst = run(frame.block, frame.layer, k) if run is not None else None
                 if dst is None:
-                    dst = a.bounce[(frame.block, frame.layer)] = bytearray(frame.length)
+                    dst = a.bounce[(frame.block, frame.layer)] = bytearray(k * h.chunk_bytes)
             mv = memoryview(dst).cast("B")
         except Exception as exc:
             raise TransferError(TransferStatus.SINK_ERROR, f"receiver sink gave no buffer: {exc!r}",
                                 h.transfer_id) from exc
-        if mv.readonly or mv.nbytes != frame.length:
+        if mv.readonly or mv.nbytes != k * h.chunk_bytes:
             raise TransferError(TransferStatus.SINK_ERROR, f"sink buffer is read-only or {mv.nbytes} bytes, "
-                                f"not {frame.length}", h.transfer_id)
+                                f"not {k * h.chunk_bytes}", h.transfer_id)
+        if frame.status:
+            a.raw[(frame.block, frame.layer)] = mv
+            return memoryview(bytearray(frame.length))
         return mv
 
     def run_digests(self, frame: Frame, trailer: bytes) -> list[int] | None:
@@ -220,9 +241,20 @@ class InboundSession:
 
     def landed_digests(self, frame: Frame, mv) -> int | list[int]:
         """What :meth:`chunk_verified` needs for the payload of ``frame`` now in ``mv``: its xxh3,
-        or for a run the list of its layers' xxh3s."""
-        self._require(frame)
-        return payload_digests(frame, mv)
+        or for a run the list of its layers' xxh3s (of an encoded chunk: once decoded into its
+        destination; a payload that does not decode is a CHECKSUM_MISMATCH, as corrupt bytes)."""
+        a = self._require(frame)
+        if not frame.status:
+            return payload_digests(frame, mv)
+        dst = a.raw.pop((frame.block, frame.layer))
+        try:
+            self.config.decode(mv, dst)
+        except ValueError as e:
+            raise TransferError(TransferStatus.CHECKSUM_MISMATCH,
+                                f"chunk {frame.seq} (block {frame.block}, layer {frame.layer}, key {frame.key.hex()[:16]}..) "
+                                f"arrived encoded and does not decode: {e}; nothing of the transfer was kept",
+                                frame.transfer_id) from None
+        return checksum(dst) if not frame.flags else layer_digests(dst, a.header.chunk_bytes)
 
     def chunk_landed(self, frame: Frame, mv: memoryview, sent: list[int] | None = None) -> None:
         """The payload of ``frame`` is in ``mv``: verify its checksum, then report it arrived."""

@@ -533,7 +533,7 @@ class TcpServer:
         if got is None:
             return
         sock, peer = got
-        session = InboundSession(self.config, self.sink, address)
+        session = InboundSession(self.config, self.sink, address, decodes=True)
         session.authenticated(peer)
         try:
             while True:
@@ -545,6 +545,10 @@ class TcpServer:
                 if frame.type is FrameType.CHUNK:
                     mv = session.chunk_buffer(frame)
                     sent = session.run_digests(frame, data)
+                    if frame.status:  # encoded: received whole, decoded into place, then hashed
+                        recv_into(sock, mv, dl)
+                        session.chunk_landed(frame, mv, sent)
+                        continue
                     c = session.active.header.chunk_bytes  # a run: each layer hashed as it lands
                     session.chunk_verified(frame, recv_hashed(sock, mv, dl) if mv.nbytes == c else
                                            [recv_hashed(sock, mv[o:o + c], dl) for o in range(0, mv.nbytes, c)], sent)

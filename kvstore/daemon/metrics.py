@@ -65,6 +65,8 @@ class Metrics:
                                       "(events.max_pending_events); subscribers resync", registry=r)
         self.events_resyncs = Counter("kvstore_events_resyncs", "Replay and snapshot requests served", ["kind"], registry=r)
         self.transfer_bytes = Counter("kvstore_transfer_bytes", "Bytes shipped between daemons", ["direction", "backend"], registry=r)
+        self.transfer_wire_bytes = Counter("kvstore_transfer_wire_bytes", "Bytes of block payload sent on the wire to daemons "
+                                           "(encoded blocks at their encoded size: transport.compress)", ["direction", "backend"], registry=r)
         self.transfer_chunks = Counter("kvstore_transfer_chunks", "Layer chunks shipped", ["direction", "backend"], registry=r)
         self.transfer_failures = Counter("kvstore_transfer_failures", "Transfers failed", ["reason"], registry=r)
         self.transfer_auth_failures = Counter("kvstore_transfer_auth_failures", "Peers the transfer listener dropped "
@@ -101,6 +103,7 @@ class Metrics:
             for b in ("ucx", "tcp"):
                 self.transfer_bytes.labels(direction=d, backend=b)
                 self.transfer_chunks.labels(direction=d, backend=b)
+            self.transfer_wire_bytes.labels(direction="send", backend="tcp")
         for t in TIER_LABELS:
             self.lookup_hit_tokens.labels(tier=t)
 

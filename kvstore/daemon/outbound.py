@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.codec import ChunkEncoder, decode_buffer, fast_codec
 from kvstore.config import TransportConfig
 from kvstore.daemon import transfer_meta
 from kvstore.daemon.core import Core, Session
@@ -35,7 +37,7 @@ def wire_config(t: TransportConfig) -> TransferConfig:
                           ucx_progress=t.ucx_progress, verify_threads=t.verify_threads,
                           verify_min_bytes=t.verify_min_bytes, ucx_fused_verify=t.ucx_fused_verify,
                           secret=read_secret(t.secret_file) if t.secret_file else b"",
-                          node_name=t.node_name or default_node_name(), tls=tls)
+                          node_name=t.node_name or default_node_name(), tls=tls, decode=decode_buffer)
 
 
 def failure_reason(status: TransferStatus) -> str:
@@ -58,9 +60,24 @@ class Outbound:
         self.cfg = t  # SIGHUP may change timeout_s, the default deadline
         self.config = wire  # wire_config(t), read once at start
         self.sender = sender_cls(self.config)
+        # Transfers whose chunks are encoded run their sending loop here, not on the Transfer
+        # RPC's gRPC thread (which waits for it).
+        self._encoding = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvt-encode")
 
     def stop(self) -> None:
         self.sender.close()
+        self._encoding.shutdown(wait=False)
+
+    def encoder(self, peer: str, dtype) -> ChunkEncoder | None:
+        """How chunks of ``dtype`` go to ``peer``: encoded (transport.compress on, or auto and
+        the link measured slower than compress_below_bytes_per_s), or raw (None)."""
+        mode = self.cfg.compress
+        codec = fast_codec(dtype) if mode != "off" and self.backend == "tcp" else None
+        if codec is None:
+            return None
+        if mode == "auto" and self.policy.bandwidth.estimate(f"peer:{peer}").bytes_per_s >= self.cfg.compress_below_bytes_per_s:
+            return None
+        return ChunkEncoder(codec, dtype)
 
     def committed(self, blocks: list) -> None:
         """Hash the layer chunks of blocks just committed, once, and keep the digests on the
@@ -135,8 +152,10 @@ class Outbound:
         try:
             # the namespace, and the blocks' token ids where they fit the header
             meta = transfer_meta.encode(st.ns, blocks, meta_limit(self.config.max_meta_bytes, len(blocks)))
-            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=meta)
-            try:
+            tx = self.sender.open(peer, keys, lay.num_layers, chunk, deadline_s=deadline_s, meta=meta,
+                                  encoder=self.encoder(peer, lay.dtype))
+
+            def ship():
                 if bell:  # layer-pipelined: layer l of every block as soon as the worker rings for it
                     for layer in range(lay.num_layers):
                         self._wait_bell(bell, layer + 1, tx.deadline, lease_id)
@@ -157,7 +176,9 @@ class Outbound:
                             sums += tx.send_run(i, first, view, None if b.digests is None else b.digests[first:first + n])
                         if b.digests is None:
                             fresh[i] = array("Q", sums)
-                result = tx.finish()
+                return tx.finish()
+            try:
+                result = ship() if tx.codec is None else self._encoding.submit(ship).result()
             except BaseException:
                 tx.abort("sender gave up")
                 raise
@@ -176,9 +197,10 @@ class Outbound:
         secs = time.monotonic() - t0
         m = self.metrics
         m.transfer_bytes.labels(direction="send", backend=self.backend).inc(result.bytes)
+        m.transfer_wire_bytes.labels(direction="send", backend=self.backend).inc(result.wire_bytes)
         m.transfer_chunks.labels(direction="send", backend=self.backend).inc(result.chunks)
         m.transfer_latency.labels(backend=self.backend).observe(secs)
-        self.policy.observe(f"peer:{peer}", result.bytes, secs)
+        self.policy.observe(f"peer:{peer}", result.wire_bytes, secs)  # the link's own speed, encoded or not
         return len(blocks), result.bytes, secs
 
     def _wait_bell(self, bell: int, layers: int, deadline: float, lease_id: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.codec import NIBBLE_FIRST, PREFIX_BITS, Codec, CodecError, encode_into, native
+from kvstore.codec import PREFIX_BITS, Codec, CodecError, encode_into, fast_codec, native
 from kvstore.layout import DType, LayoutError
 from kvstore.tiers.nvme.files import ALIGN, aligned_buffer, chunk_sums, round_up
 
@@ -72,9 +72,9 @@ class BlockCoder:
             return None
         if self.setting == "planes-zstd":
             return Codec.PLANES_ZSTD if dt.bits % 8 == 0 and dt.bits // 8 in (1, 2, 4) else None
-        if dt not in PREFIX_BITS or native() is None:
-            return None
-        return Codec.NIBBLE if self.setting == "nibble" or dt in NIBBLE_FIRST or dt.bits == 8 else None
+        if self.setting == "auto":
+            return fast_codec(dt)
+        return Codec.NIBBLE if dt in PREFIX_BITS and native() is not None else None
 
     def encode(self, job, bounce: np.ndarray) -> np.ndarray | None:
         """Encode ``job``'s block (an :class:`~.engine.Job` of a put; its checksums are taken

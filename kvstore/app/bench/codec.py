@@ -72,6 +72,20 @@ def minilm_kv(text: str, tokens: int, trained: bool = True):
     return torch.cat(windows, dim=2)
 
 
+def as_blocks(kv, block_tokens: int):
+    """``(kv, layout)``: :func:`minilm_kv`'s KV in bf16, shaped for a kvstore client (whole
+    blocks of ``block_tokens``), and its kvstore layout (6 layers, 12 heads of 32)."""
+    import torch
+
+    from kvstore.layout import KVLayout
+
+    n = kv.shape[2] // block_tokens * block_tokens
+    layers, _, _, row = kv.shape
+    heads = 12  # all-MiniLM-L6-v2
+    layout = KVLayout(layers, heads, row // heads, "bf16", "mha", block_tokens=block_tokens)
+    return kv[:, :, :n].to(torch.bfloat16).reshape(layers, 2, n, heads, row // heads).contiguous(), layout
+
+
 def blocks_of(kv, dtype: str, block_tokens: int) -> list[np.ndarray]:
     """kvstore blocks (uint8, canonical layout ``[layers, 2, block_tokens, row]``) of ``kv``."""
     import torch
@@ -144,15 +158,9 @@ def run(a) -> dict:
     nvme = None
     if a.nvme:
         from kvstore.app.bench import codec_nvme
-        from kvstore.layout import KVLayout
 
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        n = a.tokens // a.block_tokens * a.block_tokens
-        layers, _, _, row = kv.shape
-        heads = 12  # all-MiniLM-L6-v2: 12 heads of 32
-        layout = KVLayout(layers, heads, row // heads, "bf16", "mha", block_tokens=a.block_tokens)
-        bf16 = kv[:, :, :n].to(torch.bfloat16).reshape(layers, 2, n, heads, row // heads).contiguous()
-        nvme = codec_nvme.run(bf16, layout, a)
+        nvme = codec_nvme.run(*as_blocks(kv, a.block_tokens), a)
     return {"nvme": nvme, "kv": "all-MiniLM-L6-v2 " + ("(trained)" if a.kv == "trained" else "(random weights: not the figures to quote)"),
             "tokens": a.tokens, "block_tokens": a.block_tokens, "c_codec": native() is not None, "rows": rows,
             "targets": TARGETS, "targets_met": met}

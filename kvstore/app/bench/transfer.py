@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -224,8 +225,33 @@ def _pipelined(ca, cb, tokens, kv, peer: str, ratio: float) -> dict:
             "best_possible": round(1 - 1 / layout.num_layers, 3)}
 
 
+def compress_main(argv: list[str]) -> int:
+    """``kvstore bench transfer --compress``: see :mod:`kvstore.app.bench.transfer_codec`."""
+    from kvstore.app.bench import transfer_codec
+    from kvstore.app.bench.codec import as_blocks, minilm_kv
+
+    ap = argparse.ArgumentParser(prog="kvstore bench transfer --compress",
+                                 description=transfer_codec.__doc__.split("\n\n")[0])
+    ap.add_argument("--link-rate", default="200MB", help="the relay's bytes/s per direction (e.g. 200MB, 1.25GB)")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the trained model's KV per transfer")
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+
+    text = " ".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[3] / "docs").glob("*.md")))
+    with torch.no_grad():
+        kv, layout = as_blocks(minilm_kv(text, a.tokens), a.block_tokens)
+    r = transfer_codec.run(kv, layout, a)
+    print(json.dumps(r, indent=2) if a.json else transfer_codec.table(r))
+    return 0 if r["verified"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--compress" in argv:
+        return compress_main([x for x in argv if x != "--compress"])
     if "--daemons" not in argv:
         from kvstore.app.bench.transport_loopback import main as transport_main
 
