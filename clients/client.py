@@ -230,12 +230,14 @@ class KVStoreClient:
 
     # --- session ----------------------------------------------------------------------------
     def register(self, layout: KVLayout, model_id: str, tp_rank: int = 0, tp_world: int = 1,
-                 tenant_salt: str = "", prefill_tokens_per_s: float = 0.0, model_params: float = 0.0) -> None:
+                 tenant_salt: str = "", prefill_tokens_per_s: float = 0.0, model_params: float = 0.0,
+                 kv_codec: str = "") -> None:
         """Open a session for one namespace and map the daemon's arena. A session this client
-        already has is closed first, and its leases with it (commit or release them before)."""
-        namespace = Namespace(model_id, layout, tp_rank, tp_world, tenant_salt)
+        already has is closed first, and its leases with it (commit or release them before).
+        ``kv_codec``: ``int8`` or ``fp8`` opts into lossy storage on NVMe (kvstore.lossy)."""
+        namespace = Namespace(model_id, layout, tp_rank, tp_world, tenant_salt, kv_codec)
         req = pb.RegisterRequest(model_id=model_id, tp_rank=tp_rank, tp_world=tp_world, tenant_salt=tenant_salt,
-                                 prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params,
+                                 prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params, kv_codec=kv_codec,
                                  layout=pb.Layout(**layout.to_dict()), client_name=f"pid{os.getpid()}")
         self._end_session()
         self.namespace, self.layout = namespace, layout

@@ -143,7 +143,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = self.scheduler_class(s, self.link, bt, can_load, bool(ktc.is_kv_producer))
         else:
             # The scheduler looks keys up in rank 0's namespace; events name blocks by those keys.
-            root0 = Namespace(model_id, store_layout, 0, tp_world, s.tenant_salt).root
+            root0 = Namespace(model_id, store_layout, 0, tp_world, s.tenant_salt, s.kv_codec).root
             self._worker = self.worker_class(vllm_config, kv_cache_config, s, self.link, self.layout, bt, block_size,
                                              root0, writes=self.writes)
 

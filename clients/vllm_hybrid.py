@@ -447,6 +447,9 @@ def hybrid_sides(vllm_config, kv_cache_config, settings: ConnectorSettings, layo
     if settings.transfer_peer:
         raise ValueError("kvstore: transfer_peer is not supported for models of several KV cache groups "
                          f"({len(groups)} here)")
+    if settings.kv_codec:
+        raise ValueError(f"kvstore: kv_codec {settings.kv_codec} (lossy) is for models of one KV cache group; this "
+                         f"model has {len(groups)}, whose state snapshots and windows kvstore restores exactly")
     for g in groups:
         if g.kind == STATE and g.block_size != layout.block_tokens:
             raise Refused(f"KV cache group {g.index} holds state snapshots at vLLM's {g.block_size}-token block "

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreClient, KVStoreError, default_socket_path
+from kvstore.keys import KV_CODECS
 from kvstore.layout import DType, KVLayout
 from kvstore.modelcfg import from_hf
 from kvstore.tier_kind import TierKind
@@ -84,6 +85,7 @@ class ConnectorSettings:
     ask_peers: bool = False              # "ask_peers": Lookup asks the peers too (a round trip, see docs)
     require_daemon: bool = False         # "require_daemon": an unreachable daemon fails vLLM's start
     transfer_wait_s: float = 5.0         # "transfer_wait_s": a decode waits this long for an announced transfer
+    kv_codec: str = ""                   # "kv_codec": int8 | fp8 stores blocks quantized on NVMe (docs/compression.md)
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
@@ -91,7 +93,7 @@ class ConnectorSettings:
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
              "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path", "pull": "pull",
              "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers",
-             "require_daemon": "require_daemon", "transfer_wait_s": "transfer_wait_s"}
+             "require_daemon": "require_daemon", "transfer_wait_s": "transfer_wait_s", "kv_codec": "kv_codec"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -113,6 +115,9 @@ class ConnectorSettings:
         for name in ("follow_policy", "pull", "ask_peers", "require_daemon"):
             if not isinstance(getattr(s, name), bool):
                 raise ValueError(f"kv_connector_extra_config: {name} must be true or false, got {getattr(s, name)!r}")
+        if s.kv_codec not in KV_CODECS:
+            raise ValueError(f"kv_connector_extra_config: kv_codec must be int8 or fp8 (lossy, opt-in) or empty, "
+                             f"got {s.kv_codec!r}")
         if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
             raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
         try:
@@ -267,7 +272,7 @@ class Link:
         c.shard = self.shard
         try:
             c.register(self.layout, self.model_id, tp_rank=self.tp_rank, tp_world=self.tp_world,
-                       tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s),
+                       tenant_salt=s.tenant_salt, prefill_tokens_per_s=float(s.prefill_tokens_per_s), kv_codec=s.kv_codec,
                        model_params=float(s.model_params))
         except KVStoreError as e:
             c.close()

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore import lossy
 from kvstore.layout import DType
 
 MAGIC = b"KVZ1"
@@ -58,6 +59,8 @@ class Codec(enum.IntEnum):
     RAW = 0
     PLANES_ZSTD = 1
     NIBBLE = 2
+    INT8 = 3  # lossy (kvstore.lossy), for namespaces that opted in only
+    FP8 = 4   # lossy (kvstore.lossy)
 
     @classmethod
     def parse(cls, text: str) -> "Codec":
@@ -183,7 +186,10 @@ def decode_buffer(payload, dst) -> None:
 
 def codec_of(payload) -> Codec:
     """The codec a payload names by its magic (RAW for none)."""
-    head = bytes(memoryview(payload)[:4])
+    mv = memoryview(payload)
+    head = bytes(mv[:4])
+    if head == lossy.MAGIC:
+        return Codec.INT8 if mv[4] == lossy.KINDS["int8"] else Codec.FP8
     return Codec.NIBBLE if head == NIBBLE_MAGIC else Codec.PLANES_ZSTD if head == MAGIC else Codec.RAW
 
 
@@ -216,6 +222,11 @@ def decode(payload, dst: np.ndarray) -> None:
     mv = memoryview(payload)
     if bytes(mv[:4]) == NIBBLE_MAGIC:
         return _decode_nibble(mv, out)
+    if bytes(mv[:4]) == lossy.MAGIC:
+        try:
+            return lossy.dequantize(mv, out)
+        except lossy.LossyError as e:
+            raise CodecError(str(e)) from None
     if len(mv) < 5 or bytes(mv[:4]) != MAGIC:
         raise CodecError("not a kvstore codec payload (bad magic)")
     typesize = mv[4]

@@ -23,29 +23,42 @@ KEY_BYTES = 32
 
 
 _FIELD_TYPES = {"model_id": str, "layout": dict, "tp_rank": int, "tp_world": int, "tenant_salt": str}
+KV_CODECS = ("", "int8", "fp8")  # "": blocks read back exact; else kvstore.lossy's codec on NVMe
 
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """Everything that must keep two caches apart: model, layout, TP shard and tenant."""
+    """Everything that must keep two caches apart: model, layout, TP shard and tenant, and
+    ``kv_codec``: a lossy codec the namespace opted into (``int8`` or ``fp8``: its blocks are
+    stored quantized on NVMe, :mod:`kvstore.lossy`), or "" for blocks always read back exact.
+    A lossy namespace has another id than the exact one of the same model: a reader that asked
+    for exact blocks never gets lossy ones."""
 
     model_id: str
     layout: KVLayout
     tp_rank: int = 0
     tp_world: int = 1
     tenant_salt: str = ""
+    kv_codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_id or len(self.model_id) > 256:
             raise LayoutError("model_id: must be 1 to 256 characters")
         if self.tp_world < 1 or not 0 <= self.tp_rank < self.tp_world:
             raise LayoutError(f"tp_rank: must be in [0, tp_world={self.tp_world}), got {self.tp_rank}")
+        if self.kv_codec not in KV_CODECS:
+            raise LayoutError(f"kv_codec: expected int8, fp8 or empty (exact), got {self.kv_codec!r}")
+        if self.kv_codec and self.layout.dtype.label not in ("bf16", "fp16", "fp32"):
+            raise LayoutError(f"kv_codec: {self.kv_codec} quantizes bf16, fp16 or fp32 KV, not {self.layout.dtype.label}")
 
     def to_dict(self) -> dict:
         """The namespace as plain JSON values; :meth:`from_dict` reads it back. The one form in
         which a namespace is written down (NVMe recovery file, transfer headers, the hash)."""
-        return {"model_id": self.model_id, "layout": self.layout.to_dict(), "tp_rank": self.tp_rank,
-                "tp_world": self.tp_world, "tenant_salt": self.tenant_salt}
+        d = {"model_id": self.model_id, "layout": self.layout.to_dict(), "tp_rank": self.tp_rank,
+             "tp_world": self.tp_world, "tenant_salt": self.tenant_salt}
+        if self.kv_codec:  # only then: every exact namespace keeps the id it had before
+            d["kv_codec"] = self.kv_codec
+        return d
 
     @classmethod
     def from_dict(cls, d) -> "Namespace":
@@ -54,7 +67,7 @@ class Namespace:
         namespace). Raises :class:`LayoutError` (a ValueError) naming the bad field."""
         if not isinstance(d, dict):
             raise LayoutError(f"namespace: must be an object, got {type(d).__name__}")
-        unknown = set(d) - set(_FIELD_TYPES)
+        unknown = set(d) - set(_FIELD_TYPES) - {"kv_codec"}
         if unknown:
             raise LayoutError(f"namespace.{sorted(unknown)[0]}: unknown field")
         for name, kind in _FIELD_TYPES.items():
@@ -68,8 +81,11 @@ class Namespace:
             raise LayoutError(f"namespace.layout: {e}") from None
         except LayoutError as e:
             raise LayoutError(f"namespace.layout.{e}") from None
+        codec = d.get("kv_codec", "")
+        if not isinstance(codec, str) or d.get("kv_codec", None) == "":
+            raise LayoutError(f"namespace.kv_codec: must be int8 or fp8 where present, got {codec!r}")
         try:
-            return cls(d["model_id"], layout, d["tp_rank"], d["tp_world"], d["tenant_salt"])
+            return cls(d["model_id"], layout, d["tp_rank"], d["tp_world"], d["tenant_salt"], codec)
         except LayoutError as e:
             raise LayoutError(f"namespace.{e}") from None
 

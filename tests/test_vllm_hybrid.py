@@ -403,6 +403,15 @@ def test_a_block_size_other_than_vllms_is_refused_for_state_groups():
                      KVLayout(2, 2, 64, "bf16", block_tokens=64), "m", 0, 1)
 
 
+def test_a_lossy_codec_is_refused_for_a_model_of_several_groups():
+    from kvstore.clients.vllm_hybrid import hybrid_sides
+    from kvstore.clients.vllm_setup import ConnectorSettings
+
+    with pytest.raises(ValueError, match="kv_codec int8 .lossy. is for models of one KV cache group"):
+        hybrid_sides(None, _groups(_mamba(mamba_cache_mode="align"), _full()), ConnectorSettings.from_extra({"kv_codec": "int8"}),
+                     KVLayout(2, 2, 64, "bf16"), "m", 0, 1)
+
+
 def test_a_hit_ends_at_the_last_boundary_every_state_group_has(module_daemons):
     # Two state groups whose snapshots drifted apart (an eviction, a failed save): A has them
     # after blocks 2 and 4, B after 2 and 3. The hit is 2 blocks, the last boundary both have.

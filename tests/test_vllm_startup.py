@@ -175,6 +175,13 @@ def test_require_daemon_is_a_bool():
         ConnectorSettings.from_extra({"require_daemon": "yes"})
 
 
+def test_kv_codec_is_a_lossy_codec_or_nothing():
+    assert ConnectorSettings.from_extra({"kv_codec": "int8"}).kv_codec == "int8"
+    assert ConnectorSettings.from_extra({}).kv_codec == ""
+    with pytest.raises(ValueError, match="kv_codec must be int8 or fp8"):
+        ConnectorSettings.from_extra({"kv_codec": "int4"})
+
+
 def test_reach_daemon(tmp_path, daemon, loggers):
     reach_daemon(ConnectorSettings(socket_path=daemon.socket_path, require_daemon=True))
     gone = str(tmp_path / "gone.sock")

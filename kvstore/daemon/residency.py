@@ -52,9 +52,11 @@ class Move:
 
     def nvme_item(self, encode: bool = False) -> tuple:
         """The tuple ``KeyedTier.put_many`` takes; with ``encode``, naming the block's element
-        type, so that a tier with a codec stores it encoded."""
-        dtype = self.ns.layout.dtype if encode and self.ns is not None else None
-        return self.ns_id, self.key, self.parent_key, self.chunk_bytes, self.view, self.digests, dtype
+        type, so that a tier with a codec stores it encoded. A namespace that opted into a
+        lossy codec has its blocks quantized, whatever ``encode`` says."""
+        kv_codec = self.ns.kv_codec if self.ns is not None else ""
+        dtype = self.ns.layout.dtype if (encode or kv_codec) and self.ns is not None else None
+        return self.ns_id, self.key, self.parent_key, self.chunk_bytes, self.view, self.digests, dtype, kv_codec
 
 
 @dataclass(slots=True)
@@ -251,6 +253,8 @@ class Residency(Placement):
                         b.tier, b.offset = DRAM, m.slot
                         m.slot = -1
                         self.announce(b)
+                        if st.ns.kv_codec and m.key in sums:  # read back dequantized: these bytes' digests
+                            b.digests = sums[m.key]
                         b.keep_digests(sums.get(m.key))
                         self.touch(b)
                         self.lru(DRAM, st.id).add(b)

@@ -185,7 +185,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         finite(req.prefill_tokens_per_s, "prefill_tokens_per_s", "tokens per second")
         finite(req.model_params, "model_params", "parameters")
         try:
-            ns = Namespace(req.model_id, layout, req.tp_rank, req.tp_world or 1, req.tenant_salt)
+            ns = Namespace(req.model_id, layout, req.tp_rank, req.tp_world or 1, req.tenant_salt, req.kv_codec)
         except LayoutError as e:
             raise invalid(str(e)) from None
         with self.core.lock:

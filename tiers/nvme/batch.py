@@ -37,7 +37,9 @@ class PutItem(NamedTuple):
     was first hashed): stored as given instead of hashing ``src`` again, so bytes that changed
     since are caught on the first read, not written under a fresh checksum. ``dtype``: the
     block's element type (a :class:`kvstore.layout.DType` or its label); with the tier's codec
-    on, a block of a type it codes is stored encoded. None: stored raw."""
+    on, a block of a type it codes is stored encoded. None: stored raw. ``lossy``: store it
+    quantized (whatever the codec setting); it then reads back as the dequantized values, its
+    checksums taken over those."""
 
     ns_id: bytes
     key: bytes
@@ -46,6 +48,7 @@ class PutItem(NamedTuple):
     src: object
     sums: object = None
     dtype: object = None
+    lossy: str = ""  # "int8" / "fp8": the block's namespace opted into kvstore.lossy (needs dtype)
 
 
 @dataclass(frozen=True, slots=True)

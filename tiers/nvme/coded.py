@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore import lossy
 from kvstore.codec import PREFIX_BITS, Codec, CodecError, encode_into, fast_codec, native
 from kvstore.layout import DType, LayoutError
 from kvstore.tiers.nvme.files import ALIGN, aligned_buffer, chunk_sums, round_up
@@ -76,12 +77,39 @@ class BlockCoder:
             return fast_codec(dt)
         return Codec.NIBBLE if dt in PREFIX_BITS and native() is not None else None
 
+    @staticmethod
+    def check_lossy(kind: str, dtype, nbytes: int) -> None:
+        """ValueError unless ``kind`` quantizes blocks of ``dtype`` (a put's validation)."""
+        if kind not in lossy.KINDS:
+            raise ValueError(f"lossy: expected one of {', '.join(lossy.KINDS)}, got {kind!r}")
+        size = {"bf16": 2, "fp16": 2, "fp32": 4}[lossy.dtype_label(dtype)]
+        if nbytes % size:
+            raise ValueError(f"lossy: a block of {nbytes} bytes is not whole {lossy.dtype_label(dtype)} elements")
+
+    def _quantize(self, job, bounce: np.ndarray) -> np.ndarray:
+        """A lossy namespace's block: quantized, its checksums taken over what it decodes to
+        (what every later read checks), its slot sized by the payload."""
+        payload = lossy.quantize(job.buf[:job.nbytes], job.dtype, job.lossy)
+        n = len(payload)
+        out = bounce if round_up(job.nbytes) <= bounce.nbytes else aligned_buffer(job.nbytes)
+        back = out[:job.nbytes]
+        lossy.dequantize(payload, back)
+        job.sums = chunk_sums(back, job.nbytes, job.chunk_bytes)
+        out[:n] = np.frombuffer(payload, np.uint8)
+        job.codec = int(Codec.INT8 if job.lossy == "int8" else Codec.FP8)
+        job.stored, job.slot_bytes = n, size_class(job.nbytes, n) or round_up(n)
+        padded = round_up(n)
+        out[n:padded] = 0
+        return out[:padded]
+
     def encode(self, job, bounce: np.ndarray) -> np.ndarray | None:
         """Encode ``job``'s block (an :class:`~.engine.Job` of a put; its checksums are taken
         over the raw bytes first, if the caller gave none) into ``bounce`` (or a buffer of its
         own when the block is larger) and size its slot. Returns the payload padded with zeros
         to whole ALIGN units and sets ``job.codec``, ``job.stored`` and ``job.slot_bytes``; or
         returns None, with the job left raw, when the block does not shrink by a size class."""
+        if job.lossy:
+            return self._quantize(job, bounce)
         raw = job.buf[:job.nbytes]
         if job.sums is None:
             job.sums = chunk_sums(job.buf, job.nbytes, job.chunk_bytes)

@@ -32,14 +32,15 @@ class Job:
     ``dtype``: what a put may encode the block as (None: stored raw)."""
 
     __slots__ = ("key", "ns_id", "parent", "chunk_bytes", "buf", "nbytes", "offset", "sums", "error",
-                 "dtype", "codec", "stored", "slot_bytes")
+                 "dtype", "codec", "stored", "slot_bytes", "lossy")
 
     def __init__(self, key, ns_id, parent, chunk_bytes, buf, nbytes, offset, sums=None, *, dtype=None,
-                 codec=0, stored=0, slot_bytes=0):
+                 codec=0, stored=0, slot_bytes=0, lossy=""):
         self.key, self.ns_id, self.parent, self.chunk_bytes = key, ns_id, parent, chunk_bytes
         self.buf, self.nbytes, self.offset, self.sums = buf, nbytes, offset, sums
         self.dtype, self.codec, self.stored = dtype, codec, stored or nbytes
         self.slot_bytes = slot_bytes or nbytes
+        self.lossy = lossy  # quantized (kvstore.lossy): sums are of the dequantized bytes
         self.error: NvmeError | None = None
 
 

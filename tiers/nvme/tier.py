@@ -161,7 +161,7 @@ class NvmeTier:
         """
         jobs: list[Job] = []
         for it in items:
-            ns_id, key, parent, chunk_bytes, src, sums, dtype = PutItem(*it)
+            ns_id, key, parent, chunk_bytes, src, sums, dtype, lossy = PutItem(*it)
             key = check_key(key)
             if parent is not None:
                 parent = check_key(parent)
@@ -178,8 +178,10 @@ class NvmeTier:
                 if len(sums) != n:
                     raise ValueError(f"sums: {len(sums)} checksums for {n} chunks of block {key.hex()[:16]}")
                 sums = array("Q", sums)
-            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1, sums,
-                            dtype=dtype if self._coder.codec_for(dtype) is not None else None))
+            if lossy:
+                self._coder.check_lossy(lossy, dtype, a.nbytes)
+            jobs.append(Job(key, ns_id, parent, chunk_bytes, a, a.nbytes, -1, sums, lossy=lossy,
+                            dtype=dtype if lossy or self._coder.codec_for(dtype) is not None else None))
         batch = NvmeBatch("put", [j.key for j in jobs], on_done)
         moving: list[Job] = []
         coding: list[Job] = []  # to encode; each gets its slot once its payload's size is known
@@ -548,7 +550,8 @@ class NvmeTier:
                             batch.set(j.key, IoResult.FAILED, j.error or err)
         for batch, jobs in done:
             ok = [j for j in jobs if batch.results[j.key] is IoResult.OK]
-            batch.finish_batch(sum(j.nbytes for j in ok), {j.key: j.sums for j in ok})
+            # A quantized block's checksums are of what it reads back as, not of its source.
+            batch.finish_batch(sum(j.nbytes for j in ok), {j.key: j.sums for j in ok if not j.lossy})
 
     # --- in-memory state (under _lock unless said otherwise) --------------------------------------
 

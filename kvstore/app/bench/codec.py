@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore import lossy
 from kvstore.codec import Codec, decode, encode, native
 
 TARGETS = {"bf16_ratio": 1.3, "fp8_ratio": 1.08, "encode_gbps": 1.0, "decode_gbps": 3.0}  # issue 33
@@ -124,6 +125,17 @@ def measure(blocks: list[np.ndarray], dtype: str, reps: int) -> dict:
             "ratio": raw / stored, "raw_blocks": sum(p is None for p in payloads),
             "encode_gbps": _gbps(raw, lambda: [encode(b, dtype, which) for b in blocks], reps),
             "decode_gbps": _gbps(raw, lambda: [decode(p, o) for p, o in zip(payloads, out) if p is not None], reps)}
+    if dtype in ("bf16", "fp16", "fp32"):  # the lossy codecs a namespace may opt into
+        for kind in lossy.KINDS:
+            stats = [lossy.error_stats(b, dtype, kind) for b in blocks]
+            payloads = [lossy.quantize(b, dtype, kind) for b in blocks]
+            row[f"lossy_{kind}"] = {
+                "ratio": raw / sum(map(len, payloads)),
+                "rel_rms_error": float(np.sqrt(np.mean([x["rel_rms_error"] ** 2 for x in stats]))),
+                "max_abs_error_rel": max(x["max_abs_error_rel"] for x in stats),
+                "snr_db": float(np.median([x["snr_db"] for x in stats])),
+                "encode_gbps": _gbps(raw, lambda: [lossy.quantize(b, dtype, kind) for b in blocks], reps),
+                "decode_gbps": _gbps(raw, lambda: [lossy.dequantize(p, o) for p, o in zip(payloads, out)], reps)}
     typesize = TYPESIZE[dtype]
     try:
         import blosc2
@@ -183,6 +195,12 @@ def table(r: dict) -> str:
                 y = x[name]
                 mark = ("met" if name in x["meets"] else "not met") if name.startswith("kvstore") else "(reference)"
                 lines.append(f"{'':9s}{name:24s}{y['ratio']:7.3f}{y['encode_gbps']:9.2f}{y['decode_gbps']:9.2f}  {mark}")
+        for kind in lossy.KINDS:
+            y = x.get(f"lossy_{kind}")
+            if y:
+                lines.append(f"{'':9s}{'lossy ' + kind + ' (opt-in)':24s}{y['ratio']:7.3f}{y['encode_gbps']:9.2f}"
+                             f"{y['decode_gbps']:9.2f}  rel RMS error {y['rel_rms_error']:.4f}, max "
+                             f"{y['max_abs_error_rel']:.4f} of the block's largest value, SNR {y['snr_db']:.1f} dB")
     t = r["targets"]
     lines.append(f"targets (bf16 >= {t['bf16_ratio']}x, fp8 >= {t['fp8_ratio']}x, encode >= {t['encode_gbps']} GB/s, "
                  f"decode >= {t['decode_gbps']} GB/s per core, by one codec per dtype): "
