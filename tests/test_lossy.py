@@ -181,3 +181,19 @@ def test_daemon_serves_lossy_blocks_from_nvme_keeps_exact_ones_apart_and_ships_t
         cb.close()
     finally:
         stop_all(a, b)
+
+
+def test_the_engine_bench_compares_tokens_up_to_the_first_difference():
+    from kvstore.app.bench.vllm_lossy import compare
+
+    def out(tokens, top1, cached=64):
+        return {"tokens": tokens, "cached_tokens": cached,
+                "logprobs": [[[t, lp], [t + 1, lp - 1.0]] for t, lp in zip(tokens, top1)]}
+    ref = [out([1, 2, 3], [-0.1, -0.2, -0.3]), out([4, 5, 6], [-0.1, -0.1, -0.1])]
+    got = [out([1, 2, 3], [-0.1, -0.25, -0.3]), out([4, 9, 6], [-0.1, -0.5, -2.0], cached=32)]
+    r = compare(ref, got)
+    assert (r["prompts_identical"], r["prompts"], r["cached_tokens_min"]) == (1, 2, 32)
+    assert r["mean_tokens_before_first_difference"] == 2.0  # 3 and 1
+    # steps compared: all 3 of the first prompt, and the second's up to its first difference (2)
+    assert abs(r["top1_logprob_delta_max"] - 0.4) < 1e-9
+    assert abs(r["top5_overlap_mean"] - 0.8) < 1e-9  # 4 steps with the same top tokens, 1 with none

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
                         ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier"),
                         ("vllm-hybrid", "TTFT of a hybrid model in real vLLM: no cache, vLLM's prefix cache, kvstore"),
-                        ("codec", "the lossless block codec on a trained model's KV: ratio, GB/s per core vs memcpy")):
+                        ("codec", "the block codecs on a trained model's KV: ratio, GB/s per core vs memcpy, lossy error"),
+                        ("vllm-lossy", "what a lossy namespace (kv_codec int8 / fp8) does to real vLLM's outputs")):
         bb = bsub.add_parser(name, help=help_, add_help=False)
         bb.add_argument("rest", nargs=argparse.REMAINDER)
         bb.set_defaults(fn=_delegate(DELEGATED[("bench", name)]))
@@ -222,7 +223,8 @@ DELEGATED = {("plan",): "kvstore.app.plan", ("cluster",): "kvstore.cluster.cli",
              ("bench", "tiers"): "kvstore.app.bench.tiers", ("bench", "transfer"): "kvstore.app.bench.transfer",
              ("bench", "vllm"): "kvstore.app.bench.vllm", ("bench", "cluster"): "kvstore.app.bench.cluster",
              ("bench", "cluster-sim"): "kvstore.app.bench.cluster_sim", ("bench", "vllm-offload"): "kvstore.app.bench.vllm_offload",
-             ("bench", "vllm-hybrid"): "kvstore.app.bench.vllm_hybrid", ("bench", "codec"): "kvstore.app.bench.codec"}
+             ("bench", "vllm-hybrid"): "kvstore.app.bench.vllm_hybrid", ("bench", "codec"): "kvstore.app.bench.codec",
+             ("bench", "vllm-lossy"): "kvstore.app.bench.vllm_lossy"}
 
 
 def main(argv: list[str] | None = None) -> int:
