@@ -117,6 +117,19 @@ def test_the_nvme_tier_stores_a_lossy_block_quantized_and_checks_what_it_reads_b
         assert list(sums[key(0)]) == list(chunk_sums(outs[0], block, CHUNK))
         with pytest.raises(ValueError, match="lossy"):
             t.put_many([(NS, key(9), None, CHUNK, raw[0], None, "int8", "int8")])
+        # Bytes changed since their checksums were recorded are not quantized under fresh ones:
+        # the first read finds the block corrupt, as for a raw block.
+        recorded = chunk_sums(raw[0], block, CHUNK)
+        changed = raw[0].copy()
+        changed[1000] ^= 0x40
+        b = t.put_many([(NS, key(8), None, CHUNK, changed, recorded, "bf16", "int8")])
+        assert b.wait(30) and b.results[key(8)] is IoResult.OK
+        g = t.get_many([key(8)], [np.zeros(block, np.uint8)])
+        assert g.wait(30) and g.results[key(8)] is IoResult.CORRUPT
+        b = t.put_many([(NS, key(7), None, CHUNK, raw[1], chunk_sums(raw[1], block, CHUNK), "bf16", "int8")])
+        assert b.wait(30) and b.results[key(7)] is IoResult.OK
+        g = t.get_many([key(7)], [np.zeros(block, np.uint8)])
+        assert g.wait(30) and g.results[key(7)] is IoResult.OK  # unchanged: served
     from test_nvme import flip_byte
     flip_byte(c, recs[key(2)].slot + 12 + 3)  # the first scale's exponent byte
     with NvmeTier(c) as t:

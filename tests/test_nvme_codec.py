@@ -25,6 +25,7 @@ from kvstore.tiers.nvme.index import BlockRecord
 import nvme_util
 from nvme_util import CHUNK, NS, NS2, KiB, MiB, cfg, data, key
 from test_nvme import flip_byte, write_at
+from wait_util import wait_for
 
 pytestmark = pytest.mark.skipif(native() is None, reason="the C codec is built by make test (make codec)")
 BLOCK = 256 * KiB  # size classes of 1/32 of the block: 8 KiB
@@ -201,8 +202,7 @@ def test_deletes_and_reads_racing_encoded_puts_never_see_another_block(tmp_path)
         threads = [threading.Thread(target=churn), threading.Thread(target=read)]
         for th in threads:
             th.start()
-        while len(seen) < 400:
-            threads[1].join(0.05)
+        wait_for(lambda: len(seen) >= 400 or not all(th.is_alive() for th in threads), 60, "reads racing the churn")
         stop.set()
         for th in threads:
             th.join(30)
@@ -214,6 +214,14 @@ def test_deletes_and_reads_racing_encoded_puts_never_see_another_block(tmp_path)
         assert b.wait(30) and b.results[key(500)] in (IoResult.CANCELLED, IoResult.OK)
         assert t.contains([key(500)]) == [False]
         assert t.stats().extra["pending_writes"] == 0
+        # Deleted while it encodes, then put again: the write in flight stores it (it was lost).
+        b1 = t.put_many([(NS, key(501), None, CHUNK, kv(501), None, "bf16")])
+        t.delete([key(501)])
+        b2 = t.put_many([(NS, key(501), None, CHUNK, kv(501), None, "bf16")])
+        assert b1.wait(30) and b2.wait(30)
+        assert t.contains([key(501)]) == [True]
+        g, (d,) = get(t, [501])
+        assert g.error is None and np.array_equal(d, kv(501))
 
 
 # --- through the daemon --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvstore.codec import ChunkEncoder, decode_buffer, fast_codec
 from kvstore.config import TransportConfig
@@ -61,8 +62,10 @@ class Outbound:
         self.config = wire  # wire_config(t), read once at start
         self.sender = sender_cls(self.config)
         # Transfers whose chunks are encoded run their sending loop here, not on the Transfer
-        # RPC's gRPC thread (which waits for it).
-        self._encoding = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvt-encode")
+        # RPC's gRPC thread (which waits for it, at most until the transfer's deadline).
+        self._encoding = ThreadPoolExecutor(max_workers=ENCODING_THREADS, thread_name_prefix="kvt-encode")
+        self._raw_rate: dict[str, float] = {}  # peer -> bytes/s of its last raw transfer: the link itself
+        self._encoded_since: dict[str, int] = {}  # peer -> encoded transfers since that one
 
     def stop(self) -> None:
         self.sender.close()
@@ -70,14 +73,25 @@ class Outbound:
 
     def encoder(self, peer: str, dtype) -> ChunkEncoder | None:
         """How chunks of ``dtype`` go to ``peer``: encoded (transport.compress on, or auto and
-        the link measured slower than compress_below_bytes_per_s), or raw (None)."""
+        the link slower than compress_below_bytes_per_s), or raw (None). auto judges the link by
+        its last raw transfer (before any: the policy's estimate of the peer): an encoded one is
+        bounded by the encoding, not the link. Every ``PROBE_EVERY``-th goes raw again, to see
+        whether the link got faster."""
         mode = self.cfg.compress
         codec = fast_codec(dtype) if mode != "off" and self.backend == "tcp" else None
         if codec is None:
             return None
-        if mode == "auto" and self.policy.bandwidth.estimate(f"peer:{peer}").bytes_per_s >= self.cfg.compress_below_bytes_per_s:
-            return None
+        if mode == "auto":
+            rate = self._raw_rate.get(peer) or self.policy.bandwidth.estimate(f"peer:{peer}").bytes_per_s
+            if rate >= self.cfg.compress_below_bytes_per_s or self._encoded_since.get(peer, 0) >= PROBE_EVERY - 1:
+                return None
         return ChunkEncoder(codec, dtype)
+
+    def _measured(self, peer: str, encoded: bool, nbytes: int, secs: float) -> None:
+        if encoded:
+            self._encoded_since[peer] = self._encoded_since.get(peer, 0) + 1
+        else:
+            self._raw_rate[peer], self._encoded_since[peer] = nbytes / max(secs, 1e-9), 0
 
     def committed(self, blocks: list) -> None:
         """Hash the layer chunks of blocks just committed, once, and keep the digests on the
@@ -178,7 +192,14 @@ class Outbound:
                             fresh[i] = array("Q", sums)
                 return tx.finish()
             try:
-                result = ship() if tx.codec is None else self._encoding.submit(ship).result()
+                if tx.codec is None:
+                    result = ship()
+                else:
+                    try:
+                        result = self._encoding.submit(ship).result(max(0.0, tx.deadline - time.monotonic()) + 1.0)
+                    except FutureTimeout:
+                        raise TransferError(TransferStatus.DEADLINE_EXCEEDED,
+                                            "the encoded transfer did not finish by its deadline") from None
             except BaseException:
                 tx.abort("sender gave up")
                 raise
@@ -200,7 +221,8 @@ class Outbound:
         m.transfer_wire_bytes.labels(direction="send", backend=self.backend).inc(result.wire_bytes)
         m.transfer_chunks.labels(direction="send", backend=self.backend).inc(result.chunks)
         m.transfer_latency.labels(backend=self.backend).observe(secs)
-        self.policy.observe(f"peer:{peer}", result.wire_bytes, secs)  # the link's own speed, encoded or not
+        self.policy.observe(f"peer:{peer}", result.bytes, secs)
+        self._measured(peer, tx.codec is not None, result.bytes, secs)
         return len(blocks), result.bytes, secs
 
     def _wait_bell(self, bell: int, layers: int, deadline: float, lease_id: int) -> None:
@@ -217,6 +239,8 @@ class Outbound:
 
 
 RUN_BYTES = 4 << 20  # a committed block travels in messages of about this size
+ENCODING_THREADS = 16  # encoded transfers at once (a pipelined one waits for its writer on one)
+PROBE_EVERY = 16  # compress auto: every 16th transfer to a peer goes raw, measuring the link again
 
 
 def run_layers(chunk_bytes: int, n_layers: int) -> int:

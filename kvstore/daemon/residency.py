@@ -127,7 +127,8 @@ class Residency(Placement):
                 self.pressure.waiting = False
                 return DemotionPlan(False, None)
             victims = self._pick(min(want, max_bytes))
-            if not victims:
+            if not victims:  # nothing more can go: a writer still short of room is refused for good
+                self.pressure.waiting = False
                 return DemotionPlan(True, None)
             moves = []
             for b in victims:

@@ -24,6 +24,7 @@ import numpy as np
 from kvstore import lossy
 from kvstore.codec import PREFIX_BITS, Codec, CodecError, encode_into, fast_codec, native
 from kvstore.layout import DType, LayoutError
+from kvstore.tiers.nvme.errors import NvmeError
 from kvstore.tiers.nvme.files import ALIGN, aligned_buffer, chunk_sums, round_up
 
 CLASSES = 32  # size classes are multiples of 1/CLASSES of the block
@@ -89,12 +90,17 @@ class BlockCoder:
     def _quantize(self, job, bounce: np.ndarray) -> np.ndarray:
         """A lossy namespace's block: quantized, its checksums taken over what it decodes to
         (what every later read checks), its slot sized by the payload."""
+        # Bytes that changed since their checksums were recorded keep those checksums, which
+        # what they decode to will not match: the first read finds the block corrupt, as it would
+        # a raw one (quantized under fresh checksums, the change would be served).
+        stale = job.sums is not None and chunk_sums(job.buf, job.nbytes, job.chunk_bytes) != job.sums
         payload = lossy.quantize(job.buf[:job.nbytes], job.dtype, job.lossy)
         n = len(payload)
         out = bounce if round_up(job.nbytes) <= bounce.nbytes else aligned_buffer(job.nbytes)
         back = out[:job.nbytes]
         lossy.dequantize(payload, back)
-        job.sums = chunk_sums(back, job.nbytes, job.chunk_bytes)
+        if not stale:
+            job.sums = chunk_sums(back, job.nbytes, job.chunk_bytes)
         out[:n] = np.frombuffer(payload, np.uint8)
         job.codec = int(Codec.INT8 if job.lossy == "int8" else Codec.FP8)
         job.stored, job.slot_bytes = n, size_class(job.nbytes, n) or round_up(n)
@@ -103,6 +109,19 @@ class BlockCoder:
         return out[:padded]
 
     def encode(self, job, bounce: np.ndarray) -> np.ndarray | None:
+        """:meth:`encode_block`, never failing the tier: a lossless encode that fails leaves the
+        block raw; a lossy one fails that block alone (NvmeError, which disables nothing)."""
+        try:
+            return self.encode_block(job, bounce)
+        except NvmeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - numpy, zstd, memory: this block only
+            if job.lossy:
+                raise NvmeError(f"NVMe block {job.key.hex()[:16]}: quantizing it failed ({e!r}); not stored") from e
+            job.codec, job.stored, job.slot_bytes = 0, job.nbytes, job.nbytes
+            return None
+
+    def encode_block(self, job, bounce: np.ndarray) -> np.ndarray | None:
         """Encode ``job``'s block (an :class:`~.engine.Job` of a put; its checksums are taken
         over the raw bytes first, if the caller gave none) into ``bounce`` (or a buffer of its
         own when the block is larger) and size its slot. Returns the payload padded with zeros

@@ -193,6 +193,8 @@ class NvmeTier:
                 raise self._fail_unlocked(classify_lmdb_error(e, "reading the index", self.config.map_bytes)) from e
             for j, here in zip(jobs, stored):
                 if here or j.key in self._pending:
+                    # A key deleted while its write runs, put again: the write in flight stores it.
+                    self._cancelled.discard(j.key)
                     batch.set(j.key, IoResult.PRESENT)
                     continue
                 if j.dtype is not None:

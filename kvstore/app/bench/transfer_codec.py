@@ -110,8 +110,8 @@ def run(kv, layout, a) -> dict:
                 except OSError:
                     return
                 left = nbytes
-                while left > 0:
-                    left -= len(c.recv(1 << 20))
+                while left > 0 and (got := c.recv(1 << 20)):
+                    left -= len(got)
                 c.sendall(b"k")
                 c.close()
         threading.Thread(target=ref_sink, daemon=True).start()
