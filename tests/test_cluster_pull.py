@@ -14,6 +14,7 @@ closed."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -83,8 +84,10 @@ def member(net: Net, etcd, pki, name, *flags):
 
 
 def with_nvme(tmp_path):
-    """B: a DRAM tier of 256 blocks over an NVMe tier, so a prefix can sit on its NVMe only."""
+    """B: a DRAM tier of 256 blocks over an NVMe tier, so a prefix can sit on its NVMe only; the
+    tier stores blocks encoded (the fp16 test KV: planes-zstd), so a pull reads them decoded."""
     return ("--nvme-dir", str(tmp_path / "nvme-b"), "--nvme-capacity-bytes", "64MiB", "--nvme-file-bytes", "64MiB",
+            "--nvme-codec", "planes-zstd",
             "--dram-capacity-bytes", "8MiB")
 
 
@@ -216,6 +219,8 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
         filler = list(range(100_000 + s * 1024, 100_000 + (s + 1) * 1024))
         assert cb.put(filler, kv_for(filler, 0)) == 64
     wait_for(lambda: bytes(cb.lookup_keys(cb.keys(fourth)).tiers) == bytes([3] * 4), what="the prefix on B's NVMe only")
+    nvme_b = next(t for t in cb.stats().tiers if t.tier == pb.TIER_NVME)
+    assert all(u["slot_bytes"] < u["raw_bytes"] for u in json.loads(nvme_b.detail)["namespaces"].values())  # encoded
     r = pull(c, cc, fourth, holder="pull-b")
     assert (r.blocks, r.pulled, r.holder, r.detail) == (4, 4, "pull-b", "")
     assert served(cc, fourth, 3)
