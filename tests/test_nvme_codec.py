@@ -116,6 +116,26 @@ def test_the_same_capacity_holds_more_blocks(tmp_path):
     assert held["auto"] >= 1.25 * held["off"], held
 
 
+def test_a_full_tier_places_an_encoded_block_in_a_larger_free_slot_of_its_namespace(tmp_path):
+    """No free extent, no free slot of the block's class, a free raw slot of its namespace: the
+    block takes that slot (it was NO_SPACE while the extent had room), and reads back."""
+    with NvmeTier(coded_cfg(tmp_path / "nvme")) as t:
+        put(t, range(32), make=data, dtype=None).result()  # random bytes, raw: 32 slots, every extent
+        assert t.put_many([(NS, key(99), None, CHUNK, kv(99), None, "bf16")]).wait(30)
+        assert t.contains([key(99)]) == [False]  # full
+        t.delete([key(5)])  # one raw slot free in a partly used extent
+        b = put(t, [100])
+        assert b.results[key(100)] is IoResult.OK
+        e = {x.key: x for x in t.entries()}[key(100)]
+        assert e.codec == 2 and e.stored < e.nbytes  # encoded, in the raw-sized slot that was free
+        g, (d,) = get(t, [100])
+        assert g.error is None and np.array_equal(d, kv(100))
+    with NvmeTier(coded_cfg(tmp_path / "nvme")) as t:  # the slot is recovered as the size it is
+        assert t.recovery.dropped == 0 and t.recovery.blocks == 32
+        g, (d,) = get(t, [100])
+        assert g.error is None and np.array_equal(d, kv(100))
+
+
 def test_restart_recovers_encoded_and_raw_blocks_and_their_room(tmp_path):
     c = coded_cfg(tmp_path / "nvme")
     with NvmeTier(c) as t:

@@ -265,6 +265,22 @@ class ExtentAllocator:
         self.used_slots += 1
         return off
 
+    def allocate_fit(self, ns_id: bytes, slot_bytes: int, limit: int) -> tuple[int, int] | None:
+        """A slot of at least ``slot_bytes`` and at most ``limit`` bytes for ``ns_id``:
+        ``(offset, its slot size)``. Its own size first (a new extent if need be), else the
+        smallest free slot of a larger size the namespace's extents already hold: space left in
+        those is used before the range counts as full. None when neither exists."""
+        off = self.allocate(ns_id, slot_bytes)
+        if off is not None:
+            return off, slot_bytes
+        sizes = sorted(sb for (ns, sb), pool in self._free_slots.items()
+                       if ns == ns_id and pool and slot_bytes < sb <= limit)
+        for sb in sizes:
+            off = self.allocate(ns_id, sb)
+            if off is not None:
+                return off, sb
+        return None
+
     def free(self, ns_id: bytes, slot_bytes: int, offset: int) -> None:
         ext = offset // self.extent_bytes
         owner = self._extent_owner.get(ext)

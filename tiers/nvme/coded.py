@@ -8,10 +8,15 @@ extents of its own, and space freed in one class serves that class until its ext
 and goes back to the shared pool. A block whose class would not be smaller than its raw slot is
 stored raw, as before.
 
-Space left in partly used extents is bounded: at most one partly used extent per namespace and
-class in use (:data:`CLASSES` classes at most, a few in practice, since a namespace's blocks
-compress alike). The extents of classes nobody writes any more empty as their blocks are
-evicted, so there is no compaction pass; :func:`size_class` keeps the number of classes small.
+Fragmentation: a block whose class has no free slot and no free extent left takes the smallest
+free slot of a larger class of its namespace (up to a raw block's slot) before the tier reports
+it full (:meth:`~kvstore.tiers.base.ExtentAllocator.allocate_fit`), so no extent of the
+namespace is left with free slots while its blocks are refused. What stays unused is the
+difference between a block's class and the slot it took, and free slots of other namespaces'
+extents. The extents of classes nobody writes any more empty as their blocks are evicted (least
+recent first, and the blocks of one extent were written together), so there is no compaction
+pass; :func:`size_class` keeps the number of classes small (a few in practice, since a
+namespace's blocks compress alike).
 
 Thread-safety: :class:`BlockCoder` is stateless past construction (the codecs keep their state
 per thread); :class:`CodecUse` is guarded by the tier's lock.

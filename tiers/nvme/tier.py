@@ -231,7 +231,12 @@ class NvmeTier:
                 buf = j.buf[:j.nbytes]
             with self._lock:
                 result = IoResult.CANCELLED if j.key in self._cancelled else None
-                off = None if result else self._alloc.allocate(j.ns_id, j.slot_bytes)
+                # A free slot of a larger class of the namespace before NO_SPACE: no extent is
+                # left half used while the tier says it is full.
+                got = None if result else self._alloc.allocate_fit(j.ns_id, j.slot_bytes, max(j.slot_bytes, j.nbytes))
+                off = None if got is None else got[0]
+                if got is not None:
+                    j.slot_bytes = got[1]
                 if off is None:
                     self._cancelled.discard(j.key)
                     del self._pending[j.key]
