@@ -12,6 +12,7 @@ CLI: ``--<section>-<key>`` with dashes, e.g. ``--dram-capacity-bytes 8GiB``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -138,7 +139,7 @@ class NvmeConfig:
         """Whether nvme.codec applies to this namespace's blocks."""
         if self.codec == "off":
             return False
-        names = {x.strip() for x in self.codec_namespaces.split(",") if x.strip()}
+        names = _name_set(self.codec_namespaces)
         return not names or model_id in names or ns_id.hex() in names
 
 
@@ -394,6 +395,12 @@ def parse_accept(text: str) -> dict:
             raise ValueError(f"{part!r}: expected peer=namespace,namespace")
         out.setdefault(peer.strip(), []).extend(n.strip() for n in names.split(",") if n.strip())
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _name_set(text: str) -> frozenset[str]:
+    """The names of a comma-separated list (asked once per block demoted: parsed once)."""
+    return frozenset(x.strip() for x in text.split(",") if x.strip())
 
 
 def _check(ok: bool, key: str, why: str) -> None:

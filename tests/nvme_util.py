@@ -45,3 +45,45 @@ def get(tier, ids, ns=NS, nbytes=BLOCK):
     b = tier.get_many([key(i, ns) for i in ids], dsts)
     assert b.wait(30)
     return b, dsts
+
+
+def race_reads_with_churn(tier, ids, others, put, get, make, readers: int = 1, reads: int = 400):
+    """Delete and put again the even keys of ``ids`` (storing ``others``' blocks into the slots
+    just freed, then deleting them) while ``readers`` threads read every key of ``ids``, until
+    ``reads`` reads ended. ``put(tier, ids)``, ``get(tier, ids) -> (batch, dsts)``; ``make(i)``
+    is block ``i``'s bytes. Returns ``(seen, bad)``: every read's result, and ``(i, result)`` of
+    each read that ended neither MISSING nor OK with block ``i``'s bytes."""
+    import threading
+
+    from kvstore.tiers.nvme import IoResult
+    from wait_util import wait_for
+
+    stop = threading.Event()
+    seen: list = []
+    bad: list = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            tier.delete([key(i) for i in ids[::2]])
+            put(tier, others)
+            tier.delete([key(i) for i in others])
+            put(tier, ids[::2])
+
+    def read() -> None:
+        while not stop.is_set():
+            g, dsts = get(tier, ids)
+            for i, d in zip(ids, dsts):
+                r = g.results[key(i)]
+                seen.append(r)
+                if r not in (IoResult.OK, IoResult.MISSING) or (r is IoResult.OK and not np.array_equal(d, make(i))):
+                    bad.append((i, r))
+
+    put(tier, ids)
+    threads = [threading.Thread(target=churn)] + [threading.Thread(target=read) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(seen) >= reads or not all(t.is_alive() for t in threads), 60, "reads racing the churn")
+    stop.set()
+    for t in threads:
+        t.join(30)
+    return seen, bad

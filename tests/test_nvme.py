@@ -13,7 +13,7 @@ from kvstore.tiers.arena import Arena
 from kvstore.tiers.base import TierError
 from kvstore.tiers.nvme import IoMode, IoResult, NvmeBatchError, NvmeChecksumError, NvmeTier, NvmeTierConfig
 from tier_contract import TierContract
-from nvme_util import BLOCK, CHUNK, NS, NS2, KiB, MiB, cfg, data, get, key, put
+from nvme_util import BLOCK, CHUNK, NS, NS2, KiB, MiB, cfg, data, get, key, put, race_reads_with_churn
 from wait_util import wait_for
 
 
@@ -358,37 +358,7 @@ def test_scrub_finds_corruption_under_an_open_tier(tier):
 def test_reads_racing_deletes_and_puts_of_the_same_keys_never_see_another_block(tier):
     """The index is the only record of what is stored: a read that finds a block reads that
     block whole, even while another thread deletes it and stores other blocks in its slot."""
-    import threading
-
     ids = range(16)
-    stop = threading.Event()
-    seen: list = []
-    bad: list = []  # (block, result) of every read that ended neither MISSING nor OK with its bytes
-
-    def churn() -> None:
-        others = range(1000, 1008)  # other bytes, into the slots just freed
-        while not stop.is_set():
-            tier.delete([key(i) for i in ids[::2]])
-            put(tier, others)
-            tier.delete([key(i) for i in others])
-            put(tier, ids[::2])
-
-    def read() -> None:
-        while not stop.is_set():
-            g, dsts = get(tier, ids)
-            for i, d in zip(ids, dsts):
-                r = g.results[key(i)]
-                seen.append(r)
-                if r not in (IoResult.OK, IoResult.MISSING) or (r is IoResult.OK and not np.array_equal(d, data(i))):
-                    bad.append((i, r))
-
-    put(tier, ids)
-    threads = [threading.Thread(target=churn)] + [threading.Thread(target=read) for _ in range(2)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(seen) >= 2000, 60, "reads racing the churn")
-    stop.set()
-    for t in threads:
-        t.join(30)
+    seen, bad = race_reads_with_churn(tier, ids, range(1000, 1008), put, get, data, readers=2, reads=2000)
     assert not bad and IoResult.OK in seen and tier.stats().extra["checksum_failures"] == 0
     assert all(tier.contains([key(i) for i in ids[1::2]]))  # never deleted: still there

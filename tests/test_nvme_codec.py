@@ -11,7 +11,6 @@ import functools
 import json
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import numpy as np
@@ -23,9 +22,8 @@ from kvstore.tiers.nvme import IoResult, NvmeTier
 from kvstore.tiers.nvme.coded import BlockCoder, size_class
 from kvstore.tiers.nvme.index import BlockRecord
 import nvme_util
-from nvme_util import CHUNK, NS, NS2, KiB, MiB, cfg, data, key
+from nvme_util import CHUNK, NS, NS2, KiB, MiB, cfg, data, key, race_reads_with_churn
 from test_nvme import flip_byte, write_at
-from wait_util import wait_for
 
 pytestmark = pytest.mark.skipif(native() is None, reason="the C codec is built by make test (make codec)")
 BLOCK = 256 * KiB  # size classes of 1/32 of the block: 8 KiB
@@ -199,33 +197,7 @@ def test_a_truncated_payload_and_scrub(tmp_path):
 def test_deletes_and_reads_racing_encoded_puts_never_see_another_block(tmp_path):
     with NvmeTier(coded_cfg(tmp_path / "nvme")) as t:
         ids = range(8)
-        stop = threading.Event()
-        bad, seen = [], []
-
-        def churn() -> None:
-            while not stop.is_set():
-                t.delete([key(i) for i in ids[::2]])
-                put(t, range(100, 104))
-                t.delete([key(i) for i in range(100, 104)])
-                put(t, ids[::2])
-
-        def read() -> None:
-            while not stop.is_set():
-                g, dsts = get(t, ids)
-                for i, d in zip(ids, dsts):
-                    r = g.results[key(i)]
-                    seen.append(r)
-                    if r not in (IoResult.OK, IoResult.MISSING) or (r is IoResult.OK and not np.array_equal(d, kv(i))):
-                        bad.append((i, r))
-
-        put(t, ids)
-        threads = [threading.Thread(target=churn), threading.Thread(target=read)]
-        for th in threads:
-            th.start()
-        wait_for(lambda: len(seen) >= 400 or not all(th.is_alive() for th in threads), 60, "reads racing the churn")
-        stop.set()
-        for th in threads:
-            th.join(30)
+        _, bad = race_reads_with_churn(t, ids, range(100, 104), put, get, kv)
         assert not bad and t.stats().extra["checksum_failures"] == 0
         assert all(t.contains([key(i) for i in ids[1::2]]))
         # A delete while its put encodes: the put ends CANCELLED or OK-then-deleted, never stored.

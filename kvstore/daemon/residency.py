@@ -254,9 +254,8 @@ class Residency(Placement):
                         b.tier, b.offset = DRAM, m.slot
                         m.slot = -1
                         self.announce(b)
-                        if st.ns.kv_codec and m.key in sums:  # read back dequantized: these bytes' digests
+                        if m.key in sums:  # what DRAM now holds, as verified (a lossy block: dequantized)
                             b.digests = sums[m.key]
-                        b.keep_digests(sums.get(m.key))
                         self.touch(b)
                         self.lru(DRAM, st.id).add(b)
                         n += 1
