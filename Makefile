@@ -43,16 +43,18 @@ install-test: $(TSTAMP)
 fused: $(FSTAMP)
 codec: $(CSTAMP)
 
-# System tools the tests use: fio (same-run NVMe reference), etcd (the cluster tests) and
+# System tools the tests use: fio (same-run NVMe reference), etcd (the cluster tests), redis-server
+# (the cluster directory on a Redis cluster) and
 # xxhash.h (the fused UCX receive's build). Installed only when missing, in one apt-get run.
 sysdeps:
 	@missing=""; command -v fio >/dev/null 2>&1 || missing=" fio"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	echo '#include <xxhash.h>' | $${CC:-cc} -E -x c - >/dev/null 2>&1 || missing="$$missing libxxhash-dev"; \
 	if [ -n "$$missing" ]; then \
 	  { command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
-	  echo "warning: could not install$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped; without libxxhash-dev the fused UCX receive cannot be built"; \
+	  echo "warning: could not install$$missing; without fio the NVMe benchmarks fall back to a raw O_DIRECT reference; without etcd the cluster tests are skipped; without redis-server the Redis directory tests are skipped; without libxxhash-dev the fused UCX receive cannot be built"; \
 	fi
 
 serve: $(STAMP)

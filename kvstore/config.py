@@ -195,9 +195,23 @@ class ClusterConfig:
     peer_lookup_timeout_s: float = field(default=0.05, metadata={"help": "deadline of asking peers, in parallel, for the blocks after a Lookup's local hits (seconds; 0 = ask no one)"})
     peer_lookup_max_peers: int = field(default=8, metadata={"help": "at most this many peers advertising the namespace are asked per Lookup"})
     peer_cooldown_s: float = field(default=10.0, metadata={"help": "a peer whose Push failed on the wire (unreachable, late) is not advised or asked to push for this long, unless named (seconds; 0 = never set aside)"})
+    directory: str = field(default="replica", metadata={"help": "where the fleet's prefix directory lives: replica (every daemon reads every peer's KV event stream into memory; up to about 64 nodes) or redis (a Redis/Valkey cluster holds it, sharded by chain; each daemon writes its own blocks there and reads per Lookup)"})
+    redis_nodes: str = field(default="", metadata={"help": "redis: comma-separated host:port of some of the Redis/Valkey cluster's nodes (the rest are discovered)"})
+    redis_username: str = field(default="", metadata={"help": "redis: ACL user; empty = the default user"})
+    redis_password_file: str = field(default="", metadata={"help": "redis: file holding the ACL password (mode 0600 or 0400, owned by the daemon's user; never printed)"})
+    redis_tls: bool = field(default=False, metadata={"help": "redis: connect with TLS (the server's certificate is checked against redis_ca_file, or the system's CAs)"})
+    redis_ca_file: str = field(default="", metadata={"help": "redis: PEM CA bundle of the servers' certificates (implies redis_tls)"})
+    redis_cert_file: str = field(default="", metadata={"help": "redis: PEM client certificate, for servers that require one (tls-auth-clients)"})
+    redis_key_file: str = field(default="", metadata={"help": "redis: PEM private key of redis_cert_file"})
+    redis_timeout_s: float = field(default=0.05, metadata={"help": "redis: deadline of one directory read on a Lookup's path (seconds); a store slower than this or down gives local hits only"})
+    redis_retry_s: float = field(default=2.0, metadata={"help": "redis: after a failed call, Lookups skip the store this long before trying again (seconds)"})
+    redis_key_prefix: str = field(default="kvd", metadata={"help": "redis: prefix of this fleet's keys (one per fleet sharing a store)"})
 
     def endpoints(self) -> list[str]:
         return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
+
+    def redis_nodes_list(self) -> list[str]:
+        return [e.strip() for e in self.redis_nodes.split(",") if e.strip()]
 
 
 # Where a part needs pyzmq and msgspec and they are missing: what to install (said by the
@@ -315,6 +329,20 @@ class Config:
                 _host_port(f"cluster.{key}", getattr(c, key))
         _check(bool(c.etcd_cert_file) == bool(c.etcd_key_file), "cluster.etcd_cert_file",
                "etcd_cert_file and etcd_key_file go together")
+        _check(c.directory in ("replica", "redis"), "cluster.directory", "must be replica or redis")
+        if c.directory == "redis":
+            _check(bool(c.endpoints()), "cluster.directory",
+                   "redis is the directory of a fleet: set cluster.etcd_endpoints too (membership and epochs stay in etcd)")
+            _check(bool(c.redis_nodes_list()), "cluster.redis_nodes",
+                   "cluster.directory = redis needs the store's nodes (host:port, comma-separated)")
+            for e in c.redis_nodes_list():
+                _host_port("cluster.redis_nodes", e)
+            _check(bool(c.redis_cert_file) == bool(c.redis_key_file), "cluster.redis_cert_file",
+                   "redis_cert_file and redis_key_file go together")
+            _check(0 < c.redis_timeout_s <= 5, "cluster.redis_timeout_s", "must be in (0, 5] seconds")
+            _check(0 <= c.redis_retry_s <= 600, "cluster.redis_retry_s", "must be in [0, 600] seconds")
+            _check(bool(re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", c.redis_key_prefix)), "cluster.redis_key_prefix",
+                   "must be 1-64 of A-Z a-z 0-9 . _ : -")
         self._validate_events()
         return self
 

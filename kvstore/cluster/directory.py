@@ -159,13 +159,14 @@ class Directory:
         self.where[key] = rest[0] if len(rest) == 1 else rest
 
     # --- lookup -----------------------------------------------------------------------------
-    def longest_prefix(self, namespace: bytes | str, chain: list[bytes], limit: int = DEFAULT_LIMIT
-                       ) -> list[PrefixHit]:
+    def longest_prefix(self, namespace: bytes | str, chain: list[bytes], limit: int = DEFAULT_LIMIT, *,
+                       root: bytes | None = None) -> list[PrefixHit]:
         """The ``limit`` nodes holding the longest prefixes of ``chain``: how many leading blocks
         each holds, as one :class:`PrefixHit` per tier step (a node with blocks 0-2 in DRAM and
         block 3 only on NVMe gives ``(DRAM, 3)`` and ``(NVME, 4)``), longest first.
         ``namespace`` (the 32-byte namespace id or its hex) leaves out nodes whose registration
-        lists other namespaces only.
+        lists other namespaces only. ``root`` (the request's first key, where ``chain`` is a
+        later part of it) is for the store-backed directory, which finds a chain's shard by it.
 
         Cost: one dict lookup per block to find how deep any node goes, then, from the deepest
         block back, the holders of each block until ``limit`` nodes are found, each walked from

@@ -19,12 +19,12 @@ class DirectoryHolders:
         self.directory = directory
         self.membership = membership
 
-    def candidates(self, ns_hex: str, keys: list[bytes]) -> list[Member]:
+    def candidates(self, ns_hex: str, keys: list[bytes], root: bytes | None = None) -> list[Member]:
         peers = {m.node_id: m for m in self.membership.peers()}
         out: list[Member] = []
         # longest_prefix gives one hit per tier step per node, longest first: a node's first
         # hit is its longest, and an entry at another epoch than membership's is stale.
-        for hit in self.directory.longest_prefix(ns_hex, keys):
+        for hit in self.directory.longest_prefix(ns_hex, keys, root=root):
             m = peers.get(hit.node_id)
             if m is not None and m.epoch == hit.epoch and m not in out:
                 out.append(m)
@@ -46,10 +46,11 @@ class DirectoryRemoteHits:
         self.directory = directory
         self.membership = membership
 
-    def remote_prefix(self, ns_hex: str, keys: list[bytes]) -> list[tuple[Member, int, TierKind]]:
+    def remote_prefix(self, ns_hex: str, keys: list[bytes], root: bytes | None = None
+                      ) -> list[tuple[Member, int, TierKind]]:
         peers = {m.node_id: m for m in self.membership.peers()}
         out = []
-        for hit in self.directory.longest_prefix(ns_hex, keys):
+        for hit in self.directory.longest_prefix(ns_hex, keys, root=root):
             m = peers.get(hit.node_id)
             if m is not None and m.epoch == hit.epoch:
                 # A holder ships from DRAM (HBM blocks have their DRAM copy); NVMe-only ones are read first.

@@ -40,6 +40,12 @@ class ClusterMetrics:
                                        "prefix directory, over every peer", registry=r)
         self.directory_blocks = Gauge("kvstore_cluster_directory_blocks", "Distinct blocks in the cluster prefix "
                                       "directory", registry=r)
+        self.directory_store_errors = Counter("kvstore_cluster_directory_store_errors", "Calls to the directory's "
+                                              "store (cluster.directory = redis) that failed: reader (a Lookup's "
+                                              "read; local hits only for redis_retry_s), writer (this node's "
+                                              "entries; rewritten once it answers)", ["side"], registry=r)
+        for side in ("reader", "writer"):
+            self.directory_store_errors.labels(side=side)
         self.advice = Counter("kvstore_cluster_advice", "Lookup's advice in a cluster: load, pull, recompute",
                               ["advice"], registry=r)
         for advice in ("load", "pull", "recompute"):

@@ -282,8 +282,10 @@ class ClusterDirectory:
         self._ctx.term()
 
     # --- lookups (any thread) ---------------------------------------------------------------
-    def longest_prefix(self, namespace: bytes | str, chain_hashes: list[bytes]) -> list[PrefixHit]:
-        """:meth:`Directory.longest_prefix` over the peers' announced blocks (never this node's)."""
+    def longest_prefix(self, namespace: bytes | str, chain_hashes: list[bytes], root: bytes | None = None
+                       ) -> list[PrefixHit]:
+        """:meth:`Directory.longest_prefix` over the peers' announced blocks (never this node's);
+        ``root`` (the chain's first key, where ``chain_hashes`` is a later part) is not needed here."""
         with self.lock:
             return self.directory.longest_prefix(namespace, chain_hashes)
 

@@ -31,10 +31,16 @@ class Fleet:
     stops holding (the daemon's cluster health)."""
 
     def __init__(self, cfg: Config, core: Core, policy: LoadPolicy, outbound, tiering, *,
-                 metrics: ClusterMetrics, meter: LinkMeter | None, on_registered: Callable[[bool], None]) -> None:
+                 metrics: ClusterMetrics, meter: LinkMeter | None, on_registered: Callable[[bool], None],
+                 store_directory=None) -> None:
+        """``store_directory``: with ``cluster.directory = redis``, the directory in the store
+        (:class:`~kvstore.cluster.redis_directory.RedisDirectory`, the core's block events
+        already feed it); otherwise the peers' streams are read into a replica here."""
         self.cfg = cfg
+        self.core = core
         self.membership = self._membership(on_registered, metrics)
-        self.directory = None  # the cluster prefix directory (kvstore.cluster.stream), with pulls
+        self.store_directory = store_directory
+        self.directory = None  # the cluster prefix directory (kvstore.cluster.stream or the store's), with pulls
         self.pulls = None
         self.advisor = None
         if outbound is None:
@@ -70,6 +76,11 @@ class Fleet:
         ones the directory names); otherwise every peer advertising the namespace."""
         from kvstore.daemon.pull import AdvertisedHolders
 
+        if self.store_directory is not None:
+            from kvstore.cluster.holders import DirectoryHolders
+
+            self.directory = self.store_directory
+            return DirectoryHolders(self.directory, self.membership)
         try:
             from kvstore.cluster.holders import DirectoryHolders
             from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
@@ -85,7 +96,11 @@ class Fleet:
         streams. ``transfer_address``: where the transfer listener listens ("" without one);
         ``tiers``: the tiers this daemon runs."""
         self.membership.start(self._advert(transfer_address, tiers))
-        if self.directory is not None:
+        if self.directory is not None and self.directory is self.store_directory:
+            from kvstore.daemon.events import CoreState
+
+            self.directory.start(self.membership, CoreState(self.core))
+        elif self.directory is not None:
             self.directory.start()
 
     def _advert(self, transfer_address: str, tiers: list[str]):

@@ -43,6 +43,7 @@ from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
 from kvstore.daemon.remote import LinkMeter
+from kvstore.daemon.seams import BothEvents
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
@@ -137,9 +138,14 @@ class Daemon:
             self.hbm = self._open_hbm()
             self.nvme, nvme_copies, nvme_error = self._open_nvme()
             self.events = self._open_events()
+            self.store_directory = self._open_store_directory()
+            block_events = self.events
+            if self.store_directory is not None:
+                block_events = self.store_directory if self.events is None else BothEvents(self.events,
+                                                                                           self.store_directory)
             self.core = Core(self.dram, CoreConfig.from_config(cfg), lower=nvme_copies, hbm=self.hbm,
                              doorbells=doorbell.Doorbells(self.arena.buf, dram_bytes), metrics=self.metrics,
-                             events=self.events)
+                             events=block_events)
             self.policy = LoadPolicy()
             self.tiering = None
             if nvme_copies is not None:
@@ -239,6 +245,28 @@ class Daemon:
             return EventPublisher(self.cfg.events, metrics=self.metrics)
         except ImportError as e:
             raise StartupError(f"events.publish: needs pyzmq and msgspec ({EVENTS_EXTRA}): {e}") from None
+
+    def _open_store_directory(self):
+        """With ``cluster.directory = redis`` (and a transfer listener to serve pulls from): the
+        directory in the store (:mod:`kvstore.cluster.redis_directory`), this daemon's writer into
+        it and its reader. It connects on its own thread: a store down at start is a directory
+        down (local hits only), not a daemon that cannot start."""
+        c = self.cfg.cluster
+        if c.directory != "redis" or not c.etcd_endpoints:
+            return None
+        if not self.cfg.transport.listen:
+            log.warning("cluster.directory = redis: no transport.listen, so no pulls; the store is not used")
+            return None
+        try:
+            from kvstore.cluster.redis_directory import RedisDirectory, read_password
+
+            password = read_password(c)
+        except ImportError as e:
+            raise StartupError(f"cluster.directory = redis: needs the redis client (the [redis] extra: "
+                               f"pip install '.[redis]' in the kvstore checkout): {e}") from None
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        return RedisDirectory(c, password=password, metrics=self.cluster_metrics)
 
     def _close_tiers(self) -> None:
         if self.nvme is not None:
@@ -366,7 +394,7 @@ class Daemon:
     def _fleet(self) -> Fleet:
         H = health_pb2.HealthCheckResponse
         return Fleet(self.cfg, self.core, self.policy, self.outbound, self.tiering, metrics=self.cluster_metrics,
-                     meter=self.link_meter,
+                     meter=self.link_meter, store_directory=self.store_directory,
                      on_registered=lambda ok: self.health.set(CLUSTER_HEALTH, H.SERVING if ok else H.NOT_SERVING))
 
     def _peer_service(self):

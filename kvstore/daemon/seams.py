@@ -68,3 +68,19 @@ class NoEvents:
 
     def removed(self, b: Block, tier: TierKind) -> None:
         pass
+
+
+class BothEvents:
+    """:class:`BlockEvents` to two consumers (the KV event stream and the store-backed cluster
+    directory), in that order."""
+
+    def __init__(self, first: BlockEvents, second: BlockEvents) -> None:
+        self.first, self.second = first, second
+
+    def stored(self, b: Block, ns: Namespace, tier: TierKind) -> None:
+        self.first.stored(b, ns, tier)
+        self.second.stored(b, ns, tier)
+
+    def removed(self, b: Block, tier: TierKind) -> None:
+        self.first.removed(b, tier)
+        self.second.removed(b, tier)

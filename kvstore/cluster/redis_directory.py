@@ -1,0 +1,475 @@
+"""The fleet's prefix directory on a Redis-protocol cluster (Redis 7, Valkey): ``cluster.directory
+= "redis"``. Each daemon writes its own blocks there and reads the store on a Lookup, so what a
+daemon holds for the directory is its own blocks' roots, not the fleet's index: its memory and
+CPU stay flat as nodes are added (docs/cluster.md has the figures).
+
+Layout (``P`` = ``cluster.redis_key_prefix``):
+
+- ``P{<root>}<key>``: a hash per block, one field per node holding it, ``node_id -> b"epoch:bits"``
+  (bits: ``1 << TierKind`` of its tiers). ``<root>`` is the hex of the chain's first key (8 bytes
+  of it): the hash tag puts one chain's blocks on one shard, so a Lookup is one call to one shard
+  (:data:`READ`, a script that stops at the first block nobody holds).
+- ``P:o{<node>}:<epoch>``: the set of entry names a node wrote under that epoch, and
+  ``P:e{<node>}`` the epochs that have such a set: what a sweep removes when the node leaves or
+  comes back under a new epoch.
+
+Correctness does not rest on the sweeps: a reader keeps only entries at the epoch membership
+(etcd) has their node at, so a dead node's or an old epoch's blocks are never advised, and an
+entry seen at an older epoch is deleted then and there (conditionally: a newer one stays).
+
+Writes are batched and pipelined by the ``cluster-directory-writer`` thread; the core only queues
+(it calls :meth:`RedisDirectory.stored` / :meth:`RedisDirectory.removed` under its lock). A store
+that is down or slow costs a Lookup at most ``cluster.redis_timeout_s`` once, then nothing for
+``cluster.redis_retry_s``: the Lookup answers with local hits only and the daemon keeps serving.
+Once the store answers again the writer rewrites every entry of this node (it cannot know which
+of its writes landed)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from kvstore import kv_events as ev
+from kvstore.cluster.directory import _BEST, _SPEED, DEFAULT_LIMIT, PrefixHit
+from kvstore.cluster.member import Change
+from kvstore.config import ClusterConfig
+
+log = logging.getLogger("kvstore.cluster")
+
+# Hash of every held block, stopping at the first that no node holds (one shard: one hash tag).
+READ = """
+local out = {}
+for i = 1, #KEYS do
+  local h = redis.call('HGETALL', KEYS[i])
+  if #h == 0 then break end
+  out[i] = h
+end
+return out
+"""
+# Delete node ARGV[1]'s field of KEYS[1] if its epoch is at most ARGV[2] (a newer write stays).
+DROP_OLD = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v then
+  local e = tonumber(string.match(v, '^(%d+):'))
+  if e and e <= tonumber(ARGV[2]) then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+end
+return 0
+"""
+BATCH = 512  # commands per pipeline
+SWEEP_LOCK_S = 600  # one daemon sweeps a departed registration; its lock lapses after this
+# Own-map bytes per block (dict slot, key, root and tuple), measured by `kvstore bench
+# cluster-sim --backend redis` with tracemalloc (docs/cluster.md).
+BYTES_PER_OWN_BLOCK = 170
+
+
+def connect(cfg: ClusterConfig, password: str | None, timeout_s: float):
+    """A cluster-aware client (``redis`` on PyPI) to ``cfg.redis_nodes``; it learns the slots
+    from the first node that answers. No retries of its own: the caller decides."""
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    nodes = []
+    for hp in cfg.redis_nodes_list():
+        host, _, port = hp.rpartition(":")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    kw: dict = {}
+    if cfg.redis_tls or cfg.redis_ca_file:
+        kw.update(ssl=True, ssl_cert_reqs="required", ssl_ca_certs=cfg.redis_ca_file or None,
+                  ssl_certfile=cfg.redis_cert_file or None, ssl_keyfile=cfg.redis_key_file or None,
+                  ssl_check_hostname=False)  # the CA is the trust boundary; nodes are dialled by address
+    return RedisCluster(startup_nodes=nodes, username=cfg.redis_username or None, password=password,
+                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                        require_full_coverage=False, decode_responses=False, **kw)
+
+
+def read_password(cfg: ClusterConfig) -> str | None:
+    """The ACL password from ``cluster.redis_password_file`` (a private file; ValueError naming
+    the key otherwise, never holding the password); None without one."""
+    if not cfg.redis_password_file:
+        return None
+    from transport.auth import read_secret
+
+    return read_secret(cfg.redis_password_file, "cluster.redis_password_file").decode()
+
+
+class RedisDirectory:
+    """This daemon's part of the directory in the store: the writer of its own blocks (a
+    :class:`kvstore.daemon.seams.BlockEvents`) and the reader Lookups and pulls ask
+    (:meth:`longest_prefix`, as :class:`kvstore.cluster.stream.ClusterDirectory` answers it).
+    ``connect(timeout_s)`` makes a client (a test subclass may fail it); ``clock`` is monotonic
+    seconds."""
+
+    def __init__(self, cfg: ClusterConfig, *, password: str | None, metrics=None,
+                 connect_fn: Callable | None = None, clock=time.monotonic) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.clock = clock
+        self._connect = connect_fn or (lambda timeout_s: connect(cfg, password, timeout_s))
+        self.prefix = cfg.redis_key_prefix.encode()
+        self._lock = threading.Lock()
+        self._pending: list[tuple] = []
+        self._lost = 0
+        self.max_pending = 200_000
+        self.own: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (its root's 8 bytes, None: unreachable here; tier bits)
+        self._dirty: set[bytes] = set()
+        self._written_epoch = 0  # the epoch every entry of ``own`` is in the store at (0: not all)
+        self._reader = self._writer = None
+        self._read = None
+        self._reader_lock = threading.Lock()
+        self._reader_down_until = 0.0
+        self._writer_down_until = 0.0
+        self.errors = 0
+        self.node_id = ""
+        self.membership = None
+        self._source = None
+        self._events: queue.SimpleQueue | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="cluster-directory-writer", daemon=True)
+
+    # --- names ------------------------------------------------------------------------------
+    def entry_name(self, root: bytes, key: bytes) -> bytes:
+        """The hash of block ``key`` of the chain whose first key is ``root`` (its first 8 bytes count)."""
+        return self.prefix + b"{" + root[:8].hex().encode() + b"}" + key
+
+    def _owned(self, node_id: str, epoch: int) -> bytes:
+        return self.prefix + b":o{" + node_id.encode() + b"}:" + str(epoch).encode()
+
+    def _epochs(self, node_id: str) -> bytes:
+        return self.prefix + b":e{" + node_id.encode() + b"}"
+
+    # --- BlockEvents (under the core lock: only queues) -------------------------------------
+    def stored(self, b, ns, tier) -> None:
+        self._add((b.key, b.parent_key, 1 << tier, True))
+
+    def removed(self, b, tier) -> None:
+        self._add((b.key, None, 1 << tier, False))
+
+    def _add(self, item: tuple) -> None:
+        with self._lock:
+            if len(self._pending) < self.max_pending:
+                self._pending.append(item)
+            else:
+                self._lost += 1
+
+    def _cut(self) -> tuple[list[tuple], int]:
+        with self._lock:
+            items, self._pending = self._pending, []
+            lost, self._lost = self._lost, 0
+            return items, lost
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self, membership, source) -> None:
+        """``membership``: this daemon's (node id, epoch, the live view); ``source``: the core's
+        state (:class:`kvstore.daemon.events.CoreState`), taken now and again after lost events."""
+        self.membership = membership
+        self.node_id = membership.node_id
+        self._source = source
+        self._events = membership.subscribe()
+        self._take_state()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(5.0)
+        for c in (self._reader, self._writer):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001 - closing a client of a dead store
+                    pass
+
+    def _take_state(self) -> None:
+        """Rebuild ``own`` from every block the core holds (at start, and after lost events)."""
+        items, (pending, lost) = self._source.capture(self._cut)
+        parents: dict[bytes, bytes | None] = {}
+        bits: dict[bytes, int] = {}
+        for medium, key, parent, *_ in items:
+            parents[key] = parent
+            bits[key] = bits.get(key, 0) | (1 << ev.TIER_OF_MEDIUM[medium])
+        roots: dict[bytes, bytes | None] = {}
+        for key in parents:  # each block's chain root, walking up until a known one
+            path, k = [], key
+            while k not in roots:
+                path.append(k)
+                p = parents[k]
+                if p is None:  # k is a chain's first block
+                    root = k
+                    break
+                if p not in parents:  # its parent is not held here: no prefix of this node reaches it
+                    root = None
+                    break
+                k = p
+            else:
+                root = roots[k]
+            for q in path:
+                roots[q] = root
+        self.own = {k: (roots[k] and roots[k][:8], bits[k]) for k in parents}
+        self._written_epoch = 0  # every entry is written again
+        self._dirty = set()
+        self._apply(pending)
+        if lost:
+            self._take_state()
+
+    def _apply(self, items: list[tuple]) -> None:
+        """Queued changes into ``own``; what changed is written at the next step. A block whose
+        parent is not held here gets no root (no prefix of this node reaches it) and no entry."""
+        own, dirty = self.own, self._dirty
+        for key, parent, bit, is_store in items:
+            cur = own.get(key)
+            if is_store:
+                if cur is None:
+                    root = key[:8] if parent is None else own.get(parent, (None, 0))[0]
+                    own[key] = (root, bit)
+                elif cur[1] & bit:
+                    continue
+                else:
+                    own[key] = (cur[0], cur[1] | bit)
+            else:
+                if cur is None or not cur[1] & bit:
+                    continue
+                own[key] = (cur[0], cur[1] & ~bit)
+            if own[key][0] is not None:
+                dirty.add(key)
+            elif not own[key][1]:
+                del own[key]
+
+    # --- the writer thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.stopping.wait(0.02):
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - the directory is advice: the cache goes on serving
+                log.exception("cluster directory writer")
+                self.stopping.wait(0.5)
+        try:
+            self._step()  # what is queued goes out before a clean stop
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _step(self) -> None:
+        items, lost = self._cut()
+        self._apply(items)
+        if lost:
+            log.warning("cluster directory: %d block changes dropped (queue full); taking the state again", lost)
+            self._take_state()
+        epoch = self.membership.epoch
+        if not epoch or self.clock() < self._writer_down_until:
+            return
+        try:
+            w = self._writer_client()
+            if epoch != self._written_epoch:
+                self._write_all(w, epoch)
+            elif self._dirty:
+                keys, self._dirty = self._dirty, set()
+                try:
+                    self._write(w, epoch, keys)
+                except BaseException:
+                    self._written_epoch = 0  # unknown what landed: all again, once it answers
+                    raise
+            self._sweeps(w)
+            if self._read is None and self.clock() >= self._reader_down_until:
+                self._reader_script()  # connected here, not on the first Lookup's path
+        except Exception as e:  # noqa: BLE001 - redis.RedisError and socket errors: retry later
+            self._failed("writer", e)
+            self._writer_down_until = self.clock() + max(self.cfg.redis_retry_s, 0.1)
+            self._writer = None
+
+    def _writer_client(self):
+        if self._writer is None:
+            self._writer = self._connect(max(2.0, self.cfg.redis_timeout_s))
+        return self._writer
+
+    def _write_all(self, w, epoch: int) -> None:
+        """Every entry of this node under ``epoch``, then the sets of older epochs swept."""
+        self._dirty = set()
+        self._written_epoch = 0
+        self._write(w, epoch, list(self.own))
+        self._written_epoch = epoch
+        olds = [int(e) for e in w.smembers(self._epochs(self.node_id)) if int(e) != epoch]
+        for old in olds:
+            self._sweep(w, self.node_id, old)
+        log.info("cluster directory: %d blocks written to the store at epoch %d (%d older epochs swept)",
+                 sum(1 for v in self.own.values() if v[0] is not None), epoch, len(olds))
+
+    def _write(self, w, epoch: int, keys) -> None:
+        """The store's entries of ``keys`` as ``own`` has them (a held block's tier bits, or its
+        deletion), listed in this epoch's set, in pipelines of :data:`BATCH`."""
+        node = self.node_id.encode()
+        owned = self._owned(self.node_id, epoch)
+        pipe = w.pipeline(transaction=False)
+        pipe.sadd(self._epochs(self.node_id), str(epoch))
+        added, gone, n = [], [], 0
+        for key in keys:
+            root, bits = self.own.get(key, (None, 0))
+            if root is None:
+                continue
+            name = self.entry_name(root, key)
+            if bits:
+                pipe.hset(name, node, b"%d:%d" % (epoch, bits))
+                added.append(name)
+            else:
+                pipe.hdel(name, node)
+                gone.append(name)
+                del self.own[key]
+            n += 1
+            if n % BATCH == 0:
+                self._flush(pipe, owned, added, gone)
+                pipe, added, gone = w.pipeline(transaction=False), [], []
+        self._flush(pipe, owned, added, gone)
+
+    @staticmethod
+    def _flush(pipe, owned: bytes, added: list, gone: list) -> None:
+        if added:
+            pipe.sadd(owned, *added)
+        if gone:
+            pipe.srem(owned, *gone)
+        for r in pipe.execute(raise_on_error=False):
+            if isinstance(r, Exception):
+                raise r
+
+    def _sweeps(self, w) -> None:
+        """Registrations that ended (a peer left, or came back under a new epoch): one daemon
+        (who takes the lock) deletes their entries."""
+        while True:
+            try:
+                e = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if e.change in (Change.LEAVE, Change.EPOCH) and e.member.node_id != self.node_id:
+                for old in [int(x) for x in w.smembers(self._epochs(e.member.node_id))]:
+                    live = self.membership.member(e.member.node_id)
+                    if live is not None and live.epoch <= old:
+                        continue
+                    lock = self.prefix + b":l{" + e.member.node_id.encode() + b"}:" + str(old).encode()
+                    if w.set(lock, self.node_id.encode(), nx=True, ex=SWEEP_LOCK_S):
+                        self._sweep(w, e.member.node_id, old)
+
+    def _sweep(self, w, node_id: str, epoch: int) -> int:
+        """Delete ``node_id``'s entries of ``epoch`` (and older) that its set lists; returns how many."""
+        owned, node, gone, cursor = self._owned(node_id, epoch), node_id.encode(), 0, 0
+        while True:
+            cursor, names = w.sscan(owned, cursor, count=BATCH)
+            if names:
+                pipe = w.pipeline(transaction=False)
+                for name in names:
+                    pipe.execute_command("EVAL", DROP_OLD, 1, name, node, epoch)  # ClusterPipeline has no eval()
+                gone += sum(int(r) for r in pipe.execute(raise_on_error=False) if not isinstance(r, Exception))
+            if not cursor:
+                break
+        w.delete(owned)
+        w.srem(self._epochs(node_id), str(epoch))
+        log.info("cluster directory: swept %d entries of %s at epoch %d", gone, node_id, epoch)
+        return gone
+
+    # --- reads (any thread) -----------------------------------------------------------------
+    def longest_prefix(self, namespace, chain: list[bytes], limit: int = DEFAULT_LIMIT, *,
+                       root: bytes | None = None) -> list[PrefixHit]:
+        """The ``limit`` peers holding the longest prefixes of ``chain``, one
+        :class:`PrefixHit` per tier step, as :meth:`kvstore.cluster.directory.Directory.longest_prefix`
+        answers; ``root``: the first key of the request's chain when ``chain`` is a later part of
+        it (the keys after a Lookup's local hits). Only entries at the epoch membership has their
+        node at; none when the store is down (for ``cluster.redis_retry_s`` after a failure)."""
+        if not chain or limit < 1 or self.membership is None:
+            return []
+        now = self.clock()
+        if now < self._reader_down_until:
+            return []
+        root = root or chain[0]
+        names = [self.entry_name(root, k) for k in chain]
+        try:
+            rows = self._reader_script()(keys=names)
+        except Exception as e:  # noqa: BLE001 - redis.RedisError, socket errors: local hits only
+            self._reader_failed(e)
+            return []
+        live = {m.node_id: m.epoch for m in self.membership.peers()}
+        runs: dict[str, list] = {}  # node -> [epoch, tier rank of each block while it holds them]
+        stale: list[tuple[bytes, bytes, int]] = []
+        for j, row in enumerate(rows):
+            for i in range(0, len(row), 2):
+                node, value = row[i].decode(), row[i + 1]
+                epoch_b, _, bits_b = value.partition(b":")
+                epoch = int(epoch_b)
+                have = live.get(node)
+                if have is None or node == self.node_id:
+                    continue
+                if epoch != have:
+                    if epoch < have:
+                        stale.append((names[j], row[i], have - 1))
+                    continue
+                run = runs.get(node)
+                if run is None:
+                    if j:
+                        continue  # it lacks an earlier block of the chain
+                    run = runs[node] = [epoch]
+                elif len(run) != j + 1:
+                    continue
+                run.append(_BEST[int(bits_b)])
+        if stale:
+            self._drop_stale(stale)
+        hits: list[PrefixHit] = []
+        for node, (epoch, *ranks) in runs.items():
+            worst = 0
+            for count, rank in enumerate(ranks):
+                if rank > worst and count:
+                    hits.append(PrefixHit(node, epoch, _SPEED[worst], count))
+                worst = max(worst, rank)
+            hits.append(PrefixHit(node, epoch, _SPEED[worst], len(ranks)))
+        hits.sort(key=lambda h: (-h.n_blocks, _SPEED.index(h.tier), h.node_id))
+        keep: set[str] = set()
+        out = []
+        for h in hits:
+            if h.node_id not in keep and len(keep) >= limit:
+                continue
+            keep.add(h.node_id)
+            out.append(h)
+        return out
+
+    def _reader_script(self):
+        """The read script on the Lookups' client (short deadlines), connected on first use."""
+        with self._reader_lock:
+            if self._read is None:
+                self._reader = self._connect(self.cfg.redis_timeout_s)
+                self._read = self._reader.register_script(READ)
+            return self._read
+
+    def _reader_failed(self, e: Exception) -> None:
+        self._failed("reader", e)
+        with self._reader_lock:
+            self._reader_down_until = self.clock() + self.cfg.redis_retry_s
+            self._read = self._reader = None
+
+    def _drop_stale(self, stale: list[tuple[bytes, bytes, int]]) -> None:
+        """Entries read at an older epoch than their node's: deleted off the Lookup's path."""
+        def run():
+            try:
+                w = self._writer_client()
+                pipe = w.pipeline(transaction=False)
+                for name, node, upto in stale:
+                    pipe.execute_command("EVAL", DROP_OLD, 1, name, node, upto)
+                pipe.execute(raise_on_error=False)
+            except Exception:  # noqa: BLE001 - best effort: the sweep or the next reader deletes them
+                pass
+        threading.Thread(target=run, name="cluster-directory-drop", daemon=True).start()
+
+    def _failed(self, side: str, e: Exception) -> None:
+        self.errors += 1
+        if self.metrics is not None:
+            self.metrics.directory_store_errors.labels(side=side).inc()
+        log.warning("cluster directory: the store failed (%s: %s); %s", type(e).__name__, e,
+                    "Lookups give local hits only for %.1f s" % self.cfg.redis_retry_s if side == "reader"
+                    else "writes resume in %.1f s, rewriting this node's entries" % self.cfg.redis_retry_s)
+
+    # --- what Stats reports -----------------------------------------------------------------
+    def status(self) -> list[dict]:
+        """No peer streams: peers write to the store."""
+        return []
+
+    def size(self) -> dict:
+        """This node's own entries (the store holds the fleet's)."""
+        n = sum(1 for v in self.own.values() if v[0] is not None)
+        return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK}
