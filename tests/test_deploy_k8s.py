@@ -20,6 +20,7 @@ import yaml
 
 from deploy_util import CHART, DEPLOY, K8S, ROOT, load_config, minihelm
 from kvstore import config as kvconfig
+from kvstore.transport.auth import read_secret
 
 # --- Kubernetes ---------------------------------------------------------------------------
 
@@ -145,9 +146,12 @@ def check_objects(docs: list[dict], tmp_path: Path, monitoring: bool = True) -> 
         assert command == ["kvstore", "health", "--socket", cfg.server.socket_path], probe
     if cfg.nvme.dir:
         assert mounts.get(cfg.nvme.dir) == "nvme", "the NVMe tier must be on a node volume, not the container fs"
-    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
-        if path := getattr(cfg.server, key):
-            assert mounted_path(path), f"server.{key} = {path} is in no mounted volume"
+    for section, keys in (("server", ("tls_cert_file", "tls_key_file", "tls_client_ca_file")),
+                          ("cluster", ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "redis_password_file",
+                                       "redis_ca_file", "redis_cert_file", "redis_key_file"))):
+        for key in keys:
+            if path := getattr(getattr(cfg, section), key):
+                assert mounted_path(path), f"{section}.{key} = {path} is in no mounted volume"
     assert ports["transfer"] == int(cfg.transport.listen.rsplit(":", 1)[1])
     assert ports["metrics"] == cfg.metrics.port and cfg.metrics.host == "0.0.0.0"
     if cfg.server.tcp_listen:
@@ -239,6 +243,12 @@ HELM_VARIANTS = {
     "tls-shared-secret": ({"control": {"tls": {"enabled": True, "secretName": "kvstore-tls", "mutual": True}}}, "kvstore"),
     "fleet-without-pulls": ({"cluster": {"etcdEndpoints": "etcd:2379"},
                              "control": {"tls": {"enabled": True, "secretName": "kvstore-tls"}}}, "kvstore"),
+    # The prefix directory in a Redis/Valkey cluster, with an ACL user, TLS and a client certificate.
+    "redis-directory": ({"cluster": {"etcdEndpoints": "etcd:2379", "directory": {"backend": "redis", "redis": {
+        "nodes": "valkey-0.valkey:6379,valkey-1.valkey:6379", "username": "kvstore",
+        "passwordSecret": {"name": "kvstore-redis", "key": "acl-password"},
+        "tls": {"enabled": True, "secretName": "valkey-client", "clientCert": True},
+        "timeoutSeconds": 0.1, "retrySeconds": 5, "keyPrefix": "fleet-a"}}}}, "kvstore"),
 }
 
 
@@ -260,7 +270,14 @@ def test_chart_metadata_and_values_schema():
     for bad in ({"dram": {"capacity": 1000000}}, {"transport": {"backend": "rdma"}}, {"typo": 1},
                 {"control": {"tls": {"enabled": True}}}, {"nvme": {"highWatermark": 1.5}},
                 {"control": {"tls": {"enabled": True, "certMode": "csi"}}}, {"control": {"tls": {"certMode": "spiffe"}}},
-                {"control": {"tls": {"csi": {"issuerKind": "Vault"}}}}):
+                {"control": {"tls": {"csi": {"issuerKind": "Vault"}}}},
+                {"cluster": {"directory": {"backend": "memcached"}}},
+                {"cluster": {"directory": {"redis": {"nodes": "valkey-0"}}}},
+                {"cluster": {"directory": {"redis": {"timeoutSeconds": 0}}}},
+                {"cluster": {"directory": {"redis": {"keyPrefix": "a b"}}}},
+                # The chart has no place for the password itself, only for the Secret holding it.
+                {"cluster": {"directory": {"redis": {"password": "hunter2hunter2hunter2"}}}},
+                {"cluster": {"directory": {"redis": {"passwordSecret": {"name": "s", "value": "hunter2"}}}}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(c.values(bad), schema)
 
@@ -335,10 +352,103 @@ def test_chart_refuses_pulls_with_one_shared_certificate(tmp_path):
         assert out.returncode != 0 and "control.tls.certMode=csi" in out.stderr
 
 
-@pytest.mark.parametrize("doc", ["cluster.md", "deploy.md"])
-def test_the_fleet_values_in_the_docs_render(doc, tmp_path):
-    """The per-pod certificate values users paste from the docs pass the schema and render."""
-    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / doc).read_text(), re.S) if "certMode: csi" in b]
+def _daemon_toml(docs: list[dict]) -> str:
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "kvstore.toml" in d["data"]]
+    return cm["data"]["kvstore.toml"]
+
+
+def test_chart_directory_defaults_to_the_replica(tmp_path):
+    """Unless the backend is redis the config names no store, even with the store's values
+    filled in, and no password or store certificate is mounted."""
+    redis = HELM_VARIANTS["redis-directory"][0]["cluster"]["directory"]["redis"]
+    for values in ({"cluster": {"etcdEndpoints": "etcd:2379"}},
+                   {"cluster": {"etcdEndpoints": "etcd:2379", "directory": {"backend": "replica", "redis": redis}}}):
+        toml = _daemon_toml(minihelm.manifests(minihelm.Chart(CHART).render(values)))
+        cluster = tomllib.loads(toml)["cluster"]
+        assert cluster["directory"] == "replica" and not [k for k in cluster if k.startswith("redis_")]
+        assert load_config(toml, tmp_path).cluster.directory == "replica"
+        spec, _, volumes = _pod(values)
+        assert not {"redis-password-src", "redis-password", "redis-tls"} & set(volumes)
+        assert [c["name"] for c in spec["initContainers"]] == ["own-host-dirs", "own-transfer-secret"]
+
+
+def test_chart_redis_directory_reads_its_password_from_a_file(tmp_path):
+    """The store's ACL password reaches the daemon only as a file: an init container copies the
+    Secret's key into a memory emptyDir as the daemon's user, mode 0400, which is what
+    read_secret takes; the ConfigMap, args and env hold its path at most. TLS files are mounted
+    from their Secret where the config says."""
+    values, _ = HELM_VARIANTS["redis-directory"]
+    toml = _daemon_toml(minihelm.manifests(minihelm.Chart(CHART).render(values)))
+    c = load_config(toml, tmp_path).cluster
+    assert (c.directory, c.redis_nodes_list(), c.redis_username, c.redis_key_prefix) == \
+        ("redis", ["valkey-0.valkey:6379", "valkey-1.valkey:6379"], "kvstore", "fleet-a")
+    assert (c.redis_timeout_s, c.redis_retry_s) == (0.1, 5.0) and c.endpoints() == ["etcd:2379"]
+    assert c.redis_tls and (c.redis_ca_file, c.redis_cert_file, c.redis_key_file) == \
+        ("/etc/kvstore/redis-tls/ca.crt", "/etc/kvstore/redis-tls/tls.crt", "/etc/kvstore/redis-tls/tls.key")
+    assert [line.strip() for line in toml.splitlines() if "password" in line and not line.strip().startswith("#")] == \
+        [f'redis_password_file = "{c.redis_password_file}"']
+
+    spec, env, volumes = _pod(values)
+    assert volumes["redis-password-src"]["secret"] == {"secretName": "kvstore-redis", "defaultMode": 0o400}
+    assert volumes["redis-password"]["emptyDir"]["medium"] == "Memory"
+    (init,) = [i for i in spec["initContainers"] if i["name"] == "own-redis-password"]
+    sc = spec["securityContext"]
+    assert init["command"] == ["install", "-o", str(sc["runAsUser"]), "-g", str(sc["runAsGroup"]), "-m", "0400",
+                               "/etc/kvstore-redis/acl-password", c.redis_password_file]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == \
+        {"redis-password-src": "/etc/kvstore-redis", "redis-password": os.path.dirname(c.redis_password_file)}
+    (main,) = [m for m in spec["containers"] if m["name"] == "kvstore"]
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    assert "redis-password-src" not in mounts, "the daemon sees the copy, never the root-owned Secret volume"
+    assert mounts["redis-password"]["mountPath"] == os.path.dirname(c.redis_password_file)
+    assert mounts["redis-password"]["readOnly"] is True
+    refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in env.values() if "secretKeyRef" in e.get("valueFrom", {})]
+    assert "kvstore-redis" not in refs and not any("kvstore-redis" in a for a in main["args"])
+    assert volumes["redis-tls"]["secret"] == {"secretName": "valkey-client", "defaultMode": 0o440}
+    assert mounts["redis-tls"]["mountPath"] == "/etc/kvstore/redis-tls"
+
+    # What the init container makes (owner: the daemon's user, mode 0400), the daemon reads.
+    f = tmp_path / "password"
+    f.write_text("s3cret-of-the-acl-user\n")
+    os.chmod(f, int(init["command"][6], 8))
+    assert read_secret(str(f), "cluster.redis_password_file") == b"s3cret-of-the-acl-user"
+
+
+def test_chart_redis_directory_tls_with_the_system_cas_and_no_password(tmp_path):
+    """TLS without a Secret checks the store against the system's CAs; no passwordSecret, no
+    password file (the store's default user)."""
+    values = {"cluster": {"etcdEndpoints": "etcd:2379", "directory": {"backend": "redis", "redis": {
+        "nodes": "valkey:6379", "tls": {"enabled": True}}}}}
+    docs = minihelm.manifests(minihelm.Chart(CHART).render(values))
+    check_objects(docs, tmp_path)
+    c = load_config(_daemon_toml(docs), tmp_path).cluster
+    assert c.redis_tls and not (c.redis_ca_file or c.redis_cert_file or c.redis_password_file or c.redis_username)
+    _, _, volumes = _pod(values)
+    assert not {"redis-password-src", "redis-password", "redis-tls"} & set(volumes)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"cluster": {"directory": {"backend": "redis", "redis": {"nodes": "valkey:6379"}}}}, "set cluster.etcdEndpoints"),
+    ({"cluster": {"etcdEndpoints": "etcd:2379", "directory": {"backend": "redis"}}}, "set cluster.directory.redis.nodes"),
+])
+def test_chart_refuses_a_redis_directory_the_daemon_would_refuse(values, message, tmp_path):
+    """As the daemon's config check does, at render time; helm's own `fail` when helm is on PATH."""
+    with pytest.raises(minihelm.TemplateError, match=re.escape(message)):
+        minihelm.Chart(CHART).render(values)
+    if shutil.which("helm"):
+        vf = tmp_path / "values.yaml"
+        vf.write_text(yaml.safe_dump(values))
+        out = subprocess.run(["helm", "template", "kvstore", str(CHART), "-f", str(vf), "--kube-version", KUBE_VERSION],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and message in out.stderr
+
+
+@pytest.mark.parametrize("doc,marker", [("cluster.md", "certMode: csi"), ("deploy.md", "certMode: csi"),
+                                        ("deploy.md", "backend: redis")])
+def test_the_fleet_values_in_the_docs_render(doc, marker, tmp_path):
+    """The fleet values users paste from the docs (per-pod certificates, the directory in a
+    Redis/Valkey store) pass the schema and render."""
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / doc).read_text(), re.S) if marker in b]
     assert blocks, f"docs/{doc} shows no fleet values"
     for b in blocks:
         values = yaml.safe_load(b)
