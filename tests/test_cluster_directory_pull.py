@@ -60,25 +60,7 @@ def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd
     # registered under (as under Helm, where a pod's certificate cannot name its IP).
     pki = fleet_certificates(tmp_path / "pki", NAMES, ips=())
     a, b, c = daemons.start(*(spec(etcd, pki, n) for n in NAMES))
-    ca_, cb, cc = (KVStoreClient(d.socket_path, timeout_s=10) for d in (a, b, c))
-    for cl in (ca_, cb, cc):
-        cl.register(LAYOUT, "dir-test")
-    other, chain = list(range(5000, 5064)), list(range(0, 64))
-    assert ca_.put(other, kv(other, 1)) == 4  # A advertises the namespace, without the chain
-    assert cb.put(chain, kv(chain, 2)) == 4
-    # Until C's directory has read B's stream (and membership has A's namespace), a pull may
-    # miss; once it lands it came from B.
-    r = wait_for(lambda: (r := pull(c, cc, chain)).pulled and r, what="C pulls the chain")
-    assert (r.pulled, r.holder) == (4, "dir-b")
-    out = np.zeros_like(kv(chain, 2))
-    assert cc.get(chain, out) == 64 and np.array_equal(out, kv(chain, 2))
-    assert scraped(a, 'kvstore_cluster_pushes_total{result="missing"}') == 0  # A was never asked
-    assert scraped(b, 'kvstore_cluster_pushes_total{result="ok"}') == 1
-    # A chain nobody's events announce is a miss without a Push to anyone.
-    nowhere = list(range(9000, 9064))
-    assert pull(c, cc, nowhere).pulled == 0
-    assert scraped(a, 'kvstore_cluster_pushes_total{result="missing"}') == 0
-    assert scraped(b, 'kvstore_cluster_pushes_total{result="missing"}') == 0
+    ca_, cb, cc = the_directory_names_the_holder(a, b, c, "dir-b")
 
     # `kvstore cluster --json` with C's socket: C reads A's and B's streams, live, with the
     # blocks each stored (A's 4, B's 4: the chain C pulled is C's own, never in its directory).
@@ -113,3 +95,28 @@ def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd
     assert main(["--etcd-endpoints", etcd.endpoint, "--socket", str(tmp_path / "none.sock")]) == 0
     text = capsys.readouterr().out
     assert "dir-b" in text and f"daemon at {tmp_path / 'none.sock'}: no answer (UNAVAILABLE" in text
+
+
+def the_directory_names_the_holder(a, b, c, holder: str):
+    """A advertises the namespace without the chain, B holds it: C's pull asks B alone, and a
+    chain nobody announced is a miss that asks no one. The clients of A, B and C."""
+    ca_, cb, cc = (KVStoreClient(d.socket_path, timeout_s=10) for d in (a, b, c))
+    for cl in (ca_, cb, cc):
+        cl.register(LAYOUT, "dir-test")
+    other, chain = list(range(5000, 5064)), list(range(0, 64))
+    assert ca_.put(other, kv(other, 1)) == 4  # A advertises the namespace, without the chain
+    assert cb.put(chain, kv(chain, 2)) == 4
+    # Until C's directory has read B's blocks (and membership has A's namespace), a pull may
+    # miss; once it lands it came from B.
+    r = wait_for(lambda: (r := pull(c, cc, chain)).pulled and r, what="C pulls the chain")
+    assert (r.pulled, r.holder) == (4, holder)
+    out = np.zeros_like(kv(chain, 2))
+    assert cc.get(chain, out) == 64 and np.array_equal(out, kv(chain, 2))
+    assert scraped(a, 'kvstore_cluster_pushes_total{result="missing"}') == 0  # A was never asked
+    assert scraped(b, 'kvstore_cluster_pushes_total{result="ok"}') == 1
+    # A chain nobody's events announce is a miss without a Push to anyone.
+    nowhere = list(range(9000, 9064))
+    assert pull(c, cc, nowhere).pulled == 0
+    assert scraped(a, 'kvstore_cluster_pushes_total{result="missing"}') == 0
+    assert scraped(b, 'kvstore_cluster_pushes_total{result="missing"}') == 0
+    return ca_, cb, cc

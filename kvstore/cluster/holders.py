@@ -15,9 +15,12 @@ from kvstore.tier_kind import TierKind
 class DirectoryHolders:
     """A :class:`kvstore.daemon.pull.Holders` over :meth:`ClusterDirectory.longest_prefix`."""
 
-    def __init__(self, directory: ClusterDirectory, membership) -> None:
+    def __init__(self, directory: ClusterDirectory, membership, covers=lambda m: bool(m.events_addr)) -> None:
+        """``covers(member)``: whether the directory knows what that peer holds (the replica: it
+        publishes KV events; the store's: it writes there); peers it does not cover are asked last."""
         self.directory = directory
         self.membership = membership
+        self.covers = covers
 
     def candidates(self, ns_hex: str, keys: list[bytes], root: bytes | None = None) -> list[Member]:
         peers = {m.node_id: m for m in self.membership.peers()}
@@ -28,7 +31,7 @@ class DirectoryHolders:
             m = peers.get(hit.node_id)
             if m is not None and m.epoch == hit.epoch and m not in out:
                 out.append(m)
-        out += sorted((m for m in peers.values() if not m.events_addr and ns_hex in m.namespaces and m not in out),
+        out += sorted((m for m in peers.values() if not self.covers(m) and ns_hex in m.namespaces and m not in out),
                       key=lambda m: m.node_id)
         return out
 

@@ -80,7 +80,8 @@ class Fleet:
             from kvstore.cluster.holders import DirectoryHolders
 
             self.directory = self.store_directory
-            return DirectoryHolders(self.directory, self.membership)
+            return DirectoryHolders(self.directory, self.membership,
+                                    covers=lambda m: m.capabilities.get("directory") == "redis")
         try:
             from kvstore.cluster.holders import DirectoryHolders
             from kvstore.cluster.stream import ClusterDirectory, DirectoryConfig
@@ -111,7 +112,8 @@ class Fleet:
 
         c = self.cfg.cluster
         caps = {"version": __version__, "transport": self.cfg.transport.backend if transfer_address else "",
-                "tiers": tiers, "control_addr": c.advertise_control or self.cfg.server.tcp_listen}
+                "tiers": tiers, "control_addr": c.advertise_control or self.cfg.server.tcp_listen,
+                "directory": "redis" if self.store_directory is not None else "replica"}
         transfer = c.advertise_transfer or transfer_address
         events, replay = (reachable_url(self.cfg.events.publish, transfer),
                           reachable_url(self.cfg.events.replay, transfer))
