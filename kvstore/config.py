@@ -199,7 +199,7 @@ class ClusterConfig:
     redis_nodes: str = field(default="", metadata={"help": "redis: comma-separated host:port of some of the Redis/Valkey cluster's nodes (the rest are discovered)"})
     redis_username: str = field(default="", metadata={"help": "redis: ACL user; empty = the default user"})
     redis_password_file: str = field(default="", metadata={"help": "redis: file holding the ACL password (mode 0600 or 0400, owned by the daemon's user; never printed)"})
-    redis_tls: bool = field(default=False, metadata={"help": "redis: connect with TLS (the server's certificate is checked against redis_ca_file, or the system's CAs)"})
+    redis_tls: bool = field(default=False, metadata={"help": "redis: connect with TLS: the servers' certificates are checked against redis_ca_file (a private CA; their names are not checked, nodes are dialled by address), or without it against the system's CAs, names checked"})
     redis_ca_file: str = field(default="", metadata={"help": "redis: PEM CA bundle of the servers' certificates (implies redis_tls)"})
     redis_cert_file: str = field(default="", metadata={"help": "redis: PEM client certificate, for servers that require one (tls-auth-clients)"})
     redis_key_file: str = field(default="", metadata={"help": "redis: PEM private key of redis_cert_file"})

@@ -150,6 +150,26 @@ def test_a_peer_reads_the_writers_chain_with_its_tier_steps_and_never_its_own(st
         b.stop()
 
 
+def test_entries_that_are_not_a_writers_are_no_entries(store):
+    fleet = Fleet()
+    c1 = chain(6, 3)
+    a = directory(store, fleet, "a", 1, held=[(b, TierKind.DRAM) for b in c1])
+    b = directory(store, fleet, "b", 1)
+    fleet.change("x", 1)
+    try:
+        wait_for(lambda: b.longest_prefix("ns", keys(c1)), what="a's entries")
+        w = b._writer_client()
+        first = b.entry_name(c1[0].key, c1[0].key)
+        for field, value in ((b"x", b"1:999"), (b"x", b"1:-1"), (b"x", b"garbage"), (b"\xff\xfe", b"1:4"),
+                             (b"x", b"1:0"), (b"x", b"")):
+            w.hset(first, field, value)
+            assert [(h.node_id, h.n_blocks) for h in b.longest_prefix("ns", keys(c1))] == [("a", 3)], value
+            w.hdel(first, field)
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_new_epoch_is_never_advised_from_the_old_ones_entries_and_they_are_swept(store):
     fleet = Fleet()
     c1 = chain(2, 5)

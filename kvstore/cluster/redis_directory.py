@@ -78,9 +78,12 @@ def connect(cfg: ClusterConfig, password: str | None, timeout_s: float):
         nodes.append(ClusterNode(host.strip("[]"), int(port)))
     kw: dict = {}
     if cfg.redis_tls or cfg.redis_ca_file:
+        # A private CA (redis_ca_file) is the trust boundary, and nodes are dialled by the address
+        # the cluster reports, so their names are not checked; against the system's public CAs
+        # they must be (any holder of a public certificate would pass otherwise).
         kw.update(ssl=True, ssl_cert_reqs="required", ssl_ca_certs=cfg.redis_ca_file or None,
                   ssl_certfile=cfg.redis_cert_file or None, ssl_keyfile=cfg.redis_key_file or None,
-                  ssl_check_hostname=False)  # the CA is the trust boundary; nodes are dialled by address
+                  ssl_check_hostname=not cfg.redis_ca_file)
     return RedisCluster(startup_nodes=nodes, username=cfg.redis_username or None, password=password,
                         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
                         require_full_coverage=False, decode_responses=False, **kw)
@@ -88,11 +91,16 @@ def connect(cfg: ClusterConfig, password: str | None, timeout_s: float):
 
 def read_password(cfg: ClusterConfig) -> str | None:
     """The ACL password from ``cluster.redis_password_file`` (a private file; ValueError naming
-    the key otherwise, never holding the password); None without one."""
+    the key otherwise, never holding the password); None without one. The TLS files are checked
+    too, each a regular file opened without blocking: the client opens them again on its own
+    thread, where a FIFO would hang it."""
+    from transport.auth import read_regular, read_secret
+
+    for key in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
+        if getattr(cfg, key):
+            read_regular(getattr(cfg, key), f"cluster.{key}")
     if not cfg.redis_password_file:
         return None
-    from transport.auth import read_secret
-
     return read_secret(cfg.redis_password_file, "cluster.redis_password_file").decode()
 
 
@@ -390,10 +398,16 @@ class RedisDirectory:
         runs: dict[str, list] = {}  # node -> [epoch, tier rank of each block while it holds them]
         stale: list[tuple[bytes, bytes, int]] = []
         for j, row in enumerate(rows):
-            for i in range(0, len(row), 2):
-                node, value = row[i].decode(), row[i + 1]
-                epoch_b, _, bits_b = value.partition(b":")
-                epoch = int(epoch_b)
+            for i in range(0, len(row) - 1, 2):
+                try:  # an entry that is not one of ours (another writer's, damaged) is no entry
+                    node = row[i].decode()
+                    epoch_b, _, bits_b = row[i + 1].partition(b":")
+                    epoch, bits = int(epoch_b), int(bits_b)
+                except (UnicodeDecodeError, ValueError):
+                    continue
+                if not 0 < bits < len(_BEST):
+                    continue
+                rank = _BEST[bits]
                 have = live.get(node)
                 if have is None or node == self.node_id:
                     continue
@@ -408,7 +422,7 @@ class RedisDirectory:
                     run = runs[node] = [epoch]
                 elif len(run) != j + 1:
                     continue
-                run.append(_BEST[int(bits_b)])
+                run.append(rank)
         if stale:
             self._drop_stale(stale)
         hits: list[PrefixHit] = []
