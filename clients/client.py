@@ -377,6 +377,14 @@ class KVStoreClient:
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
                             advice, r.remote_blocks, r.remote_node_id, r.est_pull_s, bytes(r.found))
 
+    def route_hints(self, keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
+                    max_nodes: int = 0) -> pb.RouteHintsResponse:
+        """Where the prompt (its block keys, or its token ids) is cheapest to serve in this
+        client's namespace: per candidate node, its cached tokens by tier and the modelled
+        time to first KV, fastest first (:mod:`kvstore.daemon.hints`)."""
+        return self.call("RouteHints", pb.RouteHintsRequest(namespace_id=self.namespace.root, keys=pack(keys),
+                                                            token_ids=list(token_ids), max_nodes=max_nodes))
+
     def pull(self, keys: Sequence[bytes], holder: str = "", deadline_s: float = 0.0) -> ppb.PullResponse:
         """Have this client's daemon fetch the blocks of ``keys`` it lacks from a peer (``holder``,
         or the peers it knows to hold the namespace); a miss is an answer, not an error."""

@@ -83,6 +83,7 @@ class ServerConfig:
     tls_cert_file: str = field(default="", metadata={"help": "PEM server certificate (required with tcp_listen)"})
     tls_key_file: str = field(default="", metadata={"help": "PEM server private key (required with tcp_listen)"})
     tls_client_ca_file: str = field(default="", metadata={"help": "PEM CA bundle; set to require client certificates (mutual TLS)"})
+    hints_listen: str = field(default="", metadata={"help": "host:port of the HTTP/JSON route-hints listener for request routers (POST /v1/route-hints); TLS with tls_cert_file, and a client certificate (tls_client_ca_file) or the bearer token (auth_token) required; empty = off (RouteHints is also a gRPC call)"})
     auth_token: str = field(default="", metadata={"help": "bearer token TCP clients must send; empty = none", "secret": True})
     grpc_workers: int = field(default=64, metadata={"help": "gRPC server threads (durable Commits hold one each while NVMe writes)"})
     max_keys_per_request: int = field(default=65536, metadata={"help": "most keys one RPC may carry (blocks)"})
@@ -276,6 +277,13 @@ class Config:
             _check(bool(s.tls_cert_file and s.tls_key_file), "server.tcp_listen",
                    "a TCP listener requires TLS: set server.tls_cert_file and server.tls_key_file")
             _host_port("server.tcp_listen", s.tcp_listen)
+        if s.hints_listen:
+            _check(bool(s.tls_cert_file and s.tls_key_file), "server.hints_listen",
+                   "the route-hints listener requires TLS: set server.tls_cert_file and server.tls_key_file")
+            _check(bool(s.tls_client_ca_file or s.auth_token), "server.hints_listen",
+                   "the route-hints listener requires credentials: set server.tls_client_ca_file (client "
+                   "certificates) or server.auth_token (a bearer token)")
+            _host_port("server.hints_listen", s.hints_listen)
         _check(d.capacity_bytes >= 0, "dram.capacity_bytes", "must be >= 0")
         _check(d.namespace_quota_bytes >= 0, "dram.namespace_quota_bytes", "must be >= 0")
         _check(self.nvme.namespace_quota_bytes >= 0, "nvme.namespace_quota_bytes", "must be >= 0")

@@ -335,13 +335,14 @@ class LoadPolicy:
         self.bandwidth.observe(path, nbytes, seconds)
 
     def decide(self, runs: Runs, *, block_tokens: int, block_bytes: int,
-               cost: PrefillCostModel) -> Decision:
+               cost: PrefillCostModel, count: bool = True) -> Decision:
         """Choose how many leading blocks of the matched prefix to load.
 
         ``runs``: where the matched blocks live, in chain order, as ``(path, blocks)`` pairs or
         an ordered mapping, e.g. ``[("dram", 40), ("nvme", 24)]``. ``block_bytes`` is what one
         block moves on the path (the shard of this worker's namespace). Ties go to loading,
         which spends copy engines instead of GPU compute that other requests could use.
+        ``count``: counted among the decisions (a router's question is not a request's decision).
         """
         for name, value in (("block_tokens", block_tokens), ("block_bytes", block_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -374,8 +375,9 @@ class LoadPolicy:
         step = np.repeat(per_block_s, n_arr) + opens * np.repeat(latency_s, n_arr)
         matched = blocks * block_tokens
         if blocks == 0:
-            with self._count_lock:
-                self.counts[LoadChoice.NONE] += 1
+            if count:
+                with self._count_lock:
+                    self.counts[LoadChoice.NONE] += 1
             return Decision(LoadChoice.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
         load = np.concatenate([[0.0], np.cumsum(step)])            # load[j]: first j blocks
         starts = np.arange(blocks + 1, dtype=np.float64) * block_tokens
@@ -385,8 +387,9 @@ class LoadPolicy:
         slowest = min((ests[k] for k in used), key=lambda e: e.bytes_per_s)
         best = int(blocks - np.argmin(total[::-1]))                # last minimum: ties load more
         outcome = LoadChoice.LOAD if best == blocks else LoadChoice.RECOMPUTE if best == 0 else LoadChoice.PARTIAL
-        with self._count_lock:
-            self.counts[outcome] += 1
+        if count:
+            with self._count_lock:
+                self.counts[outcome] += 1
         reason = (f"{outcome.value}: load {best}/{blocks} blocks in {load[best] * 1e3:.3f} ms + "
                   f"recompute {matched - best * block_tokens} tokens in {recompute[best] * 1e3:.3f} ms; "
                   f"all-load {load[-1] * 1e3:.3f} ms, all-recompute {recompute[0] * 1e3:.3f} ms; "

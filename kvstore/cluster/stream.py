@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Callable, Iterable, Protocol
 
 from kvstore import kv_events as ev
-from kvstore.cluster.directory import BYTES_PER_ENTRY, Directory, Node, PrefixHit
+from kvstore.cluster.directory import BYTES_PER_ENTRY, DEFAULT_LIMIT, Directory, Node, PrefixHit
 
 log = logging.getLogger("kvstore.cluster")
 HELD_BACK_MAX = 100_000  # live batches kept while a replay or snapshot is under way
@@ -282,12 +282,12 @@ class ClusterDirectory:
         self._ctx.term()
 
     # --- lookups (any thread) ---------------------------------------------------------------
-    def longest_prefix(self, namespace: bytes | str, chain_hashes: list[bytes], root: bytes | None = None
-                       ) -> list[PrefixHit]:
+    def longest_prefix(self, namespace: bytes | str, chain_hashes: list[bytes], limit: int = DEFAULT_LIMIT, *,
+                       root: bytes | None = None) -> list[PrefixHit]:
         """:meth:`Directory.longest_prefix` over the peers' announced blocks (never this node's);
         ``root`` (the chain's first key, where ``chain_hashes`` is a later part) is not needed here."""
         with self.lock:
-            return self.directory.longest_prefix(namespace, chain_hashes)
+            return self.directory.longest_prefix(namespace, chain_hashes, limit)
 
     def status(self) -> list[dict]:
         """Per peer: epoch, sync state, next batch number, entries, batches applied, resyncs,

@@ -39,6 +39,7 @@ from kvstore.config import ARENA_SUFFIX, EVENTS_EXTRA, Config
 from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.fleet import Fleet
 from kvstore.daemon.handout import ArenaHandout
+from kvstore.daemon.hints import RouteHints
 from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.preflight import StartupError, check_data_dir, check_port_free, prepare_socket_path, split_host_port
@@ -168,6 +169,7 @@ class Daemon:
             raise
         self.server: grpc.Server | None = None
         self.tcp_server: grpc.Server | None = None
+        self.hints_listener = None  # server.hints_listen: the route-hints HTTP/JSON listener
         self.metrics_server = None
         self.transfer_address = ""
         self.fleet: Fleet | None = None  # with [cluster]: membership, the prefix directory, pulls
@@ -290,10 +292,12 @@ class Daemon:
                                f"listener on {self.cfg.transport.listen}: {e}") from None
 
     def _service(self) -> KVStoreService:
-        return KVStoreService(self.core, self.cfg.server, advisor=Advisor(self.policy, self.cfg.policy, self.metrics),
+        advisor = Advisor(self.policy, self.cfg.policy, self.metrics)
+        self.hints = RouteHints(self.core, advisor, self.fleet, self.link_meter)
+        return KVStoreService(self.core, self.cfg.server, advisor=advisor,
                               reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
                               outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket,
-                              cluster=self.fleet.advisor if self.fleet is not None else None)
+                              cluster=self.fleet.advisor if self.fleet is not None else None, hints=self.hints)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -362,6 +366,7 @@ class Daemon:
                                    f"listener on {cfg.transport.listen}: {e}") from None
         # Remote clients only once recovery is done: a Register must not race it.
         self.tcp_server = self._start_tcp(service, peer) if cfg.server.tcp_listen else None
+        self.hints_listener = self._start_hints() if cfg.server.hints_listen else None
         self.server.start()
         if cfg.metrics.port:
             try:
@@ -429,6 +434,24 @@ class Daemon:
         server.start()
         log.info("TLS control listener on %s (mutual TLS: %s, token: %s)", s.tcp_listen, ca is not None, bool(s.auth_token))
         return server
+
+    def _start_hints(self):
+        """The HTTP/JSON route-hints listener (:mod:`kvstore.daemon.hints_http`)."""
+        from kvstore.daemon.hints_http import HintsListener
+
+        s = self.cfg.server
+        try:
+            for key in ("tls_key_file", "tls_cert_file", "tls_client_ca_file"):
+                if getattr(s, key):  # each a regular file, opened without blocking, before ssl opens it
+                    read_regular(getattr(s, key), f"server.{key}")
+            listener = HintsListener(s.hints_listen, self.hints, key_file=s.tls_key_file, cert_file=s.tls_cert_file,
+                                     ca_file=s.tls_client_ca_file, token=s.auth_token)
+            self.hints_port = listener.start()
+        except (ValueError, OSError) as e:
+            raise StartupError(f"server.hints_listen: cannot listen on {s.hints_listen}: {e}") from None
+        log.info("route hints (HTTP/JSON) on %s (client certificates: %s, token: %s)", s.hints_listen,
+                 bool(s.tls_client_ca_file), bool(s.auth_token))
+        return listener
 
     def reload(self) -> None:
         """SIGHUP: re-read the config file and environment; apply what can change live."""
@@ -509,6 +532,8 @@ class Daemon:
         if self.fleet is not None:  # leave first: peers stop sending here at once
             self.fleet.leave(min(2.0, grace))
         done = self.server.stop(grace)
+        if self.hints_listener is not None:
+            self.hints_listener.stop()
         tcp_done = self.tcp_server.stop(grace) if self.tcp_server is not None else None
         if self.inbound is not None:
             self.inbound.stop(max(0.0, deadline - time.monotonic()))

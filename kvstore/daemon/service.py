@@ -19,6 +19,7 @@ import grpc
 from kvstore.daemon.advice import Advisor
 from kvstore.config import ServerConfig
 from kvstore.daemon.core import Core, SessionEnd
+from kvstore.daemon.hints import HintError, RouteHints
 from kvstore.errors import REFUSAL_KEY, Code, KVError, invalid, not_found
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.stats import Reporter
@@ -150,8 +151,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def __init__(self, core: Core, cfg: ServerConfig, *, advisor: Advisor, reporter: Reporter, metrics: Metrics,
                  arena_socket: str, tiering: Tiering | None = None, outbound: Outbound | None = None,
-                 inbound: Inbound | None = None, cluster: ClusterAdvisor | None = None) -> None:
-        """``cluster``: remote hits and the load/pull/recompute advice in Lookup (None alone)."""
+                 inbound: Inbound | None = None, cluster: ClusterAdvisor | None = None,
+                 hints: RouteHints | None = None) -> None:
+        """``cluster``: remote hits and the load/pull/recompute advice in Lookup (None alone);
+        ``hints``: RouteHints' answers (:mod:`kvstore.daemon.hints`)."""
         self.core = core
         self.cfg = cfg  # SIGHUP may change reserve_wait_s
         self.advisor = advisor
@@ -162,6 +165,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.outbound = outbound
         self.inbound = inbound
         self.cluster = cluster
+        self.hints = hints or RouteHints(core, advisor)
         self.waits = Waits(cfg.resolved_max_waits(), cfg.max_waits_per_session)
 
     @property
@@ -242,6 +246,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             for t in set(tiers):
                 m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
         return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
+
+    @rpc
+    def RouteHints(self, req, context):
+        try:
+            return self.hints.answer(req.namespace_id, req.keys, req.token_ids, req.max_nodes)
+        except HintError as e:
+            raise (not_found if e.code == "not_found" else invalid)(f"RouteHints: {e}") from None
 
     @rpc
     def Reserve(self, req, context):

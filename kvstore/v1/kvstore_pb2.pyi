@@ -200,6 +200,52 @@ class LookupResponse(_message.Message):
     found: bytes
     def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ..., found: _Optional[bytes] = ...) -> None: ...
 
+class RouteHintsRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "token_ids", "max_nodes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_nodes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class NodeHint(_message.Message):
+    __slots__ = ("node_id", "epoch", "local", "hbm_tokens", "dram_tokens", "nvme_tokens", "advice", "pull_from", "time_to_kv_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    HBM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NVME_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADVICE_FIELD_NUMBER: _ClassVar[int]
+    PULL_FROM_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_KV_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    local: bool
+    hbm_tokens: int
+    dram_tokens: int
+    nvme_tokens: int
+    advice: Advice
+    pull_from: str
+    time_to_kv_s: float
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., local: _Optional[bool] = ..., hbm_tokens: _Optional[int] = ..., dram_tokens: _Optional[int] = ..., nvme_tokens: _Optional[int] = ..., advice: _Optional[_Union[Advice, str]] = ..., pull_from: _Optional[str] = ..., time_to_kv_s: _Optional[float] = ...) -> None: ...
+
+class RouteHintsResponse(_message.Message):
+    __slots__ = ("prompt_tokens", "recompute_s", "nodes", "reason")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    recompute_s: float
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeHint]
+    reason: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., recompute_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeHint, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids", "part", "parts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.RouteHints = channel.unary_unary(
+                '/kvstore.v1.KVStore/RouteHints',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteHintsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteHintsResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/kvstore.v1.KVStore/Reserve',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
@@ -130,6 +135,17 @@ class KVStoreServicer:
     def Lookup(self, request, context):
         """Unary. Longest cached prefix of `keys`: `hit_blocks` counts leading hits and stops at the
         first miss; zero hits is a normal answer. Also the policy's load-or-recompute advice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RouteHints(self, request, context):
+        """Unary. For request routers: where a prompt's prefix is cheapest to serve. Per candidate
+        node (this daemon and the peers the cluster directory names as holding the prefix), the
+        cached tokens by tier and the modelled time until the prompt's KV is on that node's GPU:
+        loading, pulling or recomputing, priced as Lookup's advice prices them. Read-only: it
+        touches no block's recency, and needs no session (the namespace is named).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -262,6 +278,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
             ),
+            'RouteHints': grpc.unary_unary_rpc_method_handler(
+                    servicer.RouteHints,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteHintsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteHintsResponse.SerializeToString,
+            ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
@@ -387,6 +408,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Lookup',
             kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteHints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/RouteHints',
+            kvstore_dot_v1_dot_kvstore__pb2.RouteHintsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RouteHintsResponse.FromString,
             options,
             channel_credentials,
             insecure,
