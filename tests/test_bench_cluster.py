@@ -1,6 +1,6 @@
-"""`kvstore bench cluster --policy` runs end to end on a tiny workload, pulls asking the peers
-advertising the namespace and pulls directed by the cluster prefix directory (figures go in
-docs/cluster.md)."""
+"""`kvstore bench cluster --policy --routers` runs end to end on a tiny workload, pulls asking the
+peers advertising the namespace, pulls directed by the cluster prefix directory, and requests
+routed by round-robin, a hit-count router and the hint router (figures go in docs/cluster.md)."""
 
 import json
 import shutil
@@ -19,7 +19,7 @@ def test_bench_cluster_tiny():
     # pulls every earlier turn's tokens come from a peer.
     p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "cluster", "--json", "--conversations", "4",
                         "--turns", "3", "--first-tokens", "32", "--turn-tokens", "32", "--layers", "2",
-                        "--kv-heads", "2", "--head-dim", "64", "--policy"], capture_output=True, text=True, timeout=300)
+                        "--kv-heads", "2", "--head-dim", "64", "--policy", "--routers"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr + p.stdout
     r = json.loads(p.stdout)
     alone, pulls = r["alone"], r["with_pulls"]
@@ -45,3 +45,13 @@ def test_bench_cluster_tiny():
     advised = r["with_policy"]
     assert advised["requests"] == sum(advised["choices"].values()) == 12 and advised["choices"]["recompute"] >= 4
     assert advised["pulled_tokens"] <= pulls["pulled_tokens"] and (advised["choices"]["pull"] or not advised["pulled_tokens"])
+    # Routers on the directory fleet: the prefix-aware ones send each later turn to the daemon
+    # holding the turn before (all of its tokens load from DRAM there); round-robin never does.
+    routers = r["routers"]
+    assert set(routers) == {"round-robin", "hit-count", "hints"}
+    assert all((x["requests"], x["prompt_tokens"]) == (12, 768) for x in routers.values())
+    assert routers["round-robin"]["local_hit_tokens"] == 0 and routers["round-robin"]["mean_route_s"] == 0
+    for name in ("hit-count", "hints"):
+        assert (routers[name]["local_hit_tokens"], routers[name]["pulled_tokens"]) == (4 * (32 + 64), 0), name
+        assert routers[name]["mean_route_s"] > 0
+    assert r["routers_vs_round_robin"]["round-robin"] == 1.0 and "routers over the directory fleet" in table(r)

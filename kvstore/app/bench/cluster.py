@@ -96,13 +96,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Etcd:
+class LocalEtcd:
     """A one-member etcd on a private data directory and free loopback ports."""
 
     def __init__(self, work: Path) -> None:
         binary = shutil.which("etcd")
         if binary is None:
-            raise SystemExit("kvstore bench cluster: needs etcd on PATH (Debian: apt-get install etcd-server)")
+            raise SystemExit("kvstore bench: needs etcd on PATH (Debian: apt-get install etcd-server)")
         self.endpoint = f"127.0.0.1:{_free_port()}"
         client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{_free_port()}"
         (work / "etcd").mkdir(mode=0o700)
@@ -124,7 +124,7 @@ class _Etcd:
                 except EtcdError:
                     if self.proc.poll() is not None or time.monotonic() > deadline:
                         self.stop()
-                        raise SystemExit("kvstore bench cluster: etcd did not start:\n"
+                        raise SystemExit("kvstore bench: etcd did not start:\n"
                                          + (work / "etcd.log").read_text(errors="replace")[-2000:]) from None
                     time.sleep(0.05)
         finally:
@@ -140,8 +140,8 @@ class _Etcd:
                 self.proc.wait()
 
 
-def _daemon_flags(a, etcd: str, pki: Path, name: str, dram: int, prefix: str = "/kvstore",
-                  events: bool = False) -> tuple[str, ...]:
+def daemon_flags(a, etcd: str, pki: Path, name: str, dram: int, prefix: str = "/kvstore",
+                 events: bool = False) -> tuple[str, ...]:
     """``prefix``: the fleet's etcd key prefix (two fleets share the bench's etcd); ``events``:
     the daemon publishes its KV events, so its peers' directories know what it holds."""
     pub = ("--events-publish", f"tcp://127.0.0.1:{_free_port()}",
@@ -211,9 +211,13 @@ def workload(a) -> list[tuple[int, int]]:
     return [(c, a.first_tokens + t * a.turn_tokens) for t in range(a.turns) for c in range(a.conversations)]
 
 
-def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarray], tokens: list[np.ndarray]) -> dict:
+def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarray], tokens: list[np.ndarray],
+         router=None) -> dict:
     """``mode``: ``alone`` (load what is local), ``pulls`` (always pull what is missing) or
-    ``policy`` (act on Lookup's advice: load, pull or recompute)."""
+    ``policy`` (act on Lookup's advice: load, pull or recompute). ``router``
+    (:mod:`kvstore.cluster.routing`, over the daemons' node ids in :data:`NODES` order) picks
+    each request's daemon, from the first daemon's RouteHints where it needs them (its time is
+    part of the request's time-to-KV); without one, requests go round-robin."""
     import grpc
 
     from kvstore.clients import KVStoreClient
@@ -235,9 +239,15 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
     choices = {"load": 0, "pull": 0, "recompute": 0}
     try:
         for i, (conv, n) in enumerate(workload(a)):
-            d = i % len(sockets)
-            c, toks = clients[d], tokens[conv][:n]
-            keys = c.keys(toks)
+            toks = tokens[conv][:n]
+            keys = clients[0].keys(toks)  # one namespace on every daemon: the same keys
+            r0 = time.perf_counter()
+            if router is None:
+                d = i % len(sockets)
+            else:
+                d = NODES.index(router.pick(clients[0].route_hints(keys=keys) if router.needs_hints else None))
+            t_route = time.perf_counter() - r0 if router is not None and router.needs_hints else 0.0
+            c = clients[d]
             t0 = time.perf_counter()
             res = c.lookup_keys(keys, ask_peers=mode == "policy")  # the others cannot act on remote hits
             local = res.hit_blocks
@@ -267,7 +277,8 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
             c.put(toks, np.ascontiguousarray(kv[conv][:, :, :n]))  # the engine's KV of the whole prompt, after prefill
             rows.append({"daemon": d, "tokens": n, "local_tokens": local * bt, "pulled_tokens": pulled * bt,
                          "recomputed_tokens": n - have * bt, "pull_s": t_pull, "get_s": t_get,
-                         "measured_s": measured, "recompute_s": recompute, "time_to_kv_s": measured + recompute})
+                         "measured_s": measured, "recompute_s": recompute, "route_s": t_route,
+                         "time_to_kv_s": t_route + measured + recompute})
     finally:
         for ch in channels:
             ch.close()
@@ -283,6 +294,7 @@ def _run(a, layout, model: str, sockets: list[str], mode: str, kv: list[np.ndarr
             "hit_rate": round((local + pulled) / total, 4), "local_hit_rate": round(local / total, 4),
             "mean_time_to_kv_s": statistics.fmean(r["time_to_kv_s"] for r in rows),
             "mean_measured_s": statistics.fmean(r["measured_s"] for r in rows),
+            "mean_route_s": statistics.fmean(r["route_s"] for r in rows),
             "mean_recompute_s": statistics.fmean(r["recompute_s"] for r in rows),
             "pull_GBps": (pulled * layout.block_bytes / bt / sum(r["pull_s"] for r in pull_rows) / 1e9) if pull_rows else None,
             # what a pull that found nothing cost: asking every peer, or (directory) none
@@ -309,11 +321,14 @@ def bench(a) -> dict:
     def dram(namespaces: int) -> int:
         return max(64 << 20, (-(-namespaces * per_ns // (4 << 20)) + 4) * (4 << 20))
     models = ("bench-cluster-alone", "bench-cluster-pulls", "bench-cluster-policy")[:3 if a.policy else 2]
+    from kvstore.cluster.routing import ROUTERS
+
+    route_models = tuple(f"bench-cluster-route-{name}" for name in ROUTERS) if a.routers else ()
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
     etcd, daemons = None, []
     try:
         pki = fleet_certificates(work / "pki", NODES)
-        etcd = _Etcd(work)
+        etcd = LocalEtcd(work)
         # Two fleets in the one etcd (their own key prefixes): the first without KV events (a
         # pull asks each peer advertising the namespace), the second publishing them, so each
         # daemon's cluster prefix directory names the peer holding a chain (and no peer at all
@@ -321,9 +336,9 @@ def bench(a) -> dict:
         no_directory = _events_missing()
         fleets = [(work, "/kvstore", False, dram(len(models)))]
         if not no_directory:
-            fleets.append((work / "directory", "/kvstore-directory", True, dram(1)))
+            fleets.append((work / "directory", "/kvstore-directory", True, dram(1 + len(route_models))))
         with ThreadPoolExecutor(len(fleets) * len(NODES)) as ex:
-            futs = [ex.submit(start_daemon, where, n, *_daemon_flags(a, etcd.endpoint, pki, n, size, prefix, events))
+            futs = [ex.submit(start_daemon, where, n, *daemon_flags(a, etcd.endpoint, pki, n, size, prefix, events))
                     for where, prefix, events, size in fleets for n in NODES]
             for f in futs:
                 try:
@@ -336,7 +351,7 @@ def bench(a) -> dict:
         from kvstore.clients import KVStoreClient
 
         holders = []
-        for fleet, names in ((sockets, models), (dir_sockets, ("bench-cluster-directory",))):
+        for fleet, names in ((sockets, models), (dir_sockets, ("bench-cluster-directory", *route_models))):
             for s in fleet:
                 for model in names:
                     c = KVStoreClient(s)
@@ -350,6 +365,10 @@ def bench(a) -> dict:
         pulled = _run(a, layout, "bench-cluster-pulls", sockets, "pulls", kv, tokens)
         advised = _run(a, layout, "bench-cluster-policy", sockets, "policy", kv, tokens) if a.policy else None
         directed = _run(a, layout, "bench-cluster-directory", dir_sockets, "pulls", kv, tokens) if dir_sockets else None
+        # Routers on the directory fleet, each in its own namespace, every request acting on its
+        # daemon's advice as an engine's connector does.
+        routed = {name: _run(a, layout, f"bench-cluster-route-{name}", dir_sockets, "policy", kv, tokens,
+                             router=cls(NODES)) for name, cls in ROUTERS.items()} if dir_sockets and a.routers else {}
         for c in holders:
             c.close()
     finally:
@@ -359,12 +378,16 @@ def bench(a) -> dict:
             etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
     if not a.rows:
-        for r in (alone, pulled, advised, directed):
+        for r in (alone, pulled, advised, directed, *routed.values()):
             if r is not None:
                 r.pop("rows")
     def vs_alone(run: dict | None) -> float | None:  # a run's mean time-to-KV over alone's
         return round(run["mean_time_to_kv_s"] / alone["mean_time_to_kv_s"], 4) if run else None
     extra = {} if advised is None else {"with_policy": advised, "policy_time_to_kv_ratio": vs_alone(advised)}
+    if routed:
+        extra["routers"] = routed
+        extra["routers_vs_round_robin"] = {n: round(x["mean_time_to_kv_s"] / routed["round-robin"]["mean_time_to_kv_s"], 4)
+                                           for n, x in routed.items()}
     return {"bench": "cluster", "daemons": len(NODES), "routing": "round-robin",
             "holder_source": "peers advertising the namespace in etcd (membership)",
             "directory_holder_source": "the cluster prefix directory, from the peers' KV events",
@@ -401,6 +424,15 @@ def table(r: dict) -> str:
     for label, x in (("with pulls", r["with_pulls"]), ("w/ directory", r["with_directory"])):
         if x and x["missed_pulls"]:
             out.append(f"{label}: {x['missed_pulls']} pulls found the prefix nowhere, {x['mean_missed_pull_s'] * 1e3:.1f} ms each")
+    if "routers" in r:
+        out.append("routers over the directory fleet, each request acting on its daemon's advice (hints asked of "
+                   "the first daemon; their time is in time-to-KV):")
+        out.append(f"{'':<12} {'hit rate':>9} {'local':>7} {'pulled':>7} {'recomputed':>11} {'time-to-KV':>11} "
+                   f"{'routing':>9} {'vs r-r':>7}")
+        for name, x in r["routers"].items():
+            out.append(f"{name:<12} {x['hit_rate']:>9.1%} {x['local_hit_tokens']:>7} {x['pulled_tokens']:>7} "
+                       f"{x['recomputed_tokens']:>11} {x['mean_time_to_kv_s'] * 1e3:>8.1f} ms "
+                       f"{x['mean_route_s'] * 1e3:>6.2f} ms {r['routers_vs_round_robin'][name]:>7.2f}")
     if "with_policy" in r:
         ch = r["with_policy"]["choices"]
         out.append(f"by policy / alone: {r['policy_time_to_kv_ratio']:.2f}; Lookup advised load {ch['load']}, "
@@ -424,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pull-deadline-s", type=float, default=5.0)
     ap.add_argument("--policy", action="store_true", help="a third run acting on Lookup's advice (load, pull or "
                     "recompute) instead of always pulling, with how often each was chosen")
+    ap.add_argument("--routers", action="store_true", help="runs routed by round-robin, by a hit-count router "
+                    "and by the hint router (RouteHints), on the directory fleet, acting on Lookup's advice")
     ap.add_argument("--rows", action="store_true", help="with --json: every request's figures too")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
