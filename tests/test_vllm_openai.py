@@ -150,50 +150,45 @@ def plain(model, tmp_path_factory) -> dict:
         s.stop()
 
 
-def test_openai_server_hits_across_servers_and_sessions_end_with_the_default_shutdown(model, plain, daemons, tmp_path):
-    d = daemons(dram="256MiB")
-    a = Server(model, tmp_path / "a.log", d.socket_path).ready()
-    assert sessions(d.socket_path) == 2                      # EngineCore (scheduler) and Worker
+def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and_a_daemon_crash(
+        model, plain, daemons, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    d = daemons(dram="256MiB", socket_path=sock, name="before")
+    a = Server(model, tmp_path / "a.log", sock).ready()
+    assert sessions(sock) == 2                               # EngineCore (scheduler) and Worker
     # kvstore's INFO lines are in vLLM's log, in vLLM's format, with the process tag.
     said = a.log_path.read_text()
     assert re.search(r"\(EngineCore pid=\d+\) INFO \d\d-\d\d [\d:]+ \[vllm_connector\.py:\d+\] kvstore: "
                      r"kv_load_failure_policy 'fail' -> 'recompute'", said), said[-4000:]
     first = a.complete(PROMPT)
     assert first == {"text": plain[PROMPT], "cached": 0}
-    wait_for(lambda: KVStoreClient(d.socket_path).stats().tiers[0].blocks >= 6, 30, "the prompt's blocks stored")
+    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 6, 30, "the prompt's blocks stored")
     # vLLM's default shutdown: SIGTERM, EngineCore and Worker force-killed. Their sessions end
     # with them, not at the 60 s session TTL.
     gone = a.stop(signal.SIGTERM)
-    wait_for(lambda: sessions(d.socket_path) == 0, 15, "the stopped server's sessions to end")
+    wait_for(lambda: sessions(sock) == 0, 15, "the stopped server's sessions to end")
     ended_after = time.monotonic() - gone
     assert ended_after < SESSION_END_S, f"sessions ended {ended_after:.2f} s after the processes"
     assert "exited: 1 session(s) ended" in d.log()
     # Two fresh servers on one daemon: both load the prefix from kvstore (nothing of vLLM's own
     # cache is in a new process) and answer what plain vLLM does.
-    b, c = Server(model, tmp_path / "b.log", d.socket_path), Server(model, tmp_path / "c.log", d.socket_path)
+    b, c = Server(model, tmp_path / "b.log", sock), Server(model, tmp_path / "c.log", sock)
     b.ready(), c.ready()
-    assert sessions(d.socket_path) == 4
+    assert sessions(sock) == 4
     for s in (b, c):
         assert s.complete(PROMPT) == {"text": plain[PROMPT], "cached": 6 * BT}
     assert b.complete(OTHER) == {"text": plain[OTHER], "cached": 0}
-    wait_for(lambda: KVStoreClient(d.socket_path).stats().tiers[0].blocks >= 12, 30, "the second prompt stored")
+    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 12, 30, "the second prompt stored")
     assert c.complete(OTHER) == {"text": plain[OTHER], "cached": 6 * BT}   # stored by b, loaded by c
     gone = c.stop(signal.SIGKILL)                             # OOM-like: the whole tree at once
-    wait_for(lambda: sessions(d.socket_path) == 2, 15, "the killed server's sessions to end")
-    assert time.monotonic() - gone < SESSION_END_S
-    gone = b.stop(signal.SIGTERM)
-    wait_for(lambda: sessions(d.socket_path) == 0, 15, "the last server's sessions to end")
+    wait_for(lambda: sessions(sock) == 2, 15, "the killed server's sessions to end")
     assert time.monotonic() - gone < SESSION_END_S
 
-
-def test_after_a_daemon_crash_each_process_maps_one_arena_the_new_one(model, plain, daemons, tmp_path):
-    sock = str(tmp_path / "kv.sock")
-    d = daemons(dram="256MiB", socket_path=sock, name="before")
-    s = Server(model, tmp_path / "s.log", sock).ready()
+    # The daemon crashes and comes back on its socket: b's processes each end up mapping one
+    # arena, the new daemon's (b goes on serving throughout).
     try:
-        pids = s.engine_pids()
+        pids = b.engine_pids()
         assert len(pids) == 2
-        assert s.complete(PROMPT)["text"] == plain[PROMPT]
         before = {p: arena_mappings(p) for p in pids}
         old = arena_inode(d)
         # The scheduler (lookups only) maps nothing; the worker maps the daemon's arena.
@@ -204,10 +199,10 @@ def test_after_a_daemon_crash_each_process_maps_one_arena_the_new_one(model, pla
         # Requests go on; the connector finds the daemon again (reconnect_s) and re-registers.
         deadline = time.monotonic() + 60
         while sessions(sock) < 2 and time.monotonic() < deadline:
-            assert s.complete(OTHER)["text"] == plain[OTHER]
+            assert b.complete(OTHER)["text"] == plain[OTHER]
             time.sleep(0.5)
         assert sessions(sock) == 2
-        assert s.complete(PROMPT)["text"] == plain[PROMPT]
+        assert b.complete(PROMPT)["text"] == plain[PROMPT]
         after = {p: arena_mappings(p) for p in pids}
         assert sorted(len(m) for m in after.values()) == [0, 1], after
         assert set().union(*after.values()) == {new}          # the dead daemon's arena is unmapped
@@ -216,10 +211,12 @@ def test_after_a_daemon_crash_each_process_maps_one_arena_the_new_one(model, pla
             assert {os.stat(f"/proc/{p}/fd/{f}").st_ino for f in fds} <= {new}
         # The restarted daemon is stored into again: a fresh prompt reaches it.
         fresh = words((13 * i) % 500 + 1 for i in range(100))
-        s.complete(fresh)
+        b.complete(fresh)
         wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 3, 30, "the restarted daemon stored into")
     finally:
-        s.stop()
+        gone = b.stop(signal.SIGTERM)
+    wait_for(lambda: sessions(sock) == 0, 15, "the last server's sessions to end")
+    assert time.monotonic() - gone < SESSION_END_S
 
 
 def _link(pid: int, fd: str) -> str:
