@@ -124,10 +124,13 @@ class RedisDirectory:
         self.max_pending = 200_000
         self.own: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (its root's 8 bytes, None: unreachable here; tier bits)
         self._dirty: set[bytes] = set()
+        self._entries = 0  # keys of ``own`` with a root and a tier: this node's entries in the store
         self._written_epoch = 0  # the epoch every entry of ``own`` is in the store at (0: not all)
         self._reader = self._writer = None
         self._read = None
         self._reader_lock = threading.Lock()
+        self._dropping = threading.Lock()  # one stale-entry deleter at a time
+        self._writer_lock = threading.Lock()
         self._reader_down_until = 0.0
         self._writer_down_until = 0.0
         self.errors = 0
@@ -217,6 +220,7 @@ class RedisDirectory:
             for q in path:
                 roots[q] = root
         self.own = {k: (roots[k] and roots[k][:8], bits[k]) for k in parents}
+        self._entries = sum(1 for r in roots.values() if r is not None)
         self._written_epoch = 0  # every entry is written again
         self._dirty = set()
         self._apply(pending)
@@ -233,14 +237,17 @@ class RedisDirectory:
                 if cur is None:
                     root = key[:8] if parent is None else own.get(parent, (None, 0))[0]
                     own[key] = (root, bit)
+                    self._entries += root is not None
                 elif cur[1] & bit:
                     continue
                 else:
                     own[key] = (cur[0], cur[1] | bit)
+                    self._entries += not cur[1] and cur[0] is not None  # a deletion not yet written, undone
             else:
                 if cur is None or not cur[1] & bit:
                     continue
                 own[key] = (cur[0], cur[1] & ~bit)
+                self._entries -= not own[key][1] and cur[0] is not None
             if own[key][0] is not None:
                 dirty.add(key)
             elif not own[key][1]:
@@ -288,9 +295,12 @@ class RedisDirectory:
             self._writer = None
 
     def _writer_client(self):
-        if self._writer is None:
-            self._writer = self._connect(max(2.0, self.cfg.redis_timeout_s))
-        return self._writer
+        """The client of writes, sweeps and deletions (longer deadlines than a Lookup's; its own
+        lock, so that a Lookup never waits on its connect)."""
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = self._connect(max(2.0, self.cfg.redis_timeout_s))
+            return self._writer
 
     def _write_all(self, w, epoch: int) -> None:
         """Every entry of this node under ``epoch``, then the sets of older epochs swept."""
@@ -458,7 +468,11 @@ class RedisDirectory:
             self._read = self._reader = None
 
     def _drop_stale(self, stale: list[tuple[bytes, bytes, int]]) -> None:
-        """Entries read at an older epoch than their node's: deleted off the Lookup's path."""
+        """Entries read at an older epoch than their node's: deleted off the Lookup's path, by
+        one thread at a time (while one runs, others' finds are left to the sweep or a later read)."""
+        if not self._dropping.acquire(blocking=False):
+            return
+
         def run():
             try:
                 w = self._writer_client()
@@ -468,6 +482,8 @@ class RedisDirectory:
                 pipe.execute(raise_on_error=False)
             except Exception:  # noqa: BLE001 - best effort: the sweep or the next reader deletes them
                 pass
+            finally:
+                self._dropping.release()
         threading.Thread(target=run, name="cluster-directory-drop", daemon=True).start()
 
     def _failed(self, side: str, e: Exception) -> None:
@@ -484,6 +500,6 @@ class RedisDirectory:
         return []
 
     def size(self) -> dict:
-        """This node's own entries (the store holds the fleet's)."""
-        n = sum(1 for v in self.own.values() if v[0] is not None)
+        """This node's own entries (the store holds the fleet's); any thread."""
+        n = self._entries
         return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK}
