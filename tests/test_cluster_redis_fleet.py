@@ -88,6 +88,11 @@ def test_pulls_lookups_restarts_and_a_hung_store_over_the_redis_directory(daemon
     view = json.loads(out.stdout)
     assert {m["node_id"] for m in view["members"]} == set(NAMES)
     assert view["daemon"]["streams"] == [] and view["daemon"]["directory"]["entries"] == 4
+    assert view["daemon"]["directory"]["backend"] == "redis"
+    assert {m["node_id"]: m["capabilities"]["directory"] for m in view["members"]} == dict.fromkeys(NAMES, "redis")
+    text = subprocess.run([sys.executable, "-m", "kvstore", "cluster", "--etcd-endpoints", etcd.endpoint,
+                           "--socket", c.socket_path], capture_output=True, text=True, timeout=60).stdout
+    assert "directory in the Redis/Valkey store; this node's 4 entries" in text, text
 
     # B crashes and comes back at a new epoch holding nothing (no NVMe): from the moment
     # membership has it at epoch 2, its epoch-1 entries are never advised.

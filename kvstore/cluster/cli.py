@@ -59,7 +59,8 @@ def daemon_view(socket_path: str, timeout_s: float) -> dict:
                 "last_batch_age_s": s.last_batch_age_s if s.last_batch_age_s >= 0 else None,
                 "replays": s.replays, "snapshots": s.snapshots, "drops": s.drops} for s in r.streams]
     directory = ({"entries": r.directory.entries, "blocks": r.directory.blocks,
-                  "approx_bytes": r.directory.approx_bytes} if r.HasField("directory") else None)
+                  "approx_bytes": r.directory.approx_bytes, "backend": r.directory.backend or "replica"}
+                 if r.HasField("directory") else None)
     return {"socket": socket_path, "streams": streams, "directory": directory}
 
 
@@ -67,10 +68,10 @@ def _print(out: dict) -> None:
     for h in out["etcd"]:
         print(f"etcd {h['endpoint']}: " + (f"healthy, v{h['version']}{', leader' if h['leader'] else ''}, "
                                           f"{h['db_bytes'] / 2**20:.1f} MiB" if h["healthy"] else f"UNHEALTHY: {h['error']}"))
-    print(f"{'NODE':<20} {'EPOCH':>5} {'TTL LEFT':>8}  {'TRANSFER':<22} {'NAMESPACES':>10}")
+    print(f"{'NODE':<20} {'EPOCH':>5} {'TTL LEFT':>8}  {'TRANSFER':<22} {'NAMESPACES':>10} {'DIRECTORY':>9}")
     for m in out["members"]:
         print(f"{m['node_id']:<20} {m['epoch']:>5} {str(m['lease_ttl_s']) + ' s':>8}  {m['transfer_addr'] or '-':<22} "
-              f"{m['namespaces']:>10}")
+              f"{m['namespaces']:>10} {m['capabilities'].get('directory', 'replica'):>9}")
     d = out["daemon"]
     if "error" in d:
         print(f"daemon at {d['socket']}: no answer ({d['error']}); streams and directory size not shown")
@@ -81,6 +82,10 @@ def _print(out: dict) -> None:
     size = d["directory"]
     approx = size["approx_bytes"]
     approx_s = f"~{approx / 2**20:.1f} MiB (2^20 bytes)" if approx >= 2**20 else f"~{approx / 2**10:.1f} KiB (2^10 bytes)"
+    if size["backend"] == "redis":
+        print(f"daemon at {d['socket']}: directory in the Redis/Valkey store; this node's {size['entries']} entries, "
+              f"{approx_s} here for them (cluster.redis_nodes; the store holds the fleet's)")
+        return
     print(f"daemon at {d['socket']}: directory {size['entries']} entries, {size['blocks']} blocks, {approx_s}")
     print(f"{'STREAM FROM':<20} {'EPOCH':>5} {'STATE':<8} {'LAG':>8} {'HELD':>5} {'ENTRIES':>9} {'BATCHES':>9} "
           f"{'REPLAYS':>7} {'SNAPSHOTS':>9} {'DROPS':>5}")

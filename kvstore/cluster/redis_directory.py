@@ -502,4 +502,4 @@ class RedisDirectory:
     def size(self) -> dict:
         """This node's own entries (the store holds the fleet's); any thread."""
         n = self._entries
-        return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK}
+        return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK, "backend": "redis"}

@@ -309,7 +309,7 @@ class ClusterDirectory:
         (entries at the measured :data:`~kvstore.cluster.directory.BYTES_PER_ENTRY`)."""
         with self.lock:
             entries, blocks = self.directory.entries(), self.directory.blocks()
-        return {"entries": entries, "blocks": blocks, "approx_bytes": entries * BYTES_PER_ENTRY}
+        return {"entries": entries, "blocks": blocks, "approx_bytes": entries * BYTES_PER_ENTRY, "backend": "replica"}
 
     # --- the thread -------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -546,14 +546,16 @@ class EventStream(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., next_seq: _Optional[int] = ..., entries: _Optional[int] = ..., batches: _Optional[int] = ..., last_batch_age_s: _Optional[float] = ..., lag_s: _Optional[float] = ..., held_batches: _Optional[int] = ..., replays: _Optional[int] = ..., snapshots: _Optional[int] = ..., drops: _Optional[int] = ...) -> None: ...
 
 class DirectorySize(_message.Message):
-    __slots__ = ("entries", "blocks", "approx_bytes")
+    __slots__ = ("entries", "blocks", "approx_bytes", "backend")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     APPROX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     entries: int
     blocks: int
     approx_bytes: int
-    def __init__(self, entries: _Optional[int] = ..., blocks: _Optional[int] = ..., approx_bytes: _Optional[int] = ...) -> None: ...
+    backend: str
+    def __init__(self, entries: _Optional[int] = ..., blocks: _Optional[int] = ..., approx_bytes: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "bytes_per_s", "rtt_s", "pulls", "round_trips")
