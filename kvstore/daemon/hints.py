@@ -153,9 +153,9 @@ class RouteHints:
                               link=link or (lambda peer: policy.bandwidth.estimate("remote")),
                               tier=policy.bandwidth.estimate, lower_tiers_via_dram=policy.config.lower_tiers_via_dram)
         known = (mine + max((r.blocks for r in remotes), default=0)) * bt
-        best = min(d.load_total_s if local.load_blocks else d.recompute_total_s, d.pull_total_s, d.recompute_total_s)
+        chosen = {"load": d.load_total_s, "pull": d.pull_total_s, "recompute": d.recompute_total_s}[d.choice.value]
         h = pb.NodeHint(node_id=c.node_id, epoch=c.epoch, local=c.local, advice=_ADVICE[d.choice.value],
-                        time_to_kv_s=best + st.cost.seconds(known, prompt))
+                        time_to_kv_s=chosen + st.cost.seconds(known, prompt))
         if d.choice.value == "pull" and d.remote is not None:
             h.pull_from = d.remote.peer
         for t in c.tiers:
