@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("tiers", "NVMe through the daemon vs fio; promotion latency"),
                         ("transfer", "daemon-to-daemon transfer vs raw socket / ucx"),
                         ("cluster", "3 daemons, multi-turn round-robin workload: hit rate, time-to-KV alone vs pulling"),
-                        ("cluster-sim", "the cluster prefix directory fed by 8-1,024 synthetic daemons' event streams"),
+                        ("cluster-sim", "the cluster prefix directory for 8-1,024 synthetic daemons: replica vs Redis backend"),
                         ("vllm", "TTFT in real vLLM: no cache, vLLM's prefix cache, kvstore DRAM / NVMe"),
                         ("vllm-offload", "TTFT in real vLLM: kvstore's connector vs OffloadingConnector + kvstore tier"),
                         ("vllm-hybrid", "TTFT of a hybrid model in real vLLM: no cache, vLLM's prefix cache, kvstore"),

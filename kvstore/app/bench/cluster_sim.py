@@ -1,5 +1,7 @@
-"""``kvstore bench cluster-sim``: the cluster prefix directory of one daemon, fed in-process by
-many synthetic daemons' KV event streams, for 8 to 1,024 nodes under churn.
+"""``kvstore bench cluster-sim``: the cluster prefix directory for 8 to 1,024 nodes under churn,
+fed by many synthetic daemons in-process: the replica every daemon holds (``--backend
+replica``), the Redis cluster each daemon writes its own blocks to (``--backend redis``), or
+both from the same simulated fleet in one run (the default).
 
 Each synthetic daemon serves multi-turn conversations that share system prompts, routed to a
 random node (no prefix-aware routing: the most copies of a prefix), keeps an LRU DRAM tier that
@@ -10,32 +12,43 @@ same structs as :mod:`kvstore.daemon.events`. Churn: a node restarts (its DRAM l
 kept, as a warm restart does) at ``--restarts-per-node-hour``; the directory drops it, takes the
 new epoch and applies its snapshot.
 
-Measured, per node count: directory entries and distinct blocks; bytes per entry (tracemalloc,
+Replica, per node count: directory entries and distinct blocks; bytes per entry (tracemalloc,
 over the final state rebuilt alone); decode + apply cost per block event (the directory's
 thread), and its ratio to the same run's raw path, decode + one plain dict store per block
 event; lookup cost for a conversation's chain; cost of dropping a node and applying a
 snapshot, per entry. Then, for the per-node rate and capacity given, the event rate one daemon
-must absorb, the cores that takes, and the directory's memory at full capacity. Times are this
-machine's, of this Python process: they are ratios of the same run's own work, not a target.
+must absorb, the cores that takes, and the directory's memory at full capacity.
+
+Redis (:mod:`.cluster_sim_redis`): a daemon's memory and CPU for its part of the directory, and
+the store's commands, CPU and memory per entry, measured with real directory writers on a
+local redis-server cluster; the store's shard count for ``--fleet-nodes``. Both backends: the
+Lookup RPC with a remote hit through real daemons (:mod:`.cluster_sim_lookup`) against a raw
+Lookup. Times are this machine's: they are ratios of the same run's own work, not a target.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections import OrderedDict
+from pathlib import Path
 
 import msgspec
 
 from kvstore import kv_events as ev
+from kvstore.app.bench.cluster_sim_lookup import lookup_table, remote_lookup
+from kvstore.app.bench.cluster_sim_redis import (BLOCK_TOKENS, TICK_S, Feeds, StoreMeter, redis_row, redis_table,
+                                                 shard_count, shard_line)
+from kvstore.app.bench.redis_cluster import LocalRedisCluster, server_binaries
 from kvstore.cluster.directory import Directory
-
-BLOCK_TOKENS = 16
 
 
 class SimNode:
@@ -129,37 +142,52 @@ def block_events(payload_batches) -> int:
     return sum(len(e.block_hashes) for b in payload_batches for e in b.events if hasattr(e, "block_hashes"))
 
 
-def simulate(n_nodes: int, a) -> dict:
-    rng = random.Random(a.seed + n_nodes)
-    encode = msgspec.msgpack.Encoder().encode
-    decode = ev.decoder().decode
-    nodes = [SimNode(f"n{i}", a.dram_blocks, a.nvme_blocks, rng) for i in range(n_nodes)]
-    work = Workload(rng, a.prompts, a.prompt_blocks, a.turn_blocks, a.turns, live=max(64, 8 * n_nodes))
-    d = Directory()
-    handles = {n.node_id: d.add_node(n.node_id, n.epoch) for n in nodes}
-    tick_s = 0.1
-    per_tick = a.requests_per_node_s * tick_s
-    restart_p = a.restarts_per_node_hour * tick_s / 3600
-    apply_s = ref_s = 0.0
-    raw: dict[bytes, int] = {}
-    applied = restarts = 0
-    drop_s = snap_s = 0.0
-    dropped_entries = snap_entries = 0
-    ticks = int(a.sim_s / tick_s)
-    carry = 0.0
-    for _ in range(ticks):
-        carry += per_tick * n_nodes
-        for _ in range(int(carry)):
-            rng.choice(nodes).serve(work.next_chain())
-        carry -= int(carry)
-        for n in nodes:
-            out = n.batch(encode)
-            if out is None:
-                continue
+class SimFleet:
+    """``n_nodes`` synthetic daemons under the workload, with the seed of that node count: every
+    backend measured in a run sees the same requests, events and restarts."""
+
+    def __init__(self, n_nodes: int, a) -> None:
+        self.a = a
+        self.rng = random.Random(a.seed + n_nodes)
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.nodes = [SimNode(f"n{i}", a.dram_blocks, a.nvme_blocks, self.rng) for i in range(n_nodes)]
+        self.work = Workload(self.rng, a.prompts, a.prompt_blocks, a.turn_blocks, a.turns, live=max(64, 8 * n_nodes))
+
+    def ticks(self):
+        """Per tick of :data:`TICK_S`: ``(batches, restarts)``, each node's batch payload (if it
+        has events) and then the nodes that restarted (warm) with their snapshot payloads."""
+        a, rng, nodes = self.a, self.rng, self.nodes
+        per_tick = a.requests_per_node_s * TICK_S
+        restart_p = a.restarts_per_node_hour * TICK_S / 3600
+        carry = 0.0
+        for _ in range(int(a.sim_s / TICK_S)):
+            carry += per_tick * len(nodes)
+            for _ in range(int(carry)):
+                rng.choice(nodes).serve(self.work.next_chain())
+            carry -= int(carry)
+            batches = [(n, out[1]) for n in nodes if (out := n.batch(self.encode)) is not None]
+            restarts = [(n, n.restart(self.encode)) for n in nodes if rng.random() < restart_p]
+            yield batches, restarts
+
+
+class ReplicaSim:
+    """One daemon's replica directory (:class:`Directory`) fed every node's batches, timed."""
+
+    def __init__(self, fleet: SimFleet) -> None:
+        self.decode = ev.decoder().decode
+        self.d = Directory()
+        self.handles = {n.node_id: self.d.add_node(n.node_id, n.epoch) for n in fleet.nodes}
+        self.apply_s = self.ref_s = self.drop_s = self.snap_s = 0.0
+        self.applied = self.restarts = self.dropped_entries = self.snap_entries = 0
+        self.raw: dict[bytes, int] = {}
+
+    def tick(self, batches, restarts) -> None:
+        d, decode, raw = self.d, self.decode, self.raw
+        for n, payload in batches:
             t0 = time.perf_counter()
-            batch = decode(out[1])
+            batch = decode(payload)
             t1 = time.perf_counter()
-            d.apply(handles[n.node_id], batch.events)
+            d.apply(self.handles[n.node_id], batch.events)
             t2 = time.perf_counter()
             for e in batch.events:  # the reference: one plain dict store or pop per block event
                 if isinstance(e, ev.BlockStored):
@@ -168,52 +196,55 @@ def simulate(n_nodes: int, a) -> dict:
                 elif isinstance(e, ev.BlockRemoved):
                     for k in e.block_hashes:
                         raw.pop(k, None)
-            ref_s += (t1 - t0) + (time.perf_counter() - t2)
-            apply_s += t2 - t0
-            applied += block_events([batch])
-        for n in nodes:
-            if rng.random() < restart_p:
-                restarts += 1
-                entries = len(handles[n.node_id].held)
-                t0 = time.perf_counter()
-                d.drop_node(n.node_id)
-                drop_s += time.perf_counter() - t0
-                dropped_entries += entries
-                payload = n.restart(encode)
-                t0 = time.perf_counter()
-                h = handles[n.node_id] = d.add_node(n.node_id, n.epoch)
-                d.apply(h, decode(payload).events)
-                snap_s += time.perf_counter() - t0
-                snap_entries += len(h.held)
-    # Lookups: chains of conversations under way, as a router or a missing daemon asks.
-    chains = [c[0] for c in work.live[:a.lookups]] or [work.prompts[0]]
-    times, hits, holders = [], [], []
-    for c in chains:
-        t0 = time.perf_counter()
-        r = d.longest_prefix(b"", c)
-        times.append(time.perf_counter() - t0)
-        hits.append(max((h.n_blocks for h in r), default=0))
-        holders.append(len({h.node_id for h in r}))
-    entries, blocks = d.entries(), d.blocks()
-    bytes_per_entry = _bytes_per_entry(nodes, encode, decode) if entries else 0.0
-    events_s = applied / a.sim_s  # block events per simulated second, cluster-wide
-    cost_us = apply_s / applied * 1e6 if applied else 0.0
-    full_entries = n_nodes * a.full_blocks_per_node
-    return {
-        "nodes": n_nodes, "sim_s": a.sim_s, "entries": entries, "blocks": blocks,
-        "copies_per_block": round(entries / blocks, 2) if blocks else 0,
-        "bytes_per_entry": round(bytes_per_entry, 1),
-        "block_events_per_s": round(events_s), "apply_us_per_block_event": round(cost_us, 3),
-        "apply_vs_dict_store": round(apply_s / ref_s, 2) if ref_s else None,
-        "directory_cores": round(events_s * cost_us / 1e6, 3),
-        "lookup_us_median": round(statistics.median(times) * 1e6, 1), "lookup_chain_blocks": round(statistics.mean(map(len, chains)), 1),
-        "lookup_hit_blocks_mean": round(statistics.mean(hits), 1), "lookup_holders_mean": round(statistics.mean(holders), 2),
-        "restarts": restarts,
-        "drop_us_per_entry": round(drop_s / dropped_entries * 1e6, 3) if dropped_entries else None,
-        "snapshot_us_per_entry": round(snap_s / snap_entries * 1e6, 3) if snap_entries else None,
-        "full_capacity_entries": full_entries,
-        "full_capacity_gib": round(full_entries * bytes_per_entry / 2**30, 2),
-    }
+            self.ref_s += (t1 - t0) + (time.perf_counter() - t2)
+            self.apply_s += t2 - t0
+            self.applied += block_events([batch])
+        for n, payload in restarts:
+            self.restarts += 1
+            entries = len(self.handles[n.node_id].held)
+            t0 = time.perf_counter()
+            d.drop_node(n.node_id)
+            self.drop_s += time.perf_counter() - t0
+            self.dropped_entries += entries
+            t0 = time.perf_counter()
+            h = self.handles[n.node_id] = d.add_node(n.node_id, n.epoch)
+            d.apply(h, decode(payload).events)
+            self.snap_s += time.perf_counter() - t0
+            self.snap_entries += len(h.held)
+
+    def row(self, fleet: SimFleet) -> dict:
+        a, d, n_nodes = fleet.a, self.d, len(fleet.nodes)
+        # Lookups: chains of conversations under way, as a router or a missing daemon asks.
+        chains = [c[0] for c in fleet.work.live[:a.lookups]] or [fleet.work.prompts[0]]
+        times, hits, holders = [], [], []
+        for c in chains:
+            t0 = time.perf_counter()
+            r = d.longest_prefix(b"", c)
+            times.append(time.perf_counter() - t0)
+            hits.append(max((h.n_blocks for h in r), default=0))
+            holders.append(len({h.node_id for h in r}))
+        entries, blocks = d.entries(), d.blocks()
+        bytes_per_entry = _bytes_per_entry(fleet.nodes, fleet.encode, self.decode) if entries else 0.0
+        events_s = self.applied / a.sim_s  # block events per simulated second, cluster-wide
+        cost_us = self.apply_s / self.applied * 1e6 if self.applied else 0.0
+        full_entries = n_nodes * a.full_blocks_per_node
+        return {
+            "nodes": n_nodes, "sim_s": a.sim_s, "entries": entries, "blocks": blocks,
+            "copies_per_block": round(entries / blocks, 2) if blocks else 0,
+            "bytes_per_entry": round(bytes_per_entry, 1),
+            "block_events_per_s": round(events_s), "apply_us_per_block_event": round(cost_us, 3),
+            "apply_vs_dict_store": round(self.apply_s / self.ref_s, 2) if self.ref_s else None,
+            "directory_cores": round(events_s * cost_us / 1e6, 3),
+            "lookup_us_median": round(statistics.median(times) * 1e6, 1),
+            "lookup_chain_blocks": round(statistics.mean(map(len, chains)), 1),
+            "lookup_hit_blocks_mean": round(statistics.mean(hits), 1),
+            "lookup_holders_mean": round(statistics.mean(holders), 2),
+            "restarts": self.restarts,
+            "drop_us_per_entry": round(self.drop_s / self.dropped_entries * 1e6, 3) if self.dropped_entries else None,
+            "snapshot_us_per_entry": round(self.snap_s / self.snap_entries * 1e6, 3) if self.snap_entries else None,
+            "full_capacity_entries": full_entries,
+            "full_capacity_gib": round(full_entries * bytes_per_entry / 2**30, 2),
+        }
 
 
 def _bytes_per_entry(nodes: list[SimNode], encode, decode) -> float:
@@ -237,29 +268,80 @@ def _bytes_per_entry(nodes: list[SimNode], encode, decode) -> float:
     return used / max(1, d.entries())
 
 
+def simulate(n_nodes: int, a, meter: StoreMeter | None = None) -> tuple[dict | None, dict | None]:
+    """One node count: (the replica's row, the Redis backend's row), each None when not asked
+    for; both from one simulated fleet. ``meter``: the Redis cluster's, for the Redis backend."""
+    fleet = SimFleet(n_nodes, a)
+    replica = ReplicaSim(fleet) if a.backend in ("replica", "both") else None
+    feeds = Feeds(fleet.nodes, a.redis_writers, a.seed) if meter is not None else None
+    for batches, restarts in fleet.ticks():
+        if replica is not None:
+            replica.tick(batches, restarts)
+        if feeds is not None:
+            feeds.tick(batches, restarts)
+    row = replica.row(fleet) if replica is not None else None
+    return row, (redis_row(feeds, n_nodes, meter, a, row) if feeds is not None else None)
+
+
 def run(a) -> dict:
-    rows = []
-    for n in a.nodes:
-        rows.append(simulate(n, a))
-        print(f"cluster-sim: {n} nodes done", file=sys.stderr, flush=True)
-    return {"params": {k: v for k, v in vars(a).items() if k != "json"}, "rows": rows}
+    backends = ("replica", "redis") if a.backend == "both" else (a.backend,)
+    rows, redis_rows, lookup, shards = [], [], None, None
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-sim-"))
+    store = meter = None
+    try:
+        if "redis" in backends:
+            store = LocalRedisCluster(work / "redis", masters=a.redis_masters).start()
+            meter = StoreMeter(store)
+            meter.calibrate()
+        for n in a.nodes:
+            t0 = time.monotonic()
+            row, rrow = simulate(n, a, meter)
+            rows += [row] if row else []
+            redis_rows += [rrow] if rrow else []
+            print(f"cluster-sim: {n} nodes done ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if a.lookup_rpcs:
+            lookup = remote_lookup(a, backends, meter, work)
+        if redis_rows:
+            shards = shard_count(a, redis_rows, lookup)
+    finally:
+        if store is not None:
+            store.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"params": {k: v for k, v in vars(a).items() if k != "json"}, "cpus": os.cpu_count(),
+            "rows": rows, "redis_rows": redis_rows, "remote_lookup": lookup, "store_shards": shards}
+
+
+def columns(rows: list[dict], cols) -> list[str]:
+    """``rows`` as right-aligned text columns: ``cols`` are (key, heading)."""
+    lines = [" ".join(f"{h:>11}" for _, h in cols)]
+    for row in rows:
+        lines.append(" ".join(f"{str(row[k]):>11}" for k, _ in cols))
+    return lines
 
 
 def _table(r: dict) -> str:
-    cols = [("nodes", "nodes"), ("entries", "entries"), ("copies_per_block", "copies/blk"),
+    out = []
+    if r["rows"]:
+        out += ["replica: every daemon holds the fleet's entries"] + columns(r["rows"], [
+            ("nodes", "nodes"), ("entries", "entries"), ("copies_per_block", "copies/blk"),
             ("bytes_per_entry", "B/entry"), ("block_events_per_s", "blk-ev/s"),
             ("apply_us_per_block_event", "us/blk-ev"), ("apply_vs_dict_store", "x dict"), ("directory_cores", "cores"),
             ("lookup_us_median", "lookup us"), ("lookup_holders_mean", "holders"),
             ("drop_us_per_entry", "drop us/e"), ("snapshot_us_per_entry", "snap us/e"),
-            ("full_capacity_gib", "GiB@full")]
-    lines = [" ".join(f"{h:>11}" for _, h in cols)]
-    for row in r["rows"]:
-        lines.append(" ".join(f"{str(row[k]):>11}" for k, _ in cols))
-    return "\n".join(lines)
+            ("full_capacity_gib", "GiB@full")])
+    if r["redis_rows"]:
+        out += redis_table(r["redis_rows"], r["params"]["redis_masters"], columns)
+    if r["remote_lookup"]:
+        out += lookup_table(r["remote_lookup"])
+    if r["store_shards"]:
+        out.append(shard_line(r["store_shards"]))
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvstore bench cluster-sim", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("replica", "redis", "both"), default="both",
+                    help="which directory: the replica in every daemon, the Redis cluster, or both in one run")
     ap.add_argument("--nodes", default="8,64,256,1024", help="node counts, comma-separated")
     ap.add_argument("--sim-s", type=float, default=5.0, help="simulated seconds per node count")
     ap.add_argument("--requests-per-node-s", type=float, default=10.0, help="requests each node serves per second")
@@ -274,9 +356,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restarts-per-node-hour", type=float, default=2.0, help="churn: warm restarts per node per hour")
     ap.add_argument("--lookups", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
+    g = ap.add_argument_group("redis backend")
+    g.add_argument("--redis-masters", type=int, default=3, help="redis-server shards of the local store")
+    g.add_argument("--redis-writers", type=int, default=8,
+                   help="simulated nodes whose directories write to the store (all of them below this count)")
+    g.add_argument("--redis-memory-nodes", type=int, default=3, help="writers whose own map is traced (the mean)")
+    g.add_argument("--redis-pace-s", type=float, default=0.03,
+                   help="wall seconds between replayed ticks (more than the writer's 20 ms step)")
+    g.add_argument("--fleet-nodes", type=int, default=1024, help="the fleet the store's shard count is for")
+    g.add_argument("--reads-per-request", type=float, default=2.0,
+                   help="store chain reads per request in the shard count (a Lookup's, and a pull's holder query)")
+    g.add_argument("--shard-cpu", type=float, default=0.5, help="busy share of a shard's main thread allowed")
+    g.add_argument("--shard-memory-gib", type=float, default=25.0, help="memory of one shard for the directory")
+    lk = ap.add_argument_group("Lookup RPC with a remote hit, through real daemons (each backend run)")
+    lk.add_argument("--lookup-rpcs", type=int, default=300, help="Lookups timed per kind (0: none, no daemons started)")
+    lk.add_argument("--lookup-blocks", type=int, default=128, help="blocks of a chain the asker looks up")
+    lk.add_argument("--lookup-chains", type=int, default=4, help="chains the holder puts")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     a.nodes = [int(x) for x in str(a.nodes).split(",")]
+    if a.backend != "replica" and server_binaries() is None:
+        raise SystemExit("kvstore bench cluster-sim: the redis backend needs redis-server and redis-cli "
+                         "(Debian: apt-get install redis-server); --backend replica runs without")
     r = run(a)
     print(json.dumps(r, indent=2) if a.json else _table(r))
     return 0
