@@ -107,5 +107,5 @@ def test_a_redis_directory_fed_a_nodes_block_changes_holds_exactly_its_blocks():
     for j, name in enumerate(feeds.names):
         n = next(x for x in nodes if x.node_id == name)
         size, own = rebuild_own(feeds.of(j))
-        assert {k: bits for k, (_, bits) in own.items()} == held_bits(n)
+        assert {k: bits for k, (_, bits, _) in own.items()} == held_bits(n)
         assert size > len(own) * 32  # the keys at least

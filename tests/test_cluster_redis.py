@@ -125,8 +125,8 @@ def test_a_peer_reads_the_writers_chain_with_its_tier_steps_and_never_its_own(st
                         what="b reads a's chain")
         assert [(h.node_id, h.epoch, h.tier, h.n_blocks) for h in hits] == [("a", 1, TierKind.NVME, 6),
                                                                              ("a", 1, TierKind.DRAM, 4)]
-        # the keys after 2 local hits, found by the chain's root
-        assert b.longest_prefix("ns", keys(ca)[2:], root=ca[0].key)[0].n_blocks == 4
+        # the keys after 2 local hits (the head names the stretch's tag)
+        assert b.longest_prefix("ns", keys(ca)[2:], head=keys(ca)[:2])[0].n_blocks == 4
         assert a.longest_prefix("ns", keys(ca)) == []  # its own blocks are local hits, not remote
         # b holds the first 3 too: both are offered, the longest first
         for blk in ca[:3]:
@@ -148,6 +148,32 @@ def test_a_peer_reads_the_writers_chain_with_its_tier_steps_and_never_its_own(st
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_long_chain_is_read_stretch_by_stretch_from_several_shards(store):
+    fleet = Fleet()
+    long = chain(7, 150)  # stretches of 64: blocks 0-63, 64-127, 128-149
+    a = directory(store, fleet, "a", 1, held=[(b, TierKind.DRAM) for b in long[:100]])
+    c = directory(store, fleet, "c", 1, held=[(b, TierKind.NVME) for b in long[:64]])
+    b = directory(store, fleet, "b", 1)
+    try:
+        for blk in long[100:]:
+            a.stored(blk, None, TierKind.NVME)
+        hits = wait_for(lambda: (h := b.longest_prefix("ns", keys(long))) and h[0].n_blocks == 150 and h,
+                        what="a's whole chain")
+        assert [(h.node_id, h.tier, h.n_blocks) for h in hits] == [("a", TierKind.NVME, 150), ("a", TierKind.DRAM, 100),
+                                                                    ("c", TierKind.NVME, 64)]
+        # after 70 local hits: the rest, read from the second stretch on (its tag is block 64, in the head)
+        rest = b.longest_prefix("ns", keys(long)[70:], head=keys(long)[:70])
+        assert [(h.node_id, h.n_blocks) for h in rest] == [("a", 80), ("a", 30)]
+        # the three stretches are three hash tags, so not one shard for the whole chain
+        w = b._writer_client()
+        slots = {w.keyslot(b.entry_name(long[s].key, long[s].key)) for s in (0, 64, 128)}
+        assert len(slots) == 3
+        assert w.hget(b.entry_name(long[64].key, long[100].key), "a") == b"1:%d" % (1 << TierKind.NVME)
+    finally:
+        for d in (a, b, c):
+            d.stop()
 
 
 def test_entries_that_are_not_a_writers_are_no_entries(store):

@@ -19,7 +19,7 @@ Single-threaded and plain: :class:`kvstore.cluster.stream.ClusterDirectory` hold
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from kvstore.kv_events import TIER_OF_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.tier_kind import TierKind
@@ -160,13 +160,13 @@ class Directory:
 
     # --- lookup -----------------------------------------------------------------------------
     def longest_prefix(self, namespace: bytes | str, chain: list[bytes], limit: int = DEFAULT_LIMIT, *,
-                       root: bytes | None = None) -> list[PrefixHit]:
+                       head: Sequence[bytes] = ()) -> list[PrefixHit]:
         """The ``limit`` nodes holding the longest prefixes of ``chain``: how many leading blocks
         each holds, as one :class:`PrefixHit` per tier step (a node with blocks 0-2 in DRAM and
         block 3 only on NVMe gives ``(DRAM, 3)`` and ``(NVME, 4)``), longest first.
         ``namespace`` (the 32-byte namespace id or its hex) leaves out nodes whose registration
-        lists other namespaces only. ``root`` (the request's first key, where ``chain`` is a
-        later part of it) is for the store-backed directory, which finds a chain's shard by it.
+        lists other namespaces only. ``head`` (the request's keys before ``chain``: a Lookup's local
+        hits) is for the store-backed directory, which finds a chain's shards by them.
 
         Cost: one dict lookup per block to find how deep any node goes, then, from the deepest
         block back, the holders of each block until ``limit`` nodes are found, each walked from

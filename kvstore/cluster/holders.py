@@ -7,6 +7,8 @@ never asked: a miss costs no round trip to it. The same directory answers Lookup
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvstore.cluster.member import Member
 from kvstore.cluster.stream import ClusterDirectory
 from kvstore.tier_kind import TierKind
@@ -22,12 +24,12 @@ class DirectoryHolders:
         self.membership = membership
         self.covers = covers
 
-    def candidates(self, ns_hex: str, keys: list[bytes], root: bytes | None = None) -> list[Member]:
+    def candidates(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()) -> list[Member]:
         peers = {m.node_id: m for m in self.membership.peers()}
         out: list[Member] = []
         # longest_prefix gives one hit per tier step per node, longest first: a node's first
         # hit is its longest, and an entry at another epoch than membership's is stale.
-        for hit in self.directory.longest_prefix(ns_hex, keys, root=root):
+        for hit in self.directory.longest_prefix(ns_hex, keys, head=head):
             m = peers.get(hit.node_id)
             if m is not None and m.epoch == hit.epoch and m not in out:
                 out.append(m)
@@ -49,11 +51,11 @@ class DirectoryRemoteHits:
         self.directory = directory
         self.membership = membership
 
-    def remote_prefix(self, ns_hex: str, keys: list[bytes], root: bytes | None = None
+    def remote_prefix(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()
                       ) -> list[tuple[Member, int, TierKind]]:
         peers = {m.node_id: m for m in self.membership.peers()}
         out = []
-        for hit in self.directory.longest_prefix(ns_hex, keys, root=root):
+        for hit in self.directory.longest_prefix(ns_hex, keys, head=head):
             m = peers.get(hit.node_id)
             if m is not None and m.epoch == hit.epoch:
                 # A holder ships from DRAM (HBM blocks have their DRAM copy); NVMe-only ones are read first.

@@ -5,10 +5,15 @@ CPU stay flat as nodes are added (docs/cluster.md has the figures).
 
 Layout (``P`` = ``cluster.redis_key_prefix``):
 
-- ``P{<root>}<key>``: a hash per block, one field per node holding it, ``node_id -> b"epoch:bits"``
-  (bits: ``1 << TierKind`` of its tiers). ``<root>`` is the hex of the chain's first key (8 bytes
-  of it): the hash tag puts one chain's blocks on one shard, so a Lookup is one call to one shard
-  (:data:`READ`, a script that stops at the first block nobody holds).
+- ``P{<tag>}<key>``: a hash per block, one field per node holding it, ``node_id -> b"epoch:bits"``
+  (bits: ``1 << TierKind`` of its tiers). ``<tag>`` is the hex of the first 8 bytes of the key
+  that starts the block's stretch of the chain: blocks ``0..63`` of a chain are tagged by block
+  0, ``64..127`` by block 64, and so on (:data:`STRETCH`). A stretch is one shard, so a Lookup
+  reads a prefix with one script call per stretch (:data:`READ`, which stops at the first block
+  nobody holds, and answers one string per node). Tagging by the chain's first block alone
+  would put every conversation under one system prompt on one shard (the measured hot spot,
+  docs/cluster.md); by stretch, only the prompt's own first stretch is shared, and a daemon
+  that holds a prefix reads only the stretches after it.
 - ``P:o{<node>}:<epoch>``: the set of entry names a node wrote under that epoch, and
   ``P:e{<node>}`` the epochs that have such a set: what a sweep removes when the node leaves or
   comes back under a new epoch.
@@ -30,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Callable
 
 from kvstore import kv_events as ev
@@ -39,16 +45,35 @@ from kvstore.config import ClusterConfig
 
 log = logging.getLogger("kvstore.cluster")
 
-# Hash of every held block, stopping at the first that no node holds (one shard: one hash tag).
+# The hashes of a stretch's blocks in order (KEYS[1], then ARGV), per node the values of its run
+# from the first block, stopping once no node's run goes on: {node, "e:b,e:b,...", ...}. The
+# undeclared names are in KEYS[1]'s slot (one hash tag), so the cluster serves them.
 READ = """
+local runs, order = {}, {}
+for i = 0, #ARGV do
+  local h = redis.call('HGETALL', i == 0 and KEYS[1] or ARGV[i])
+  local alive = 0
+  for j = 1, #h, 2 do
+    local node, r = h[j], runs[h[j]]
+    if i == 0 then
+      runs[node] = {h[j + 1]}
+      order[#order + 1] = node
+      alive = alive + 1
+    elseif r and #r == i then
+      r[i + 1] = h[j + 1]
+      alive = alive + 1
+    end
+  end
+  if alive == 0 then break end
+end
 local out = {}
-for i = 1, #KEYS do
-  local h = redis.call('HGETALL', KEYS[i])
-  if #h == 0 then break end
-  out[i] = h
+for _, node in ipairs(order) do
+  out[#out + 1] = node
+  out[#out + 1] = table.concat(runs[node], ",")
 end
 return out
 """
+STRETCH = 64  # blocks of a chain under one hash tag
 # Delete node ARGV[1]'s field of KEYS[1] if its epoch is at most ARGV[2] (a newer write stays).
 DROP_OLD = """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
@@ -122,12 +147,12 @@ class RedisDirectory:
         self._pending: list[tuple] = []
         self._lost = 0
         self.max_pending = 200_000
-        self.own: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (its root's 8 bytes, None: unreachable here; tier bits)
+        # key -> (its stretch's tag, None: no prefix here reaches it; tier bits; place in its stretch)
+        self.own: dict[bytes, tuple[bytes | None, int, int]] = {}
         self._dirty: set[bytes] = set()
         self._entries = 0  # keys of ``own`` with a root and a tier: this node's entries in the store
         self._written_epoch = 0  # the epoch every entry of ``own`` is in the store at (0: not all)
         self._reader = self._writer = None
-        self._read = None
         self._reader_lock = threading.Lock()
         self._dropping = threading.Lock()  # one stale-entry deleter at a time
         self._writer_lock = threading.Lock()
@@ -142,9 +167,9 @@ class RedisDirectory:
         self.thread = threading.Thread(target=self._loop, name="cluster-directory-writer", daemon=True)
 
     # --- names ------------------------------------------------------------------------------
-    def entry_name(self, root: bytes, key: bytes) -> bytes:
-        """The hash of block ``key`` of the chain whose first key is ``root`` (its first 8 bytes count)."""
-        return self.prefix + b"{" + root[:8].hex().encode() + b"}" + key
+    def entry_name(self, tag: bytes, key: bytes) -> bytes:
+        """The hash of block ``key``, in the stretch that block ``tag`` starts (its first 8 bytes count)."""
+        return self.prefix + b"{" + tag[:8].hex().encode() + b"}" + key
 
     def _owned(self, node_id: str, epoch: int) -> bytes:
         return self.prefix + b":o{" + node_id.encode() + b"}:" + str(epoch).encode()
@@ -202,25 +227,30 @@ class RedisDirectory:
         for medium, key, parent, *_ in items:
             parents[key] = parent
             bits[key] = bits.get(key, 0) | (1 << ev.TIER_OF_MEDIUM[medium])
-        roots: dict[bytes, bytes | None] = {}
-        for key in parents:  # each block's chain root, walking up until a known one
+        depth: dict[bytes, int | None] = {}  # a block's place in its chain; None: its chain is not whole here
+        for key in parents:  # walking up to the first block whose place is known, or the chain's first
             path, k = [], key
-            while k not in roots:
+            while k not in depth:
                 path.append(k)
                 p = parents[k]
                 if p is None:  # k is a chain's first block
-                    root = k
+                    d = -1
                     break
                 if p not in parents:  # its parent is not held here: no prefix of this node reaches it
-                    root = None
+                    d = None
                     break
                 k = p
             else:
-                root = roots[k]
-            for q in path:
-                roots[q] = root
-        self.own = {k: (roots[k] and roots[k][:8], bits[k]) for k in parents}
-        self._entries = sum(1 for r in roots.values() if r is not None)
+                d = depth[k]
+            for q in reversed(path):
+                d = None if d is None else d + 1
+                depth[q] = d
+        tags: dict[bytes, bytes | None] = {}
+        for key in sorted(parents, key=lambda k: -1 if depth[k] is None else depth[k]):
+            d = depth[key]
+            tags[key] = None if d is None else key[:8] if d % STRETCH == 0 else tags[parents[key]]
+        self.own = {k: (tags[k], bits[k], depth[k] % STRETCH if depth[k] is not None else 0) for k in parents}
+        self._entries = sum(1 for t in tags.values() if t is not None)
         self._written_epoch = 0  # every entry is written again
         self._dirty = set()
         self._apply(pending)
@@ -229,24 +259,29 @@ class RedisDirectory:
 
     def _apply(self, items: list[tuple]) -> None:
         """Queued changes into ``own``; what changed is written at the next step. A block whose
-        parent is not held here gets no root (no prefix of this node reaches it) and no entry."""
+        parent is not held here gets no tag (no prefix of this node reaches it) and no entry."""
         own, dirty = self.own, self._dirty
         for key, parent, bit, is_store in items:
             cur = own.get(key)
             if is_store:
                 if cur is None:
-                    root = key[:8] if parent is None else own.get(parent, (None, 0))[0]
-                    own[key] = (root, bit)
-                    self._entries += root is not None
+                    if parent is None:
+                        tag, pos = key[:8], 0
+                    else:
+                        ptag, _, ppos = own.get(parent, (None, 0, 0))
+                        pos = (ppos + 1) % STRETCH
+                        tag = None if ptag is None else key[:8] if pos == 0 else ptag
+                    own[key] = (tag, bit, pos)
+                    self._entries += tag is not None
                 elif cur[1] & bit:
                     continue
                 else:
-                    own[key] = (cur[0], cur[1] | bit)
+                    own[key] = (cur[0], cur[1] | bit, cur[2])
                     self._entries += not cur[1] and cur[0] is not None  # a deletion not yet written, undone
             else:
                 if cur is None or not cur[1] & bit:
                     continue
-                own[key] = (cur[0], cur[1] & ~bit)
+                own[key] = (cur[0], cur[1] & ~bit, cur[2])
                 self._entries -= not own[key][1] and cur[0] is not None
             if own[key][0] is not None:
                 dirty.add(key)
@@ -287,8 +322,8 @@ class RedisDirectory:
                     self._written_epoch = 0  # unknown what landed: all again, once it answers
                     raise
             self._sweeps(w)
-            if self._read is None and self.clock() >= self._reader_down_until:
-                self._reader_script()  # connected here, not on the first Lookup's path
+            if self._reader is None and self.clock() >= self._reader_down_until:
+                self._reader_client()  # connected here, not on the first Lookup's path
         except Exception as e:  # noqa: BLE001 - redis.RedisError and socket errors: retry later
             self._failed("writer", e)
             self._writer_down_until = self.clock() + max(self.cfg.redis_retry_s, 0.1)
@@ -312,7 +347,7 @@ class RedisDirectory:
         for old in olds:
             self._sweep(w, self.node_id, old)
         log.info("cluster directory: %d blocks written to the store at epoch %d (%d older epochs swept)",
-                 sum(1 for v in self.own.values() if v[0] is not None), epoch, len(olds))
+                 self._entries, epoch, len(olds))
 
     def _write(self, w, epoch: int, keys) -> None:
         """The store's entries of ``keys`` as ``own`` has them (a held block's tier bits, or its
@@ -323,10 +358,10 @@ class RedisDirectory:
         pipe.sadd(self._epochs(self.node_id), str(epoch))
         added, gone, n = [], [], 0
         for key in keys:
-            root, bits = self.own.get(key, (None, 0))
-            if root is None:
+            tag, bits, _ = self.own.get(key, (None, 0, 0))
+            if tag is None:
                 continue
-            name = self.entry_name(root, key)
+            name = self.entry_name(tag, key)
             if bits:
                 pipe.hset(name, node, b"%d:%d" % (epoch, bits))
                 added.append(name)
@@ -386,53 +421,37 @@ class RedisDirectory:
 
     # --- reads (any thread) -----------------------------------------------------------------
     def longest_prefix(self, namespace, chain: list[bytes], limit: int = DEFAULT_LIMIT, *,
-                       root: bytes | None = None) -> list[PrefixHit]:
+                       head: Sequence[bytes] = ()) -> list[PrefixHit]:
         """The ``limit`` peers holding the longest prefixes of ``chain``, one
         :class:`PrefixHit` per tier step, as :meth:`kvstore.cluster.directory.Directory.longest_prefix`
-        answers; ``root``: the first key of the request's chain when ``chain`` is a later part of
-        it (the keys after a Lookup's local hits). Only entries at the epoch membership has their
-        node at; none when the store is down (for ``cluster.redis_retry_s`` after a failure)."""
+        answers; ``head``: the request's keys before ``chain`` (a Lookup's local hits), which
+        name the stretches' tags. One script call per stretch, stopping once no peer's run
+        reaches the next. Only entries at the epoch membership has their node at; none when the
+        store is down (for ``cluster.redis_retry_s`` after a failure)."""
         if not chain or limit < 1 or self.membership is None:
             return []
-        now = self.clock()
-        if now < self._reader_down_until:
+        if self.clock() < self._reader_down_until:
             return []
-        root = root or chain[0]
-        names = [self.entry_name(root, k) for k in chain]
+        live = {m.node_id: m.epoch for m in self.membership.peers()}
+        start = len(head)
+        runs: dict[str, list] = {}  # node -> [epoch, tier rank of each block of chain it holds in a row]
+        stale: list[tuple[bytes, bytes, int]] = []
         try:
-            rows = self._reader_script()(keys=names)
+            client = self._reader_client()
+            at = 0
+            while at < len(chain):
+                pos = start + at  # the first block's place in the whole chain
+                end = min(len(chain), at + STRETCH - pos % STRETCH)
+                first = pos - pos % STRETCH
+                tag = (head[first] if first < start else chain[first - start])[:8]
+                names = [self.entry_name(tag, k) for k in chain[at:end]]
+                reply = client.execute_command("EVAL", READ, 1, names[0], *names[1:])
+                if not self._merge(reply, at, end - at, names, live, runs, stale):
+                    break
+                at = end
         except Exception as e:  # noqa: BLE001 - redis.RedisError, socket errors: local hits only
             self._reader_failed(e)
             return []
-        live = {m.node_id: m.epoch for m in self.membership.peers()}
-        runs: dict[str, list] = {}  # node -> [epoch, tier rank of each block while it holds them]
-        stale: list[tuple[bytes, bytes, int]] = []
-        for j, row in enumerate(rows):
-            for i in range(0, len(row) - 1, 2):
-                try:  # an entry that is not one of ours (another writer's, damaged) is no entry
-                    node = row[i].decode()
-                    epoch_b, _, bits_b = row[i + 1].partition(b":")
-                    epoch, bits = int(epoch_b), int(bits_b)
-                except (UnicodeDecodeError, ValueError):
-                    continue
-                if not 0 < bits < len(_BEST):
-                    continue
-                rank = _BEST[bits]
-                have = live.get(node)
-                if have is None or node == self.node_id:
-                    continue
-                if epoch != have:
-                    if epoch < have:
-                        stale.append((names[j], row[i], have - 1))
-                    continue
-                run = runs.get(node)
-                if run is None:
-                    if j:
-                        continue  # it lacks an earlier block of the chain
-                    run = runs[node] = [epoch]
-                elif len(run) != j + 1:
-                    continue
-                run.append(rank)
         if stale:
             self._drop_stale(stale)
         hits: list[PrefixHit] = []
@@ -453,19 +472,58 @@ class RedisDirectory:
             out.append(h)
         return out
 
-    def _reader_script(self):
-        """The read script on the Lookups' client (short deadlines), connected on first use."""
+    def _merge(self, reply, at: int, n: int, names: list[bytes], live: dict[str, int], runs: dict[str, list],
+               stale: list) -> bool:
+        """One stretch's answer into ``runs`` (blocks ``at .. at + n`` of the chain): a peer's
+        run goes on where its run so far reached ``at``, at the epoch membership has it at, up
+        to its first entry at another epoch or that is not one of ours. Whether a run reached
+        the stretch's end (the next stretch is worth reading)."""
+        whole = False
+        for i in range(0, len(reply) - 1, 2):
+            try:  # an entry that is not one of ours (another writer's, damaged) ends the run
+                node = reply[i].decode()
+            except UnicodeDecodeError:
+                continue
+            have = live.get(node)
+            if have is None or node == self.node_id:
+                continue
+            run = runs.get(node)
+            if (0 if run is None else len(run) - 1) != at:
+                continue  # it lacks an earlier block of the chain
+            ranks = []
+            for j, value in enumerate(reply[i + 1].split(b",")):
+                epoch_b, _, bits_b = value.partition(b":")
+                try:
+                    epoch, bits = int(epoch_b), int(bits_b)
+                except ValueError:
+                    break
+                if epoch != have:
+                    if epoch < have:
+                        stale.append((names[j], reply[i], have - 1))
+                    break
+                if not 0 < bits < len(_BEST):
+                    break
+                ranks.append(_BEST[bits])
+            if not ranks:
+                continue
+            if run is None:
+                run = runs[node] = [have]
+            run.extend(ranks)
+            whole = whole or len(ranks) == n
+        return whole
+
+    def _reader_client(self):
+        """The Lookups' client (short deadlines), connected on first use."""
         with self._reader_lock:
-            if self._read is None:
+            if self._reader is None:
                 self._reader = self._connect(self.cfg.redis_timeout_s)
-                self._read = self._reader.register_script(READ)
-            return self._read
+            return self._reader
 
     def _reader_failed(self, e: Exception) -> None:
         self._failed("reader", e)
         with self._reader_lock:
             self._reader_down_until = self.clock() + self.cfg.redis_retry_s
-            self._read = self._reader = None
+            self._reader = None
 
     def _drop_stale(self, stale: list[tuple[bytes, bytes, int]]) -> None:
         """Entries read at an older epoch than their node's: deleted off the Lookup's path, by

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 from kvstore import kv_events as ev
 from kvstore.cluster.directory import BYTES_PER_ENTRY, DEFAULT_LIMIT, Directory, Node, PrefixHit
@@ -283,9 +283,9 @@ class ClusterDirectory:
 
     # --- lookups (any thread) ---------------------------------------------------------------
     def longest_prefix(self, namespace: bytes | str, chain_hashes: list[bytes], limit: int = DEFAULT_LIMIT, *,
-                       root: bytes | None = None) -> list[PrefixHit]:
+                       head: Sequence[bytes] = ()) -> list[PrefixHit]:
         """:meth:`Directory.longest_prefix` over the peers' announced blocks (never this node's);
-        ``root`` (the chain's first key, where ``chain_hashes`` is a later part) is not needed here."""
+        ``head`` (the request's keys before ``chain_hashes``) is not needed here."""
         with self.lock:
             return self.directory.longest_prefix(namespace, chain_hashes, limit)
 

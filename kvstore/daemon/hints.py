@@ -114,7 +114,8 @@ class RouteHints:
             return [me], "no cluster prefix directory: peers' holdings unknown"
         peers = {m.node_id: m for m in f.membership.peers()}
         steps: dict[str, list] = {}
-        for h in f.directory.longest_prefix(st.id.hex(), chain, limit, root=chain[0]):
+        # the directory ranks by length, the hints by time: more candidates than answered
+        for h in f.directory.longest_prefix(st.id.hex(), chain, min(1024, max(4 * limit, 32))):
             m = peers.get(h.node_id)
             if m is None or m.epoch != h.epoch or (self.meter is not None and self.meter.set_aside(m.node_id, m.epoch)):
                 continue

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import grpc
 
@@ -67,7 +67,7 @@ class Holders(Protocol):
     A peer asked that lacks the blocks answers NOT_FOUND and the next is asked, so a source
     may over-approximate; it must never name this daemon."""
 
-    def candidates(self, ns_hex: str, keys: list[bytes], root: bytes | None = None) -> list[Member]: ...
+    def candidates(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()) -> list[Member]: ...
 
 
 class AdvertisedHolders:
@@ -78,7 +78,7 @@ class AdvertisedHolders:
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
 
-    def candidates(self, ns_hex: str, keys: list[bytes], root: bytes | None = None) -> list[Member]:
+    def candidates(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()) -> list[Member]:
         return [m for m in self.membership.peers() if ns_hex in m.namespaces]
 
 
@@ -187,7 +187,7 @@ class Pulls:
                 return miss(f"holder {holder!r}: not a registered peer")
             candidates = [m]
         else:
-            candidates = self.holders.candidates(ns_hex, keys[have:], root=keys[0])
+            candidates = self.holders.candidates(ns_hex, keys[have:], head=keys[:have])
             if not candidates:
                 return miss("no registered peer holds this namespace")
             # Set aside after a failed push: unless named, not asked again for a while.

@@ -45,7 +45,7 @@ class RemoteHits(Protocol):
     them, in chain order; each answer is (peer, how many of ``keys`` lead there, the slowest
     tier among them). Never this daemon; an answer may be stale (a pull then misses cleanly)."""
 
-    def remote_prefix(self, ns_hex: str, keys: list[bytes], root: bytes | None = None
+    def remote_prefix(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()
                       ) -> list[tuple["Member", int, TierKind]]: ...
 
     # A source whose ``round_trip`` is true (it asks peers) is consulted only for a Lookup with
@@ -132,7 +132,7 @@ class AskedRemoteHits:
         self.meter = meter
         self.cfg = c
 
-    def remote_prefix(self, ns_hex: str, keys: list[bytes], root: bytes | None = None
+    def remote_prefix(self, ns_hex: str, keys: list[bytes], head: Sequence[bytes] = ()
                       ) -> list[tuple["Member", int, TierKind]]:
         timeout = self.cfg.peer_lookup_timeout_s
         if not keys or not timeout or self.links.why_off or not self.membership.epoch:
@@ -140,7 +140,7 @@ class AskedRemoteHits:
         req = ppb.PeerLookupRequest(requester=self.membership.node_id, namespace_id=bytes.fromhex(ns_hex),
                                     keys=b"".join(keys))
         asked = []
-        for m in self.holders.candidates(ns_hex, keys, root=root)[:self.cfg.peer_lookup_max_peers]:
+        for m in self.holders.candidates(ns_hex, keys, head=head)[:self.cfg.peer_lookup_max_peers]:
             addr = m.capabilities.get("control_addr", "")
             if not addr or not m.transfer_addr:
                 continue
@@ -190,7 +190,7 @@ class ClusterAdvisor:
         for src in self.sources if hit < len(keys) else ():
             # A round trip only when the caller can act on a pull and memory knew of no holder.
             if ask_peers or not getattr(src, "round_trip", False):
-                offers = src.remote_prefix(st.id.hex(), keys[hit:], root=keys[0])
+                offers = src.remote_prefix(st.id.hex(), keys[hit:], head=keys[:hit])
             if offers:
                 break
         remotes = [RemoteHit(m.node_id, m.epoch, n, t.name.lower()) for m, n, t in offers

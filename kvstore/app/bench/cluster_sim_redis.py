@@ -154,24 +154,26 @@ class StoreMeter:
     (:meth:`calibrate`) and taken off each interval (:meth:`spent`)."""
 
     def __init__(self, store: LocalRedisCluster) -> None:
+        import redis
+
         self.store = store
+        self.clients = [redis.Redis(host="127.0.0.1", port=p, password=store.password) for p in store.ports]
         self.read_cpu_s = self.read_cmds = self.idle_cpu_per_s = 0.0
 
     def read(self) -> list[dict]:
         out = []
-        for port in self.store.ports:
-            i = self.store.info(port, "default")
-            keys = int(i.get("db0", "keys=0").split(",")[0].partition("=")[2])
+        for c in self.clients:
+            i = c.info("default")
             out.append({"cpu_s": float(i["used_cpu_sys_main_thread"]) + float(i["used_cpu_user_main_thread"]),
                         "cmds": int(i["total_commands_processed"]), "used_memory": int(i["used_memory"]),
-                        "keys": keys, "t": time.monotonic()})
+                        "keys": i.get("db0", {}).get("keys", 0), "t": time.monotonic()})
         return out
 
     @staticmethod
     def _delta(before: list[dict], after: list[dict], key: str) -> float:
         return sum(a[key] - b[key] for a, b in zip(after, before))
 
-    def calibrate(self, idle_s: float = 0.5) -> None:
+    def calibrate(self, idle_s: float = 0.3) -> None:
         a, b = self.read(), self.read()
         self.read_cpu_s, self.read_cmds = self._delta(a, b, "cpu_s"), self._delta(a, b, "cmds")
         time.sleep(idle_s)
@@ -187,8 +189,12 @@ class StoreMeter:
         return cpu, cmds, [a["cmds"] - b["cmds"] for a, b in zip(after, before)]
 
     def flush(self) -> None:
-        for port in self.store.ports:
-            self.store.cli(port, "FLUSHALL", "SYNC")
+        for c in self.clients:
+            c.flushall(asynchronous=False)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
 
 
 def _config(store: LocalRedisCluster, prefix: str) -> ClusterConfig:
@@ -212,9 +218,9 @@ def _replay(feeds: Feeds, meter: StoreMeter, pace_s: float) -> dict:
             if time.monotonic() > deadline:
                 raise SystemExit("kvstore bench cluster-sim: the directory writers did not reach the store")
             time.sleep(0.02)
-        time.sleep(0.2)  # the reader's client connects in the same step
+        time.sleep(0.1)  # the reader's client connects in the same step
         warm = min(WARM_TICKS, len(feeds.ticks) // 2)
-        events, before, cpu0 = 0, meter.read(), time.process_time()
+        events, before, cpu0 = 0, None, 0.0
         for t, ops in enumerate(feeds.ticks):
             if t == warm:
                 events, before, cpu0 = 0, meter.read(), time.process_time()
@@ -222,19 +228,21 @@ def _replay(feeds: Feeds, meter: StoreMeter, pace_s: float) -> dict:
                 daemons[j].apply(op)
             events += sum(1 for _, op in ops if op[0] is not Change.RESTART)
             time.sleep(pace_s)
+        if before is None:  # no ticks
+            before, cpu0 = meter.read(), time.process_time()
         for d in daemons:
             d.d.stop()  # what is queued is written first
         cpu = time.process_time() - cpu0
         after = meter.read()
         store_cpu, store_cmds, by_shard = meter.spent(before, after)
         sets = sum(1 for _ in c.scan_iter(match=b"sim:*", count=1000))
-        roots = Counter(k[k.index(b"{") + 1:k.index(b"}")] for k in c.scan_iter(match=b"sim{*", count=1000))
+        tags = Counter(k[k.index(b"{") + 1:k.index(b"}")] for k in c.scan_iter(match=b"sim{*", count=1000))
     finally:
         c.close()
     return {"events": events, "window_s": (len(feeds.ticks) - warm) * TICK_S, "cpu_s": cpu,
             "store_cpu_s": store_cpu, "store_cmds": store_cmds, "store_cmds_by_shard": by_shard,
             "used_memory": sum(a["used_memory"] for a in after), "keys": sum(a["keys"] for a in after),
-            "sets": sets, "hottest_root_hashes": max(roots.values(), default=0),
+            "sets": sets, "hottest_tag_hashes": max(tags.values(), default=0),
             "entries": sum(d.d.size()["entries"] for d in daemons)}
 
 
@@ -307,7 +315,7 @@ def redis_row(feeds: Feeds, n_nodes: int, meter: StoreMeter, a, replica: dict | 
         "store_ops_per_core_s": round(r["store_cmds"] / r["store_cpu_s"]) if r["store_cpu_s"] > 0 else None,
         "store_entries": r["entries"], "store_fields_per_hash": round(r["entries"] / hashes, 2) if hashes else None,
         "store_bytes_per_entry": round((r["used_memory"] - base) / r["entries"], 1) if r["entries"] else None,
-        "hottest_root_share": round(r["hottest_root_hashes"] / hashes, 4) if hashes else None,
+        "hottest_tag_share": round(r["hottest_tag_hashes"] / hashes, 4) if hashes else None,
         "fleet_write_ops_s": round(cmds_node_s * n_nodes),
     }
     if replica is not None:
@@ -322,11 +330,12 @@ def shard_count(a, rows: list[dict], lookup: dict | None) -> dict:
     per-node rate, and ``a.reads_per_request`` chain reads per request, at the largest measured
     server costs, each shard's main thread at most ``a.shard_cpu`` busy), by memory (every node
     at ``--full-blocks-per-node``, at the largest bytes per entry measured), and whether the
-    hottest chain root, which one shard holds whole (its hash tag), fits one shard."""
+    hottest hash tag (a 64-block stretch of a chain, which one shard holds whole), at its share
+    of the entries, fits one shard."""
     row, n = rows[-1], a.fleet_nodes
     us_cmd = max(r["store_us_per_cmd"] or 0.0 for r in rows)
     b_entry = max(r["store_bytes_per_entry"] or 0.0 for r in rows)
-    share = row["hottest_root_share"] or 0.0  # the most conversations: the share closest to the prompts' popularity
+    share = row["hottest_tag_share"] or 0.0  # the most conversations: the share closest to the prompts' popularity
     read_us = lookup["store_us_per_read"] if lookup and lookup.get("store_us_per_read") else None
     writes_s = row["store_cmds_per_node_s"] * n
     reads_s = a.reads_per_request * a.requests_per_node_s * n
@@ -339,9 +348,9 @@ def shard_count(a, rows: list[dict], lookup: dict | None) -> dict:
             "cores": round(cores, 2), "shard_cpu": a.shard_cpu, "by_cpu": by_cpu,
             "bytes_per_entry": b_entry, "memory_gib": round(mem / 2**30, 1), "shard_memory_gib": a.shard_memory_gib,
             "by_memory": by_mem, "shards": max(by_cpu, by_mem, 1),
-            "hottest_root_share": share, "hottest_root_cores": round(cores * share, 3),
-            "hottest_root_gib": round(mem * share / 2**30, 1),
-            "hottest_root_fits": cores * share <= a.shard_cpu and mem * share <= shard_mem}
+            "hottest_tag_share": share, "hottest_tag_cores": round(cores * share, 3),
+            "hottest_tag_gib": round(mem * share / 2**30, 1),
+            "hottest_tag_fits": cores * share <= a.shard_cpu and mem * share <= shard_mem}
 
 
 def redis_table(rows: list[dict], masters: int, columns) -> list[str]:
@@ -356,7 +365,7 @@ def redis_table(rows: list[dict], masters: int, columns) -> list[str]:
         ("daemon_cores", "cores"), ("replica_cores", "replica crs"),
         ("store_cmds_per_block_event", "cmds/blk-ev"), ("store_us_per_cmd", "srv us/cmd"),
         ("store_ops_per_core_s", "ops/s/core"), ("store_bytes_per_entry", "srv B/entry"),
-        ("store_fields_per_hash", "fields/hash"), ("hottest_root_share", "hot root"),
+        ("store_fields_per_hash", "fields/hash"), ("hottest_tag_share", "hot tag"),
         ("fleet_write_ops_s", "fleet wr/s")])
 
 
@@ -364,10 +373,10 @@ def shard_line(s: dict) -> str:
     """:func:`shard_count`'s answer as a sentence."""
     reads = (f" + {s['reads_s']:,} chain reads/s at {s['store_us_per_read']:.0f} µs" if s["reads_counted"]
              else " (chain reads not measured: --lookup-rpcs 0)")
-    fits = "fits" if s["hottest_root_fits"] else "does NOT fit"
+    fits = "fits" if s["hottest_tag_fits"] else "does NOT fit"
     return (f"store for {s['fleet_nodes']:,} nodes: {s['write_ops_s']:,} write ops/s at {s['store_us_per_cmd']:.2f} µs"
             f"{reads} = {s['cores']:.1f} cores -> {s['by_cpu']} shards at {s['shard_cpu']:.0%} of a core; "
             f"{s['memory_gib']:,.0f} GiB at {s['bytes_per_entry']:.0f} B/entry -> {s['by_memory']} shards of "
             f"{s['shard_memory_gib']:g} GiB; needs {s['shards']} shards if the load spreads evenly. The hottest "
-            f"chain root ({s['hottest_root_share']:.1%} of the entries, on one shard whole): "
-            f"{s['hottest_root_cores']:.2f} cores, {s['hottest_root_gib']:.1f} GiB: {fits} one shard")
+            f"hash tag, a chain's stretch ({s['hottest_tag_share']:.1%} of the entries, on one shard whole): "
+            f"{s['hottest_tag_cores']:.2f} cores, {s['hottest_tag_gib']:.1f} GiB: {fits} one shard")
