@@ -45,13 +45,16 @@ from kvstore.config import ClusterConfig
 
 log = logging.getLogger("kvstore.cluster")
 
-# The hashes of a stretch's blocks in order (KEYS[1], then ARGV), per node the values of its run
-# from the first block, stopping once no node's run goes on: {node, "e:b,e:b,...", ...}. The
-# undeclared names are in KEYS[1]'s slot (one hash tag), so the cluster serves them.
+# The hashes of a stretch's blocks in order, per node the values of its run from the first block,
+# stopping once no node's run goes on: {node, "e:b,e:b,...", ...}. ARGV[1]: the names' common
+# part (prefix and tag), ARGV[2]: the blocks' 32-byte keys, packed (one argument: packing 64 names
+# one by one cost redis-py more than the server's whole read). KEYS[1], the first name, routes
+# the call; the others are in its slot (one hash tag), so the cluster serves them.
 READ = """
+local stem, packed = ARGV[1], ARGV[2]
 local runs, order = {}, {}
-for i = 0, #ARGV do
-  local h = redis.call('HGETALL', i == 0 and KEYS[1] or ARGV[i])
+for i = 0, #packed / 32 - 1 do
+  local h = redis.call('HGETALL', stem .. string.sub(packed, i * 32 + 1, i * 32 + 32))
   local alive = 0
   for j = 1, #h, 2 do
     local node, r = h[j], runs[h[j]]
@@ -443,10 +446,10 @@ class RedisDirectory:
                 pos = start + at  # the first block's place in the whole chain
                 end = min(len(chain), at + STRETCH - pos % STRETCH)
                 first = pos - pos % STRETCH
-                tag = (head[first] if first < start else chain[first - start])[:8]
-                names = [self.entry_name(tag, k) for k in chain[at:end]]
-                reply = client.execute_command("EVAL", READ, 1, names[0], *names[1:])
-                if not self._merge(reply, at, end - at, names, live, runs, stale):
+                stem = self.entry_name((head[first] if first < start else chain[first - start]), b"")
+                part = chain[at:end]
+                reply = client.execute_command("EVAL", READ, 1, stem + part[0], stem, b"".join(part))
+                if not self._merge(reply, at, stem, part, live, runs, stale):
                     break
                 at = end
         except Exception as e:  # noqa: BLE001 - redis.RedisError, socket errors: local hits only
@@ -472,9 +475,10 @@ class RedisDirectory:
             out.append(h)
         return out
 
-    def _merge(self, reply, at: int, n: int, names: list[bytes], live: dict[str, int], runs: dict[str, list],
+    def _merge(self, reply, at: int, stem: bytes, part: list[bytes], live: dict[str, int], runs: dict[str, list],
                stale: list) -> bool:
-        """One stretch's answer into ``runs`` (blocks ``at .. at + n`` of the chain): a peer's
+        """One stretch's answer into ``runs`` (``part``: blocks ``at ..`` of the chain, their
+        names ``stem + key``): a peer's
         run goes on where its run so far reached ``at``, at the epoch membership has it at, up
         to its first entry at another epoch or that is not one of ours. Whether a run reached
         the stretch's end (the next stretch is worth reading)."""
@@ -499,7 +503,7 @@ class RedisDirectory:
                     break
                 if epoch != have:
                     if epoch < have:
-                        stale.append((names[j], reply[i], have - 1))
+                        stale.append((stem + part[j], reply[i], have - 1))
                     break
                 if not 0 < bits < len(_BEST):
                     break
@@ -509,7 +513,7 @@ class RedisDirectory:
             if run is None:
                 run = runs[node] = [have]
             run.extend(ranks)
-            whole = whole or len(ranks) == n
+            whole = whole or len(ranks) == len(part)
         return whole
 
     def _reader_client(self):

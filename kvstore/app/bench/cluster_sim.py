@@ -304,6 +304,8 @@ def run(a) -> dict:
         if redis_rows:
             shards = shard_count(a, redis_rows, lookup)
     finally:
+        if meter is not None:
+            meter.close()
         if store is not None:
             store.stop()
         shutil.rmtree(work, ignore_errors=True)
