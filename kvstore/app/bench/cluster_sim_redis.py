@@ -236,14 +236,27 @@ def _replay(feeds: Feeds, meter: StoreMeter, pace_s: float) -> dict:
         after = meter.read()
         store_cpu, store_cmds, by_shard = meter.spent(before, after)
         sets = sum(1 for _ in c.scan_iter(match=b"sim:*", count=1000))
-        tags = Counter(k[k.index(b"{") + 1:k.index(b"}")] for k in c.scan_iter(match=b"sim{*", count=1000))
+        tags = _entries_by_tag(c, b"sim{*")
     finally:
         c.close()
     return {"events": events, "window_s": (len(feeds.ticks) - warm) * TICK_S, "cpu_s": cpu,
             "store_cpu_s": store_cpu, "store_cmds": store_cmds, "store_cmds_by_shard": by_shard,
             "used_memory": sum(a["used_memory"] for a in after), "keys": sum(a["keys"] for a in after),
-            "sets": sets, "hottest_tag_hashes": max(tags.values(), default=0),
+            "sets": sets, "hottest_tag_entries": max(tags.values(), default=0),
             "entries": sum(d.d.size()["entries"] for d in daemons)}
+
+
+def _entries_by_tag(c, match: bytes) -> Counter:
+    """Entries (fields: one per node holding the block) of the hashes ``match`` names, by hash
+    tag: the share a tag's shard carries, whatever how many nodes each of its blocks has."""
+    names = list(c.scan_iter(match=match, count=1000))
+    pipe = c.pipeline(transaction=False)
+    for name in names:
+        pipe.hlen(name)
+    out: Counter = Counter()
+    for name, n in zip(names, pipe.execute()):
+        out[name[name.index(b"{") + 1:name.index(b"}")]] += n
+    return out
 
 
 class _NoStore:
@@ -315,7 +328,7 @@ def redis_row(feeds: Feeds, n_nodes: int, meter: StoreMeter, a, replica: dict | 
         "store_ops_per_core_s": round(r["store_cmds"] / r["store_cpu_s"]) if r["store_cpu_s"] > 0 else None,
         "store_entries": r["entries"], "store_fields_per_hash": round(r["entries"] / hashes, 2) if hashes else None,
         "store_bytes_per_entry": round((r["used_memory"] - base) / r["entries"], 1) if r["entries"] else None,
-        "hottest_tag_share": round(r["hottest_tag_hashes"] / hashes, 4) if hashes else None,
+        "hottest_tag_share": round(r["hottest_tag_entries"] / r["entries"], 4) if r["entries"] else None,
         "fleet_write_ops_s": round(cmds_node_s * n_nodes),
     }
     if replica is not None:
