@@ -72,6 +72,9 @@ def test_malformed_and_wrong_length_keys(setup):
            lambda: c.call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 31)), "32-byte")
     expect(grpc.StatusCode.INVALID_ARGUMENT,
            lambda: c.call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x01" * 32, parent=b"xx")), "parent")
+    expect(grpc.StatusCode.INVALID_ARGUMENT,  # a block its own ancestor: a loop the directory would walk
+           lambda: c.call("Reserve", pb.ReserveRequest(session_id=c.session_id, keys=b"\x07" * 64, parent=b"\x07" * 32)),
+           "own ancestor")
     k = c.keys(tokens)[0]
     expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.reserve([b"\x05" * 32, b"\x05" * 32]), "twice")
     assert c.lookup_keys([b"\x00" * 32, k]).hit_blocks == 0  # unknown key: a miss, not an error

@@ -305,3 +305,52 @@ def _slots(store, port):
                 lo, _, hi = r.partition("-")
                 out.append((int(lo), int(hi or lo)))
     return out
+
+
+def test_the_writer_state_holds_through_failures_lost_events_orphans_and_loops(store):
+    """The own map against the store: a deletion whose write failed is written again; blocks
+    gone while events were lost are deleted; a block committed before its parent is written
+    once the parent is; a parents loop (a client's doing) is no entry, and no hang."""
+    fleet = Fleet()
+    c1 = chain(8, 4)
+    fails = {"n": 0}
+
+    class Flaky(RedisDirectory):
+        def _flush(self, pipe, *args):
+            if fails["n"]:
+                fails["n"] -= 1
+                raise ConnectionError("the store went away mid-write")
+            return super()._flush(pipe, *args)
+
+    cfg = ClusterConfig(etcd_endpoints="x:1", directory="redis", redis_nodes=store.nodes, redis_timeout_s=1.0,
+                        redis_retry_s=0.2, redis_key_prefix="own")
+    loop_a, loop_b = Blk(b"\xa1" * 32, b"\xb1" * 32), Blk(b"\xb1" * 32, b"\xa1" * 32)
+    held = Held([(b, TierKind.DRAM) for b in c1[:2]] + [(loop_a, TierKind.DRAM), (loop_b, TierKind.DRAM)])
+    a = Flaky(cfg, password=store.password)
+    fleet.change("a", 1)
+    a.start(View(fleet, "a"), held)  # the loop neither hangs this nor gets an entry
+    b = directory(store, fleet, "b", 1, prefix="own")
+    w = b._writer_client()
+    try:
+        wait_for(lambda: [h.n_blocks for h in b.longest_prefix("ns", keys(c1))] == [2], what="a's first two")
+        assert a.own[loop_a.key][0] is None and a.own[loop_b.key][0] is None
+        # a removal whose write fails: the entry goes once the store takes writes again
+        fails["n"] = 1
+        a.removed(c1[1], TierKind.DRAM)
+        wait_for(lambda: w.hget(a.entry_name(c1[0].key, c1[1].key), "a") is None, what="the removal written again")
+        # block 3 committed before block 2: written once 2 is
+        a.stored(c1[3], None, TierKind.DRAM)
+        time.sleep(0.2)
+        assert w.hget(a.entry_name(c1[0].key, c1[3].key), "a") is None
+        a.stored(c1[1], None, TierKind.DRAM)
+        a.stored(c1[2], None, TierKind.DRAM)
+        wait_for(lambda: [h.n_blocks for h in b.longest_prefix("ns", keys(c1))] == [4], what="the orphan adopted")
+        # events lost (the queue full): the state is taken again, and blocks gone meanwhile deleted
+        held.items = [(blk, TierKind.DRAM) for blk in c1[:2]]
+        a.max_pending = 0
+        a.removed(c1[2], TierKind.DRAM)  # dropped
+        wait_for(lambda: [h.n_blocks for h in b.longest_prefix("ns", keys(c1))] == [2], what="the lost removals")
+        assert w.hget(a.entry_name(c1[0].key, c1[3].key), "a") is None
+    finally:
+        a.stop()
+        b.stop()

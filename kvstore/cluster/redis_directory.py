@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Callable
 
 from kvstore import kv_events as ev
-from kvstore.cluster.directory import _BEST, _SPEED, DEFAULT_LIMIT, PrefixHit
+from kvstore.cluster.directory import _BEST, _BIT, _SPEED, DEFAULT_LIMIT, PrefixHit
 from kvstore.cluster.member import Change
 from kvstore.config import ClusterConfig
 
@@ -77,6 +77,7 @@ end
 return out
 """
 STRETCH = 64  # blocks of a chain under one hash tag
+_TIER_BITS = sum(_BIT.values())  # the bits an entry may carry: HBM, DRAM, NVMe
 # Delete node ARGV[1]'s field of KEYS[1] if its epoch is at most ARGV[2] (a newer write stays).
 DROP_OLD = """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
@@ -153,7 +154,8 @@ class RedisDirectory:
         # key -> (its stretch's tag, None: no prefix here reaches it; tier bits; place in its stretch)
         self.own: dict[bytes, tuple[bytes | None, int, int]] = {}
         self._dirty: set[bytes] = set()
-        self._entries = 0  # keys of ``own`` with a root and a tier: this node's entries in the store
+        self._entries = 0  # keys of ``own`` with a tag and a tier: this node's entries in the store
+        self._orphans: dict[bytes, list[bytes]] = {}  # a parent not held yet -> its children held
         self._written_epoch = 0  # the epoch every entry of ``own`` is in the store at (0: not all)
         self._reader = self._writer = None
         self._reader_lock = threading.Lock()
@@ -166,6 +168,7 @@ class RedisDirectory:
         self.membership = None
         self._source = None
         self._events: queue.SimpleQueue | None = None
+        self._event = None  # the membership change being swept
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="cluster-directory-writer", daemon=True)
 
@@ -232,15 +235,16 @@ class RedisDirectory:
             bits[key] = bits.get(key, 0) | (1 << ev.TIER_OF_MEDIUM[medium])
         depth: dict[bytes, int | None] = {}  # a block's place in its chain; None: its chain is not whole here
         for key in parents:  # walking up to the first block whose place is known, or the chain's first
-            path, k = [], key
+            path, on_path, k = [], set(), key
             while k not in depth:
                 path.append(k)
+                on_path.add(k)
                 p = parents[k]
                 if p is None:  # k is a chain's first block
                     d = -1
                     break
-                if p not in parents:  # its parent is not held here: no prefix of this node reaches it
-                    d = None
+                if p not in parents or p in on_path:  # its parent is not held here (or a client's
+                    d = None                           # parents loop): no prefix of this node reaches it
                     break
                 k = p
             else:
@@ -252,7 +256,17 @@ class RedisDirectory:
         for key in sorted(parents, key=lambda k: -1 if depth[k] is None else depth[k]):
             d = depth[key]
             tags[key] = None if d is None else key[:8] if d % STRETCH == 0 else tags[parents[key]]
-        self.own = {k: (tags[k], bits[k], depth[k] % STRETCH if depth[k] is not None else 0) for k in parents}
+        own = {k: (tags[k], bits[k], depth[k] % STRETCH if depth[k] is not None else 0) for k in parents}
+        # What the store may hold of blocks no longer here (their removals were among the lost
+        # events): written as deletions with the rest.
+        for k, (tag, _, pos) in self.own.items():
+            if k not in own and tag is not None:
+                own[k] = (tag, 0, pos)
+        self.own = own
+        self._orphans = {}
+        for k, p in parents.items():  # untagged blocks wait for their parent's tag
+            if tags[k] is None and p is not None:
+                self._orphans.setdefault(p, []).append(k)
         self._entries = sum(1 for t in tags.values() if t is not None)
         self._written_epoch = 0  # every entry is written again
         self._dirty = set()
@@ -274,8 +288,12 @@ class RedisDirectory:
                         ptag, _, ppos = own.get(parent, (None, 0, 0))
                         pos = (ppos + 1) % STRETCH
                         tag = None if ptag is None else key[:8] if pos == 0 else ptag
+                        if ptag is None:  # committed before its parent: tagged when the parent is
+                            self._orphans.setdefault(parent, []).append(key)
                     own[key] = (tag, bit, pos)
                     self._entries += tag is not None
+                    if tag is not None and key in self._orphans:
+                        self._adopt(key)
                 elif cur[1] & bit:
                     continue
                 else:
@@ -290,6 +308,23 @@ class RedisDirectory:
                 dirty.add(key)
             elif not own[key][1]:
                 del own[key]
+
+    def _adopt(self, key: bytes) -> None:
+        """``key`` got its tag: so do the blocks committed before it below it (depth first)."""
+        own, todo = self.own, [key]
+        while todo:
+            parent = todo.pop()
+            ptag, _, ppos = own[parent]
+            for child in self._orphans.pop(parent, ()):
+                cur = own.get(child)
+                if cur is None or cur[0] is not None:
+                    continue
+                pos = (ppos + 1) % STRETCH
+                own[child] = (child[:8] if pos == 0 else ptag, cur[1], pos)
+                if cur[1]:
+                    self._entries += 1
+                    self._dirty.add(child)
+                todo.append(child)
 
     # --- the writer thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -359,7 +394,7 @@ class RedisDirectory:
         owned = self._owned(self.node_id, epoch)
         pipe = w.pipeline(transaction=False)
         pipe.sadd(self._epochs(self.node_id), str(epoch))
-        added, gone, n = [], [], 0
+        added, gone, deleted, n = [], [], [], 0
         for key in keys:
             tag, bits, _ = self.own.get(key, (None, 0, 0))
             if tag is None:
@@ -371,15 +406,16 @@ class RedisDirectory:
             else:
                 pipe.hdel(name, node)
                 gone.append(name)
-                del self.own[key]
+                deleted.append(key)
             n += 1
             if n % BATCH == 0:
-                self._flush(pipe, owned, added, gone)
-                pipe, added, gone = w.pipeline(transaction=False), [], []
-        self._flush(pipe, owned, added, gone)
+                self._flush(pipe, owned, added, gone, deleted)
+                pipe, added, gone, deleted = w.pipeline(transaction=False), [], [], []
+        self._flush(pipe, owned, added, gone, deleted)
 
-    @staticmethod
-    def _flush(pipe, owned: bytes, added: list, gone: list) -> None:
+    def _flush(self, pipe, owned: bytes, added: list, gone: list, deleted: list) -> None:
+        """Run one pipeline; only once it landed are the deleted blocks forgotten (a failed
+        one leaves them to the rewrite, which deletes them again)."""
         if added:
             pipe.sadd(owned, *added)
         if gone:
@@ -387,23 +423,33 @@ class RedisDirectory:
         for r in pipe.execute(raise_on_error=False):
             if isinstance(r, Exception):
                 raise r
+        for key in deleted:
+            cur = self.own.get(key)
+            if cur is not None and not cur[1]:  # not stored again meanwhile
+                del self.own[key]
 
     def _sweeps(self, w) -> None:
         """Registrations that ended (a peer left, or came back under a new epoch): one daemon
         (who takes the lock) deletes their entries."""
         while True:
-            try:
-                e = self._events.get_nowait()
-            except queue.Empty:
-                return
+            if self._event is None:
+                try:
+                    self._event = self._events.get_nowait()
+                except queue.Empty:
+                    return
+            e = self._event
             if e.change in (Change.LEAVE, Change.EPOCH) and e.member.node_id != self.node_id:
+                # Epochs up to the one that ended (LEAVE: the record as last seen; EPOCH: below
+                # the new one), never a newer registration this node has not seen yet.
+                upto = e.member.epoch if e.change is Change.LEAVE else e.member.epoch - 1
                 for old in [int(x) for x in w.smembers(self._epochs(e.member.node_id))]:
                     live = self.membership.member(e.member.node_id)
-                    if live is not None and live.epoch <= old:
+                    if old > upto or (live is not None and live.epoch <= old):
                         continue
                     lock = self.prefix + b":l{" + e.member.node_id.encode() + b"}:" + str(old).encode()
                     if w.set(lock, self.node_id.encode(), nx=True, ex=SWEEP_LOCK_S):
                         self._sweep(w, e.member.node_id, old)
+            self._event = None  # done: a failure above leaves it for the next step
 
     def _sweep(self, w, node_id: str, epoch: int) -> int:
         """Delete ``node_id``'s entries of ``epoch`` (and older) that its set lists; returns how many."""
@@ -505,7 +551,7 @@ class RedisDirectory:
                     if epoch < have:
                         stale.append((stem + part[j], reply[i], have - 1))
                     break
-                if not 0 < bits < len(_BEST):
+                if not bits & _TIER_BITS or bits & ~_TIER_BITS:
                     break
                 ranks.append(_BEST[bits])
             if not ranks:

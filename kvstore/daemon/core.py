@@ -221,6 +221,8 @@ class Core:
         keys = self.keys(packed)
         if parent and len(parent) != KEY_BYTES:
             raise invalid(f"parent: must be empty or {KEY_BYTES} bytes, got {len(parent)}")
+        if parent and parent in keys:
+            raise invalid("parent: is one of the keys reserved; a block cannot be its own ancestor")
         parts = parts or 1
         if parts > MAX_PARTS or part >= parts:
             raise invalid(f"part: {part} of {parts} parts; a block has at most {MAX_PARTS} parts, numbered from 0")
