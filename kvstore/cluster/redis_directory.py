@@ -218,12 +218,12 @@ class RedisDirectory:
         self.stopping.set()
         if self.thread.is_alive():
             self.thread.join(5.0)
-        for c in (self._reader, self._writer):
-            if c is not None:
-                try:
-                    c.close()
-                except Exception:  # noqa: BLE001 - closing a client of a dead store
-                    pass
+        with self._reader_lock:
+            reader, self._reader = self._reader, None
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        _close(reader)
+        _close(writer)
 
     def _take_state(self) -> None:
         """Rebuild ``own`` from every block the core holds (at start, and after lost events)."""
@@ -340,6 +340,11 @@ class RedisDirectory:
             pass
 
     def _step(self) -> None:
+        if self._reader is None and self.clock() >= self._reader_down_until:
+            try:
+                self._reader_client()  # Lookups read with it once it is up
+            except Exception as e:  # noqa: BLE001 - a store down: Lookups give local hits only
+                self._reader_failed(e)
         items, lost = self._cut()
         self._apply(items)
         if lost:
@@ -360,12 +365,12 @@ class RedisDirectory:
                     self._written_epoch = 0  # unknown what landed: all again, once it answers
                     raise
             self._sweeps(w)
-            if self._reader is None and self.clock() >= self._reader_down_until:
-                self._reader_client()  # connected here, not on the first Lookup's path
         except Exception as e:  # noqa: BLE001 - redis.RedisError and socket errors: retry later
             self._failed("writer", e)
             self._writer_down_until = self.clock() + max(self.cfg.redis_retry_s, 0.1)
-            self._writer = None
+            with self._writer_lock:
+                old, self._writer = self._writer, None
+            _close(old)
 
     def _writer_client(self):
         """The client of writes, sweeps and deletions (longer deadlines than a Lookup's; its own
@@ -485,10 +490,13 @@ class RedisDirectory:
         start = len(head)
         runs: dict[str, list] = {}  # node -> [epoch, tier rank of each block of chain it holds in a row]
         stale: list[tuple[bytes, bytes, int]] = []
+        client = self._reader
+        if client is None:  # connected by the writer thread, never on a Lookup's path
+            return []
+        deadline = self.clock() + self.cfg.redis_timeout_s
         try:
-            client = self._reader_client()
             at = 0
-            while at < len(chain):
+            while at < len(chain) and (not at or self.clock() < deadline):  # past it: the runs so far
                 pos = start + at  # the first block's place in the whole chain
                 end = min(len(chain), at + STRETCH - pos % STRETCH)
                 first = pos - pos % STRETCH
@@ -563,7 +571,8 @@ class RedisDirectory:
         return whole
 
     def _reader_client(self):
-        """The Lookups' client (short deadlines), connected on first use."""
+        """The Lookups' client (short deadlines): made on the writer thread (a connect tries
+        each node in turn), which Lookups only use."""
         with self._reader_lock:
             if self._reader is None:
                 self._reader = self._connect(self.cfg.redis_timeout_s)
@@ -573,7 +582,8 @@ class RedisDirectory:
         self._failed("reader", e)
         with self._reader_lock:
             self._reader_down_until = self.clock() + self.cfg.redis_retry_s
-            self._reader = None
+            old, self._reader = self._reader, None
+        _close(old)
 
     def _drop_stale(self, stale: list[tuple[bytes, bytes, int]]) -> None:
         """Entries read at an older epoch than their node's: deleted off the Lookup's path, by
@@ -611,3 +621,11 @@ class RedisDirectory:
         """This node's own entries (the store holds the fleet's); any thread."""
         n = self._entries
         return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK, "backend": "redis"}
+
+
+def _close(client) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - closing a client of a dead store
+            pass

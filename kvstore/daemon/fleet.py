@@ -127,7 +127,11 @@ class Fleet:
         self.membership.set_namespaces(held)
 
     def leave(self, timeout_s: float) -> None:
-        """Leave etcd (revoking the lease, within ``timeout_s`` seconds): peers stop sending here."""
+        """Leave etcd (revoking the lease, within ``timeout_s`` seconds): peers stop sending here.
+        A store-backed directory's writer stops first (what it queued written): nothing is
+        written under this registration once peers may have swept it."""
+        if self.store_directory is not None:
+            self.store_directory.stop()
         self.membership.stop(timeout_s)
 
     def close(self) -> None:
