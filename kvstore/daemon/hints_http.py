@@ -29,7 +29,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger("kvstore.daemon")
 PATH = "/v1/route-hints"
 MAX_BODY = 8 << 20  # 65,536 keys in hex, or a 1M-token prompt's ids
-HANDSHAKE_S = 5.0   # TLS handshake, then each read of a request, must finish within this
+HANDSHAKE_S = 5.0   # the TLS handshake, and each read of a request, must finish within this
+CONNECTION_S = 30.0  # and a connection (its requests kept alive) lives at most this long
 MAX_CONNECTIONS = 32
 _ADVICE = {pb.ADVICE_LOAD: "load", pb.ADVICE_PULL: "pull", pb.ADVICE_RECOMPUTE: "recompute"}
 
@@ -44,6 +45,7 @@ def to_json(r: pb.RouteHintsResponse) -> dict:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # stop() does not wait on a client: each connection has its own deadline
     allow_reuse_address = True
 
     def __init__(self, addr, hints: RouteHints, tls: ssl.SSLContext, token: str) -> None:
@@ -70,20 +72,29 @@ class _Server(ThreadingHTTPServer):
             self.slots.release()
 
     def finish_request(self, request, client_address) -> None:
-        """The TLS handshake here, on the connection's own thread, under the deadline."""
+        """The TLS handshake here, on the connection's own thread. Each read waits at most
+        ``HANDSHAKE_S``, and the whole connection lives at most ``CONNECTION_S``: then its
+        socket is shut, whatever a slow client is in the middle of (a trickle of bytes holds
+        one of the places for that long at most)."""
         request.settimeout(HANDSHAKE_S)
+        cut = threading.Timer(CONNECTION_S, _shut, (request,))
+        cut.daemon = True
+        cut.start()
         try:
-            tls = self.tls.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError) as e:
-            log.debug("route hints: TLS handshake from %s failed: %s", client_address, e)
-            return
-        try:
-            self.RequestHandlerClass(tls, client_address, self)
-        finally:
             try:
-                tls.close()
-            except OSError:
-                pass
+                tls = self.tls.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError) as e:
+                log.debug("route hints: TLS handshake from %s failed: %s", client_address, e)
+                return
+            try:
+                self.RequestHandlerClass(tls, client_address, self)
+            finally:
+                try:
+                    tls.close()
+                except OSError:
+                    pass
+        finally:
+            cut.cancel()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -95,6 +106,11 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("route hints: %s %s", self.client_address[0], fmt % args)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        if self.server.token and not hmac.compare_digest(
+                self.headers.get("authorization", "").encode("utf-8", "replace"),
+                f"Bearer {self.server.token}".encode()):
+            self.close_connection = True  # before its body: an unauthenticated client is not read on
+            return self._reply(401, {"error": "missing or wrong bearer token (server.auth_token)"})
         try:
             n = int(self.headers.get("content-length", ""))
         except ValueError:
@@ -106,9 +122,6 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n)  # read whole before any answer: a socket closed unread resets the reply
         if self.path != PATH:
             return self._reply(404, {"error": f"only POST {PATH}"})
-        if self.server.token and not hmac.compare_digest(self.headers.get("authorization", ""),
-                                                         f"Bearer {self.server.token}"):
-            return self._reply(401, {"error": "missing or wrong bearer token (server.auth_token)"})
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -121,8 +134,8 @@ class _Handler(BaseHTTPRequestHandler):
             max_nodes = body.get("max_nodes", 0)
             if not isinstance(max_nodes, int) or max_nodes < 0:
                 raise ValueError("max_nodes: an integer >= 0")
-        except (ValueError, TypeError, AttributeError) as e:
-            return self._reply(400, {"error": f"bad request: {e}"})
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            return self._reply(400, {"error": f"bad request: {type(e).__name__}: {str(e)[:200]}"})
         try:
             r = self.server.hints.answer(ns, keys, tokens, max_nodes)
         except HintError as e:
@@ -139,6 +152,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _shut(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _str(d: dict, key: str) -> str:
