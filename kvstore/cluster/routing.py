@@ -18,16 +18,17 @@ class NodeView(NamedTuple):
 
 
 def node_views(hints) -> tuple[list[NodeView], float]:
-    """(each listed node, the time to recompute the whole prompt: any node not listed) of a
-    RouteHintsResponse or its JSON form."""
+    """(each listed node, the time at any node not listed: it pulls from a holder or
+    recomputes) of a RouteHintsResponse or its JSON form."""
     if isinstance(hints, dict):
-        nodes, recompute = hints.get("nodes", []), float(hints.get("recompute_s", 0.0))
+        nodes = hints.get("nodes", [])
+        elsewhere = float(hints.get("elsewhere_s") or hints.get("recompute_s") or 0.0)
         get = dict.get
     else:
-        nodes, recompute = hints.nodes, hints.recompute_s
+        nodes, elsewhere = hints.nodes, hints.elsewhere_s or hints.recompute_s
         get = getattr
     return [NodeView(get(n, "node_id"), get(n, "hbm_tokens") + get(n, "dram_tokens") + get(n, "nvme_tokens"),
-                     get(n, "time_to_kv_s")) for n in nodes], recompute
+                     get(n, "time_to_kv_s")) for n in nodes], elsewhere
 
 
 class RoundRobin:
@@ -68,15 +69,16 @@ class MostCached(RoundRobin):
 
 class FastestKV(RoundRobin):
     """The server where the prompt's KV is modelled to be ready first (load, pull or recompute,
-    as that daemon's Lookup would choose); a server the hints do not list recomputes it all."""
+    as that daemon's Lookup would choose); a server the hints do not list holds none of it
+    (the answer's ``elsewhere_s``)."""
 
     name = "hints"
     needs_hints = True
     tolerance = 1e-6  # relative: times this close are a tie
 
     def pick(self, hints=None) -> str:
-        views, recompute = node_views(hints)
-        t = {n: recompute for n in self.nodes}
+        views, elsewhere = node_views(hints)
+        t = {n: elsewhere for n in self.nodes}
         for v in views:
             if v.node_id in t:
                 t[v.node_id] = min(t[v.node_id], v.time_to_kv_s)

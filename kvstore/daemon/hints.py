@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from kvstore.cluster.directory import DEFAULT_LIMIT
 from kvstore.daemon.index import BlockState
 from kvstore.keys import chain_keys
-from kvstore.policy import Decision, RemoteHit, choose_source
+from kvstore.policy import DEFAULT_PRIORS, Decision, LoadPolicy, RemoteHit, choose_source, normalize_path
 from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 
 KEY_BYTES = 32
 MAX_KEYS = 65536  # a 1M-token prompt of 16-token blocks
+MAX_NODES = 64  # candidates priced (each against the others) and answered at most
 _ADVICE = {"load": pb.ADVICE_LOAD, "pull": pb.ADVICE_PULL, "recompute": pb.ADVICE_RECOMPUTE}
 _TIER_FIELD = {TierKind.HBM: "hbm_tokens", TierKind.DRAM: "dram_tokens", TierKind.NVME: "nvme_tokens"}
 
@@ -67,8 +68,8 @@ class RouteHints:
         if len(keys) % KEY_BYTES or len(keys) // KEY_BYTES > MAX_KEYS:
             raise HintError("invalid", f"keys: {len(keys)} bytes; 32 per block, at most {MAX_KEYS} blocks")
         limit = max_nodes or DEFAULT_LIMIT
-        if limit > 1024:
-            raise HintError("invalid", f"max_nodes: {max_nodes}; at most 1024")
+        if limit > MAX_NODES:
+            raise HintError("invalid", f"max_nodes: {max_nodes}; at most {MAX_NODES}")
         with self.core.lock:
             st = self.core.namespaces.get(namespace_id)
             if st is None:
@@ -99,7 +100,13 @@ class RouteHints:
         if not chain:
             return out
         cands, out.reason = self._candidates(st, chain, local, limit)
-        hints = [self._hint(st, c, cands, prompt) for c in cands]
+        policy = self.advisor.policy
+        with self.core.lock:  # the tier estimator is not thread-safe: its estimates, taken once
+            est = {p: policy.bandwidth.estimate(p) for p in DEFAULT_PRIORS}
+        priced = LoadPolicy(policy.config)
+        priced.bandwidth = _Estimates(est)  # priced outside the lock
+        hints = [self._hint(st, priced, c, cands, prompt) for c in cands]
+        out.elsewhere_s = self._hint(st, priced, _Candidate("", 0, False, []), cands, prompt).time_to_kv_s
         hints.sort(key=lambda h: (h.time_to_kv_s, not h.local, h.node_id))
         out.nodes.extend(hints[:limit])
         return out
@@ -115,22 +122,22 @@ class RouteHints:
         peers = {m.node_id: m for m in f.membership.peers()}
         steps: dict[str, list] = {}
         # the directory ranks by length, the hints by time: more candidates than answered
-        for h in f.directory.longest_prefix(st.id.hex(), chain, min(1024, max(4 * limit, 32))):
+        for h in f.directory.longest_prefix(st.id.hex(), chain, MAX_NODES):
             m = peers.get(h.node_id)
             if m is None or m.epoch != h.epoch or (self.meter is not None and self.meter.set_aside(m.node_id, m.epoch)):
                 continue
             steps.setdefault(h.node_id, [h.epoch]).append((h.n_blocks, h.tier))
         cands = [me]
-        for node, (epoch, *tier_steps) in steps.items():
+        for node, (epoch, *tier_steps) in list(steps.items())[:MAX_NODES]:
             tiers: list[TierKind] = []
             for n, tier in sorted(tier_steps):  # (DRAM, 3) then (NVME, 5): blocks 3-4 reach NVMe only
                 tiers += [tier] * (n - len(tiers))
             cands.append(_Candidate(node, epoch, False, tiers))
         return cands, ""
 
-    def _hint(self, st, c: _Candidate, cands: list[_Candidate], prompt: int) -> pb.NodeHint:
+    def _hint(self, st, policy: LoadPolicy, c: _Candidate, cands: list[_Candidate], prompt: int) -> pb.NodeHint:
+        """Candidate ``c``'s answer, ``policy`` pricing its tiers (this daemon's estimates)."""
         bt = st.ns.layout.block_tokens
-        policy = self.advisor.policy
         runs = []
         for t in c.tiers:
             name = t.name.lower()
@@ -138,21 +145,20 @@ class RouteHints:
                 runs[-1][1] += 1
             else:
                 runs.append([name, 1])
-        with self.core.lock:  # the tier estimator is not thread-safe
-            local: Decision = policy.decide([tuple(r) for r in runs], block_tokens=bt, block_bytes=st.block_bytes,
-                                            cost=st.cost, count=False)
-            remotes = []
-            mine = len(c.tiers)
-            for o in cands:
-                if o is c or len(o.tiers) <= mine or not o.node_id:
-                    continue
-                slowest = max(o.tiers[mine:], key=lambda t: _SLOWNESS[t])
-                remotes.append(RemoteHit(o.node_id, o.epoch, len(o.tiers) - mine,
-                                         "nvme" if slowest is TierKind.NVME else "dram"))
-            link = self.meter.estimate if self.meter is not None else None
-            d = choose_source(local, remotes, block_tokens=bt, block_bytes=st.block_bytes, cost=st.cost,
-                              link=link or (lambda peer: policy.bandwidth.estimate("remote")),
-                              tier=policy.bandwidth.estimate, lower_tiers_via_dram=policy.config.lower_tiers_via_dram)
+        local: Decision = policy.decide([tuple(r) for r in runs], block_tokens=bt, block_bytes=st.block_bytes,
+                                        cost=st.cost, count=False)
+        remotes = []
+        mine = len(c.tiers)
+        for o in cands:
+            if o is c or len(o.tiers) <= mine or not o.node_id:
+                continue
+            slowest = max(o.tiers[mine:], key=lambda t: _SLOWNESS[t])
+            remotes.append(RemoteHit(o.node_id, o.epoch, len(o.tiers) - mine,
+                                     "nvme" if slowest is TierKind.NVME else "dram"))
+        link = self.meter.estimate if self.meter is not None else None  # its own lock
+        d = choose_source(local, remotes, block_tokens=bt, block_bytes=st.block_bytes, cost=st.cost,
+                          link=link or (lambda peer: policy.bandwidth.estimate("remote")),
+                          tier=policy.bandwidth.estimate, lower_tiers_via_dram=policy.config.lower_tiers_via_dram)
         known = (mine + max((r.blocks for r in remotes), default=0)) * bt
         chosen = {"load": d.load_total_s, "pull": d.pull_total_s, "recompute": d.recompute_total_s}[d.choice.value]
         h = pb.NodeHint(node_id=c.node_id, epoch=c.epoch, local=c.local, advice=_ADVICE[d.choice.value],
@@ -165,3 +171,14 @@ class RouteHints:
 
 
 _SLOWNESS = {TierKind.HBM: 0, TierKind.DRAM: 1, TierKind.NVME: 2}
+
+
+class _Estimates:
+    """A :class:`kvstore.policy.BandwidthEstimator`'s estimates, taken at one moment (read-only)."""
+
+    def __init__(self, est: dict) -> None:
+        self.est = est
+
+    def estimate(self, path):
+        key = normalize_path(path)
+        return self.est.get(key) or self.est["remote"]  # a peer's path: the remote prior

@@ -36,7 +36,8 @@ _ADVICE = {pb.ADVICE_LOAD: "load", pb.ADVICE_PULL: "pull", pb.ADVICE_RECOMPUTE: 
 
 
 def to_json(r: pb.RouteHintsResponse) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "recompute_s": r.recompute_s, "reason": r.reason,
+    return {"prompt_tokens": r.prompt_tokens, "recompute_s": r.recompute_s, "elsewhere_s": r.elsewhere_s,
+            "reason": r.reason,
             "nodes": [{"node_id": n.node_id, "epoch": n.epoch, "local": n.local, "hbm_tokens": n.hbm_tokens,
                        "dram_tokens": n.dram_tokens, "nvme_tokens": n.nvme_tokens,
                        "advice": _ADVICE.get(n.advice, ""), "pull_from": n.pull_from,

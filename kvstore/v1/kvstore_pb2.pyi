@@ -235,16 +235,18 @@ class NodeHint(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., local: _Optional[bool] = ..., hbm_tokens: _Optional[int] = ..., dram_tokens: _Optional[int] = ..., nvme_tokens: _Optional[int] = ..., advice: _Optional[_Union[Advice, str]] = ..., pull_from: _Optional[str] = ..., time_to_kv_s: _Optional[float] = ...) -> None: ...
 
 class RouteHintsResponse(_message.Message):
-    __slots__ = ("prompt_tokens", "recompute_s", "nodes", "reason")
+    __slots__ = ("prompt_tokens", "recompute_s", "nodes", "reason", "elsewhere_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ELSEWHERE_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     recompute_s: float
     nodes: _containers.RepeatedCompositeFieldContainer[NodeHint]
     reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., recompute_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeHint, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    elsewhere_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., recompute_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeHint, _Mapping]]] = ..., reason: _Optional[str] = ..., elsewhere_s: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "keys", "parent", "doorbell", "token_ids", "part", "parts")
