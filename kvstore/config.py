@@ -347,6 +347,9 @@ class Config:
                 _host_port("cluster.redis_nodes", e)
             _check(bool(c.redis_cert_file) == bool(c.redis_key_file), "cluster.redis_cert_file",
                    "redis_cert_file and redis_key_file go together")
+            _check(not c.redis_cert_file or c.redis_tls or bool(c.redis_ca_file), "cluster.redis_cert_file",
+                   "a client certificate is for TLS: set cluster.redis_tls (or redis_ca_file), or the password "
+                   "would go in clear")
             _check(0 < c.redis_timeout_s <= 5, "cluster.redis_timeout_s", "must be in (0, 5] seconds")
             _check(0 <= c.redis_retry_s <= 600, "cluster.redis_retry_s", "must be in [0, 600] seconds")
             _check(bool(re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", c.redis_key_prefix)), "cluster.redis_key_prefix",

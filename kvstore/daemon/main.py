@@ -190,6 +190,8 @@ class Daemon:
             url = getattr(cfg.events, key)
             if url.startswith("tcp://"):
                 check_port_free(f"events.{key}", *split_host_port(url[len("tcp://"):]), "bind")
+        if cfg.server.hints_listen:
+            check_port_free("server.hints_listen", *split_host_port(cfg.server.hints_listen), "listen")
         if cfg.server.tcp_listen:
             check_port_free("server.tcp_listen", *split_host_port(cfg.server.tcp_listen), "listen")
             s = cfg.server
