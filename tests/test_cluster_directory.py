@@ -202,7 +202,8 @@ def test_a_lost_batch_is_replayed_and_nothing_is_rebuilt(peers):
         (caught_up,) = cd.status()
         assert caught_up["held_batches"] == 0 and caught_up["lag_s"] < behind["lag_s"]
         held = sum(ns.blocks_by_tier["dram"] for ns in c.stats().namespaces)  # every block A holds, one tier each
-        assert cd.size() == {"entries": held, "blocks": held, "approx_bytes": held * BYTES_PER_ENTRY}
+        assert cd.size() == {"entries": held, "blocks": held, "approx_bytes": held * BYTES_PER_ENTRY,
+                             "backend": "replica"}
     finally:
         LossyStream.lose = set()
         cd.stop()
