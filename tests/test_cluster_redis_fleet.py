@@ -19,7 +19,8 @@ pytest.importorskip("redis")
 
 from kvstore.app.bench.cluster import fleet_certificates  # noqa: E402
 from kvstore.app.bench.redis_cluster import LocalRedisCluster, StoreTls, server_binaries  # noqa: E402
-from kvstore.cluster.redis_directory import RedisDirectory, connect  # noqa: E402
+from kvstore.cluster.redis_directory import RedisDirectory  # noqa: E402
+from kvstore.cluster.redis_store import connect  # noqa: E402
 from kvstore.config import ClusterConfig  # noqa: E402
 from tests.daemon_util import free_port  # noqa: E402
 from tests.etcd_util import EtcdServer, node, registered, scraped  # noqa: E402

@@ -41,104 +41,26 @@ from typing import Callable
 from kvstore import kv_events as ev
 from kvstore.cluster.directory import _BEST, _BIT, _SPEED, DEFAULT_LIMIT, PrefixHit
 from kvstore.cluster.member import Change
+from kvstore.cluster.redis_store import DROP_OLD, READ, close_client, connect
 from kvstore.config import ClusterConfig
 
 log = logging.getLogger("kvstore.cluster")
 
-# The hashes of a stretch's blocks in order, per node the values of its run from the first block,
-# stopping once no node's run goes on: {node, "e:b,e:b,...", ...}. ARGV[1]: the names' common
-# part (prefix and tag), ARGV[2]: the blocks' 32-byte keys, packed (one argument: packing 64 names
-# one by one cost redis-py more than the server's whole read). KEYS[1], the first name, routes
-# the call; the others are in its slot (one hash tag), so the cluster serves them.
-READ = """
-local stem, packed = ARGV[1], ARGV[2]
-local runs, order = {}, {}
-for i = 0, #packed / 32 - 1 do
-  local h = redis.call('HGETALL', stem .. string.sub(packed, i * 32 + 1, i * 32 + 32))
-  local alive = 0
-  for j = 1, #h, 2 do
-    local node, r = h[j], runs[h[j]]
-    if i == 0 then
-      runs[node] = {h[j + 1]}
-      order[#order + 1] = node
-      alive = alive + 1
-    elseif r and #r == i then
-      r[i + 1] = h[j + 1]
-      alive = alive + 1
-    end
-  end
-  if alive == 0 then break end
-end
-local out = {}
-for _, node in ipairs(order) do
-  out[#out + 1] = node
-  out[#out + 1] = table.concat(runs[node], ",")
-end
-return out
-"""
 STRETCH = 64  # blocks of a chain under one hash tag
 _TIER_BITS = sum(_BIT.values())  # the bits an entry may carry: HBM, DRAM, NVMe
-# Delete node ARGV[1]'s field of KEYS[1] if its epoch is at most ARGV[2] (a newer write stays).
-DROP_OLD = """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-if v then
-  local e = tonumber(string.match(v, '^(%d+):'))
-  if e and e <= tonumber(ARGV[2]) then return redis.call('HDEL', KEYS[1], ARGV[1]) end
-end
-return 0
-"""
 BATCH = 512  # commands per pipeline
 SWEEP_LOCK_S = 600  # one daemon sweeps a departed registration; its lock lapses after this
-# Own-map bytes per block (dict slot, key, root and tuple), measured by `kvstore bench
-# cluster-sim --backend redis` with tracemalloc (docs/cluster.md).
-BYTES_PER_OWN_BLOCK = 170
-
-
-def connect(cfg: ClusterConfig, password: str | None, timeout_s: float):
-    """A cluster-aware client (``redis`` on PyPI) to ``cfg.redis_nodes``; it learns the slots
-    from the first node that answers. No retries of its own: the caller decides."""
-    from redis.backoff import NoBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
-
-    nodes = []
-    for hp in cfg.redis_nodes_list():
-        host, _, port = hp.rpartition(":")
-        nodes.append(ClusterNode(host.strip("[]"), int(port)))
-    kw: dict = {}
-    if cfg.redis_tls or cfg.redis_ca_file:
-        # A private CA (redis_ca_file) is the trust boundary, and nodes are dialled by the address
-        # the cluster reports, so their names are not checked; against the system's public CAs
-        # they must be (any holder of a public certificate would pass otherwise).
-        kw.update(ssl=True, ssl_cert_reqs="required", ssl_ca_certs=cfg.redis_ca_file or None,
-                  ssl_certfile=cfg.redis_cert_file or None, ssl_keyfile=cfg.redis_key_file or None,
-                  ssl_check_hostname=not cfg.redis_ca_file)
-    return RedisCluster(startup_nodes=nodes, username=cfg.redis_username or None, password=password,
-                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-                        require_full_coverage=False, decode_responses=False, **kw)
-
-
-def read_password(cfg: ClusterConfig) -> str | None:
-    """The ACL password from ``cluster.redis_password_file`` (a private file; ValueError naming
-    the key otherwise, never holding the password); None without one. The TLS files are checked
-    too, each a regular file opened without blocking: the client opens them again on its own
-    thread, where a FIFO would hang it."""
-    from transport.auth import read_regular, read_secret
-
-    for key in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
-        if getattr(cfg, key):
-            read_regular(getattr(cfg, key), f"cluster.{key}")
-    if not cfg.redis_password_file:
-        return None
-    return read_secret(cfg.redis_password_file, "cluster.redis_password_file").decode()
+# Own-map bytes per block (dict slot, key, tag and tuple): 249-336 measured by `kvstore bench
+# cluster-sim --backend redis` with tracemalloc (docs/cluster.md); ops' size estimate.
+BYTES_PER_OWN_BLOCK = 280
 
 
 class RedisDirectory:
     """This daemon's part of the directory in the store: the writer of its own blocks (a
     :class:`kvstore.daemon.seams.BlockEvents`) and the reader Lookups and pulls ask
     (:meth:`longest_prefix`, as :class:`kvstore.cluster.stream.ClusterDirectory` answers it).
-    ``connect(timeout_s)`` makes a client (a test subclass may fail it); ``clock`` is monotonic
-    seconds."""
+    ``connect_fn(timeout_s)`` makes a client (:func:`kvstore.cluster.redis_store.connect` by
+    default); ``clock`` is monotonic seconds."""
 
     def __init__(self, cfg: ClusterConfig, *, password: str | None, metrics=None,
                  connect_fn: Callable | None = None, clock=time.monotonic) -> None:
@@ -222,8 +144,8 @@ class RedisDirectory:
             reader, self._reader = self._reader, None
         with self._writer_lock:
             writer, self._writer = self._writer, None
-        _close(reader)
-        _close(writer)
+        close_client(reader)
+        close_client(writer)
 
     def _take_state(self) -> None:
         """Rebuild ``own`` from every block the core holds (at start, and after lost events)."""
@@ -370,7 +292,7 @@ class RedisDirectory:
             self._writer_down_until = self.clock() + max(self.cfg.redis_retry_s, 0.1)
             with self._writer_lock:
                 old, self._writer = self._writer, None
-            _close(old)
+            close_client(old)
 
     def _writer_client(self):
         """The client of writes, sweeps and deletions (longer deadlines than a Lookup's; its own
@@ -583,7 +505,7 @@ class RedisDirectory:
         with self._reader_lock:
             self._reader_down_until = self.clock() + self.cfg.redis_retry_s
             old, self._reader = self._reader, None
-        _close(old)
+        close_client(old)
 
     def _drop_stale(self, stale: list[tuple[bytes, bytes, int]]) -> None:
         """Entries read at an older epoch than their node's: deleted off the Lookup's path, by
@@ -622,10 +544,3 @@ class RedisDirectory:
         n = self._entries
         return {"entries": n, "blocks": n, "approx_bytes": len(self.own) * BYTES_PER_OWN_BLOCK, "backend": "redis"}
 
-
-def _close(client) -> None:
-    if client is not None:
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001 - closing a client of a dead store
-            pass

@@ -262,7 +262,8 @@ class Daemon:
             log.warning("cluster.directory = redis: no transport.listen, so no pulls; the store is not used")
             return None
         try:
-            from kvstore.cluster.redis_directory import RedisDirectory, read_password
+            from kvstore.cluster.redis_directory import RedisDirectory
+            from kvstore.cluster.redis_store import read_password
 
             password = read_password(c)
         except ImportError as e:

@@ -33,7 +33,8 @@ from enum import Enum
 from kvstore import kv_events as ev
 from kvstore.app.bench.redis_cluster import LocalRedisCluster
 from kvstore.cluster import redis_directory
-from kvstore.cluster.redis_directory import RedisDirectory, connect
+from kvstore.cluster.redis_directory import RedisDirectory
+from kvstore.cluster.redis_store import connect
 from kvstore.config import ClusterConfig
 
 TICK_S = 0.1  # a synthetic daemon publishes one batch per tick (kvstore.app.bench.cluster_sim)
