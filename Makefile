@@ -67,7 +67,7 @@ serve: $(STAMP)
 # 10:59 against 9:46): two vLLM modules then start their engines together on two cores.
 TEST_WORKERS ?= 2
 test: $(TSTAMP) sysdeps $(FSTAMP) $(CSTAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 proto: $(TSTAMP)
 	./scripts/gen_proto.sh

@@ -109,7 +109,8 @@ def test_a_node_whose_lease_ran_out_comes_back_with_a_new_epoch(daemons, etcd, e
     b.kill()  # a crash: the old lease lingers, the new process still gets a new epoch
     b2 = daemons.start(node(etcd, "fence-b"))[0]
     wait_for(lambda: registered(etcd_client).get("fence-b", {}).get("epoch") == 3, what="b restarted at epoch 3")
-    assert scraped(b2, "kvstore_cluster_epoch") == 3
+    # The gauge is set once registration returns, a moment after etcd has the record.
+    wait_for(lambda: scraped(b2, "kvstore_cluster_epoch") == 3, what="b's gauge at epoch 3")
 
 
 def test_etcd_stopped_and_restarted_every_daemon_serves_throughout_and_rejoins(daemons, etcd, etcd_client):
