@@ -1,4 +1,5 @@
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -8,12 +9,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from daemon_util import Daemons  # noqa: E402
 
 # Seconds each slow module took on one xdist worker (setup + calls, `pytest --durations=0 -n 2`,
-# 2026-12-06, 2 cores). `make test` runs `--dist loadfile --no-loadscope-reorder`: a module goes
-# whole to the next free worker, in the order below, so the slow ones start first and the two
-# workers end together. (xdist's default order, most tests first, put these modules of one to
-# three tests last, and one worker ran the last of them for 2.5 minutes while the other idled.)
-# Only the order depends on these figures; a module not named keeps its place after them.
-SLOW_FIRST = {
+# 2026-12-06, 2 cores). `make test` runs `--dist loadfile --no-loadscope-reorder` with the order
+# set here: xdist's own order (modules with most tests first, so that the many small tests at the
+# end even out the two workers), except that among modules of as many tests the slow ones go
+# first. Left to xdist, the slow modules of one to three tests came last of all (alphabetical
+# among equals: test_vllm_*), and one worker ran the last of them for 2.5 minutes while the
+# other idled. (All slow modules first was tried too: they then run beside each other, each
+# starting several engine processes on 2 cores, and the suite took longer.)
+SLOW = {
     "test_vllm_openai.py": 332, "test_vllm_connector.py": 209, "test_vllm_hybrid.py": 203,
     "test_vllm_tp_hybrid.py": 143, "test_bench_vllm.py": 117, "test_vllm_tier.py": 73, "test_vllm_mla.py": 69,
     "test_vllm_tier_hybrid.py": 50, "test_transport_faults.py": 48, "test_vllm_startup.py": 42,
@@ -23,7 +26,8 @@ SLOW_FIRST = {
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -SLOW_FIRST.get(item.path.name, 0))  # stable: the rest keep their order
+    per_module = Counter(item.path for item in items)
+    items.sort(key=lambda item: (-per_module[item.path], -SLOW.get(item.path.name, 0)))  # stable
 
 
 @pytest.fixture
