@@ -107,7 +107,10 @@ class ConnectorScheduler:
             return 0, False
         s = self.settings
         try:
-            r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=s.ask_peers)
+            # promote_from: the NVMe blocks past vLLM's own hit start their reads now, while
+            # vLLM schedules the step and the worker comes to Acquire them.
+            r = client.lookup_keys(client.keys(prompt[:cap * self.bt]), ask_peers=s.ask_peers,
+                                   promote_from=num_computed_tokens // self.bt)
         except KVStoreError as e:
             self.link.lost(e)
             self.link.retire()  # nothing of it in flight here: unmap the lost daemon's memory now

@@ -12,6 +12,7 @@ import numpy as np
 from daemon_util import start_daemon
 from kvstore.clients import KVStoreClient
 from kvstore.layout import KVLayout
+from kvstore.tier_kind import TierKind
 
 LAYOUT = KVLayout(8, 4, 128, "fp16", "mha")  # 256 KiB blocks
 DRAM = "32MiB"  # 128 blocks
@@ -284,6 +285,50 @@ def test_reserve_waits_in_the_daemon_while_demotion_makes_room(tmp_path):
         assert sum(1 for o in w.offsets if o is not None) == 16
         w.abort()
         assert {t.tier: t for t in c.stats().tiers}[3].blocks >= 16  # demoted to make the room
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_lookup_for_a_load_starts_reading_its_nvme_blocks(tmp_path):
+    """Lookup(promote_from): the NVMe blocks of the hit past ``promote_from`` move into DRAM
+    without an Acquire (an engine's scheduler asks before its worker Acquires them); a plain
+    Lookup moves nothing, and what was promoted reads back whole."""
+    args = nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true")
+    toks = list(range(16 * 12))
+    d = start_daemon(tmp_path, *args, dram=DRAM)
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "promote")
+        assert c.put(toks, block_kv(toks)) == 12
+        c.close()
+    finally:
+        assert d.stop() == 0
+    d = start_daemon(tmp_path, *args, dram=DRAM)  # DRAM empty, the NVMe index recovered
+    try:
+        c = KVStoreClient(d.socket_path)
+        c.register(LAYOUT, "promote")
+        keys = c.keys(toks)
+        nvme = bytes([TierKind.NVME]) * 12
+        assert c.lookup_keys(keys).tiers == nvme
+        time.sleep(0.3)
+        assert c.lookup_keys(keys).tiers == nvme  # a Lookup alone reads nothing
+        r = c.lookup_keys(keys, promote_from=4)
+        assert r.hit_blocks == 12 and r.load_blocks > 4, r
+        want = bytes([TierKind.NVME]) * 4 + bytes([TierKind.DRAM]) * (r.load_blocks - 4)  # as far as advised
+
+        def landed() -> bool:
+            return c.lookup_keys(keys).tiers[:r.load_blocks] == want
+
+        deadline = time.monotonic() + 10
+        while not landed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert landed(), c.lookup_keys(keys).tiers
+        text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+        assert float(text.split('kvstore_promotions_total{dst="dram",src="nvme"} ')[1].split()[0]) == r.load_blocks - 4
+        out = np.zeros(LAYOUT.tensor_shape(len(toks)), np.float16)
+        assert c.get(toks, out) == len(toks)
+        assert out.tobytes() == block_kv(toks).tobytes()
         c.close()
     finally:
         assert d.stop() == 0

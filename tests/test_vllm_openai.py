@@ -31,6 +31,7 @@ from wait_util import wait_for  # noqa: E402
 BT = 32
 PROMPT = words((7 * i) % 500 + 1 for i in range(200))   # 6 whole blocks and 8 tokens
 OTHER = words((11 * i) % 500 + 1 for i in range(200))
+LAST = words((29 * i) % 500 + 1 for i in range(200))     # stored by a server that then stops
 WARM, HELD, DROPPED = (words((k * i) % 500 + 1 for i in range(200)) for k in (17, 19, 23))
 START_S = 300   # a server's start on a loaded 2-core machine (about 35 s alone)
 SESSION_END_S = 1.0  # the issue's bound: sessions end within 1 s of their process's exit
@@ -145,7 +146,7 @@ def plain(model, tmp_path_factory) -> dict:
     """Plain vLLM's answers (no connector), the reference for every server here."""
     s = Server(model, tmp_path_factory.mktemp("plain") / "plain.log", None).ready()
     try:
-        return {p: s.complete(p)["text"] for p in (PROMPT, OTHER, WARM, HELD, DROPPED)}
+        return {p: s.complete(p)["text"] for p in (PROMPT, OTHER, LAST, WARM, HELD, DROPPED)}
     finally:
         s.stop()
 
@@ -154,35 +155,32 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         model, plain, daemons, tmp_path):
     sock = str(tmp_path / "kv.sock")
     d = daemons(dram="256MiB", socket_path=sock, name="before")
-    a = Server(model, tmp_path / "a.log", sock).ready()
-    assert sessions(sock) == 2                               # EngineCore (scheduler) and Worker
+    # Two servers on one daemon, started together: neither has anything of the other's
+    # prompts in vLLM's own cache (a new process), so what one loads the other stored.
+    a, b = Server(model, tmp_path / "a.log", sock), Server(model, tmp_path / "b.log", sock)
+    a.ready(), b.ready()
+    assert sessions(sock) == 4                               # each: EngineCore (scheduler) and Worker
     # kvstore's INFO lines are in vLLM's log, in vLLM's format, with the process tag.
     said = a.log_path.read_text()
     assert re.search(r"\(EngineCore pid=\d+\) INFO \d\d-\d\d [\d:]+ \[vllm_connector\.py:\d+\] kvstore: "
                      r"kv_load_failure_policy 'fail' -> 'recompute'", said), said[-4000:]
-    first = a.complete(PROMPT)
-    assert first == {"text": plain[PROMPT], "cached": 0}
+    assert a.complete(PROMPT) == {"text": plain[PROMPT], "cached": 0}
     wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 6, 30, "the prompt's blocks stored")
+    assert b.complete(PROMPT) == {"text": plain[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
+    assert b.complete(OTHER) == {"text": plain[OTHER], "cached": 0}
+    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 12, 30, "the second prompt stored")
+    assert a.complete(OTHER) == {"text": plain[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
+    assert a.complete(LAST) == {"text": plain[LAST], "cached": 0}
+    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 18, 30, "the third prompt stored")
     # vLLM's default shutdown: SIGTERM, EngineCore and Worker force-killed. Their sessions end
     # with them, not at the 60 s session TTL.
     gone = a.stop(signal.SIGTERM)
-    wait_for(lambda: sessions(sock) == 0, 15, "the stopped server's sessions to end")
+    wait_for(lambda: sessions(sock) == 2, 15, "the stopped server's sessions to end")
     ended_after = time.monotonic() - gone
     assert ended_after < SESSION_END_S, f"sessions ended {ended_after:.2f} s after the processes"
     assert "exited: 1 session(s) ended" in d.log()
-    # Two fresh servers on one daemon: both load the prefix from kvstore (nothing of vLLM's own
-    # cache is in a new process) and answer what plain vLLM does.
-    b, c = Server(model, tmp_path / "b.log", sock), Server(model, tmp_path / "c.log", sock)
-    b.ready(), c.ready()
-    assert sessions(sock) == 4
-    for s in (b, c):
-        assert s.complete(PROMPT) == {"text": plain[PROMPT], "cached": 6 * BT}
-    assert b.complete(OTHER) == {"text": plain[OTHER], "cached": 0}
-    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 12, 30, "the second prompt stored")
-    assert c.complete(OTHER) == {"text": plain[OTHER], "cached": 6 * BT}   # stored by b, loaded by c
-    gone = c.stop(signal.SIGKILL)                             # OOM-like: the whole tree at once
-    wait_for(lambda: sessions(sock) == 2, 15, "the killed server's sessions to end")
-    assert time.monotonic() - gone < SESSION_END_S
+    # What a stopped server stored is served on: b loads it.
+    assert b.complete(LAST) == {"text": plain[LAST], "cached": 6 * BT}
 
     # The daemon crashes and comes back on its socket: b's processes each end up mapping one
     # arena, the new daemon's (b goes on serving throughout).
@@ -214,8 +212,8 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         b.complete(fresh)
         wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 3, 30, "the restarted daemon stored into")
     finally:
-        gone = b.stop(signal.SIGTERM)
-    wait_for(lambda: sessions(sock) == 0, 15, "the last server's sessions to end")
+        gone = b.stop(signal.SIGKILL)                         # OOM-like: the whole tree at once
+    wait_for(lambda: sessions(sock) == 0, 15, "the killed server's sessions to end")
     assert time.monotonic() - gone < SESSION_END_S
 
 

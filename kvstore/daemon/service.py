@@ -236,6 +236,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.metrics.lookups.inc()
             return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, found=found)
         advice = self.advisor.fields(decision)
+        if req.promote and self.tiering is not None:
+            self._promote_for_load(s, req, tiers, advice.get("load_blocks", len(hits)))
         if self.cluster is not None:  # without a cluster the answer has none of these fields
             advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
         m = self.metrics
@@ -246,6 +248,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             for t in set(tiers):
                 m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
         return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
+
+    def _promote_for_load(self, s, req, tiers: bytes, load_blocks: int) -> None:
+        """Lookup(promote): the NVMe blocks of the hit the caller is about to load start moving
+        into DRAM (on the NVMe tier's threads; nothing here waits), so their reads overlap the
+        caller's scheduling and its Acquire's round trip."""
+        first, end = req.promote_from, min(load_blocks, len(tiers))
+        if first < end and TierKind.NVME in tiers[first:end]:
+            self.tiering.promote(s.ns, self.core.keys(req.keys)[first:end])
 
     @rpc
     def RouteHints(self, req, context):

@@ -49,6 +49,7 @@ class Tiering:
         self.write_out = self.store.write_out
         self.run_round = self.demoter.run_round
         self.make_resident = self.promoter.make_resident
+        self.promote = self.promoter.promote
         self.prefetch = self.promoter.prefetch
         self.prefetch_status = self.promoter.prefetch_status
 
