@@ -12,7 +12,6 @@ fetcher's threads, which touch none of this state).
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -117,9 +116,10 @@ class ConnectorWorker:
             return None
         if self._path is None or self._path_generation != self.link.generation or self._path.arena is not client.arena:
             if self._path is not None:
-                arena = self._drop_path()
-                if arena is not client.arena:  # the client re-registered with a restarted daemon
-                    threading.Thread(target=self._unmap, args=(arena,), name="kvstore-unmap", daemon=True).start()
+                # A client that re-registered with a restarted daemon closed the old arena; the
+                # path's views kept it mapped. Unmapped off vLLM's thread (Arena.unmap: the
+                # munmap frees the dead daemon's pages, 0.35 s per GiB here).
+                threading.Thread(target=self._drop_path().unmap, name="kvstore-unmap", daemon=True).start()
             # vLLM's CPU backend: the copies are waited for before the forward (_issue_load),
             # so they run in vLLM's thread; a copy thread only competes with its OpenMP team.
             cpu = self._pages[0].halves[0].device.type == "cpu"
@@ -133,24 +133,6 @@ class ConnectorWorker:
         self._path.close()
         self._path = None  # its views of the arena go with it
         return arena
-
-    @staticmethod
-    def _unmap(arena) -> None:
-        """Unmap the arena of a lost daemon (blocking; on a thread other than vLLM's: the
-        munmap frees the dead daemon's pages and takes as long as their count, 0.35 s for a GiB
-        here, without the GIL). A view still held in a reference cycle keeps the mapping until
-        Python's collector finds it: collected then. An arena its client has not closed yet is
-        unmapped by that close (``Link.retire``)."""
-        if arena.buf is not None or arena.mmap.closed:
-            return
-        try:
-            arena.mmap.close()
-        except BufferError:
-            gc.collect()
-            try:
-                arena.mmap.close()
-            except BufferError:
-                log.warning("kvstore: the lost daemon's arena is still viewed; it stays mapped until that view is gone")
 
     def _rows(self, path: GpuKVPath, span: BlockSpan) -> torch.Tensor:
         bt = self.bt
@@ -417,7 +399,7 @@ class ConnectorWorker:
                 # The daemon was lost in this step: its arena is unmapped now, between steps,
                 # once the lost client is closed, rather than on the first load that meets the
                 # new daemon (measured there: 170 ms of a 0.36 s first NVMe hit after a restart).
-                self._reserver.submit(self._unmap, self._drop_path())
+                self._reserver.submit(self._drop_path().unmap)
         self._worker_events += stored
         if saves:
             self._stats.data["save_s"] += time.perf_counter() - t0

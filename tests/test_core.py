@@ -459,3 +459,18 @@ def test_parent_links_hold_when_parts_commit_child_first(env):
         core.commit(r, l.id, k)
     blocks = s.ns.blocks
     assert blocks[b].parent is blocks[a] and blocks[b] in blocks[a].kids  # leaves-first eviction holds
+
+
+def test_an_arena_closed_under_a_view_in_a_cycle_is_unmapped_by_unmap():
+    """Arena.unmap (the vLLM worker's, for a lost daemon's arena): close() leaves the mapping to
+    a live view; once the only view left sits in a reference cycle, unmap collects it and unmaps."""
+    a = Arena(1 << 20, prefault=False)
+    cycle = {"view": a.buf[:4096]}
+    cycle["self"] = cycle
+    a.close()
+    assert not a.mmap.closed  # the view keeps it mapped
+    a.unmap()
+    assert not a.mmap.closed  # still referenced from here: nothing to collect
+    del cycle
+    a.unmap()
+    assert a.mmap.closed

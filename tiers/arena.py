@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import array
 import ctypes
+import gc
+import logging
 import mmap
 import os
 import socket
@@ -15,6 +17,8 @@ import threading
 import time
 
 import numpy as np
+
+log = logging.getLogger("kvstore.arena")
 
 MADV_POPULATE_READ = 22  # Linux 5.14+
 MADV_POPULATE_WRITE = 23
@@ -121,6 +125,22 @@ class Arena:
             os.close(self.fd)
         except OSError:
             pass
+
+    def unmap(self) -> None:
+        """After :meth:`close` left the mapping to live views: unmap it now, collecting the
+        reference cycles that may hold the last view first. Blocking: the munmap frees the
+        pages and takes as long as their count, without the GIL, so call it off a thread that
+        must not wait. Still viewed after that: it stays mapped until the view goes."""
+        if self.buf is not None or self.mmap.closed:
+            return  # open, or already unmapped
+        try:
+            self.mmap.close()
+        except BufferError:
+            gc.collect()
+            try:
+                self.mmap.close()
+            except BufferError:
+                log.warning("an arena closed by its client is still viewed; it stays mapped until that view is gone")
 
 
 def slot_runs(offsets, stride: int):
