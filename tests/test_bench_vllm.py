@@ -1,22 +1,31 @@
-"""`kvstore bench vllm` runs end to end on the tiny model (its figures go in notes, not asserts)."""
+"""`kvstore bench vllm` runs end to end on the tiny model (its figures go in notes, not asserts).
+
+The commands run in this process, through the CLI's entry point (``kvstore.app.cli.main``, what
+``python -m kvstore`` calls), so their engines fork from this test process's vLLM fork server
+(kvstore.app.bench.vllm_engine.context) instead of a new process importing vLLM again."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvstore.app.cli import main  # noqa: E402
+
 CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
 
 
-def test_bench_vllm_json_tiny(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm", "--lengths", "256", "--reps", "2",
-                        "--size", "tiny", "--new-tokens", "4", "--json", "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stderr[-6000:] + p.stdout
-    r = json.loads(p.stdout)
+def bench(capsys, *argv: str) -> dict:
+    """``kvstore bench ARGV --json``: exit status 0 (every row verified) and its JSON."""
+    rc = main(["bench", *argv, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return json.loads(out)
+
+
+def test_bench_vllm_json_tiny(tmp_path, capsys):
+    r = bench(capsys, "vllm", "--lengths", "256", "--reps", "2", "--size", "tiny", "--new-tokens", "4",
+              "--dir", str(tmp_path))
     assert r["follow_policy"] is False and r["model"]["size"] == "tiny" and r["new_tokens"] == 4
     assert r["verified"] is True and r["target"]["measured"] is False  # no 2048-token row
     [row] = r["rows"]
@@ -47,11 +56,8 @@ def test_bench_vllm_json_tiny(tmp_path):
     assert "first hit" in text and "floors" in text and "raw paths, same run" in text
 
 
-def test_bench_vllm_hybrid_json_qwen3_next(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvstore", "bench", "vllm-hybrid", "--lengths", "300", "--reps", "1",
-                        "--json", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stderr[-6000:] + p.stdout
-    r = json.loads(p.stdout)
+def test_bench_vllm_hybrid_json_qwen3_next(tmp_path, capsys):
+    r = bench(capsys, "vllm-hybrid", "--lengths", "300", "--reps", "1", "--dir", str(tmp_path))
     assert r["family"] == "qwen3-next" and r["hma"] is True and r["verified"] is True
     [row] = r["rows"]
     # vLLM's Mamba checkpoint at the last 128-token boundary before the prompt's last token:

@@ -86,10 +86,12 @@ def daemon(module_daemons, nvme):
 @pytest.fixture(scope="module")
 def engines(gemma, workdir, daemon):
     """Plain vLLM (the reference: no connector, no prefix cache), a writer (chunked prefill:
-    saves land chunk by chunk), a reader (vLLM's engine-core process, as `vllm serve` runs it)
-    and "fresh", for the daemon restarted on the NVMe directory (it starts before that daemon:
-    the connector finds it at the first request). The reader records each group's load span
-    and fails P4's load in group 0 (tests/vllm_faults.py)."""
+    saves land chunk by chunk), a reader and "fresh", for the daemon restarted on the NVMe
+    directory (it starts before that daemon: the connector finds it at the first request). The
+    reader records each group's load span and fails P4's load in group 0 (tests/vllm_faults.py).
+    It runs in one process: Qwen3-Next's reader below runs the hybrid connector in vLLM's
+    engine-core process, as `vllm serve` runs it (each such engine costs two more processes
+    importing vLLM)."""
     env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "KVSTORE_TEST_LOAD_LOG": str(workdir / "loads.log"),
            "KVSTORE_TEST_FAIL_PREFIX": ",".join(map(str, P4[:8])), "KVSTORE_TEST_FAIL_GROUP": "0"}
@@ -98,7 +100,7 @@ def engines(gemma, workdir, daemon):
         (EngineSpec(gemma, prefix_caching=False), workdir / "plain.log"),
         (EngineSpec(gemma, kv_transfer=connector(daemon.socket_path), max_num_batched_tokens=64),
          workdir / "writer.log"),
-        (EngineSpec(gemma, kv_transfer=recording, multiprocessing=True, env=env), workdir / "reader.log"),
+        (EngineSpec(gemma, kv_transfer=recording, env=env), workdir / "reader.log"),
         (EngineSpec(gemma, kv_transfer=connector(str(workdir / "restarted.sock"), reconnect_s=0.5)),
          workdir / "fresh.log")])
     yield dict(zip(("plain", "writer", "reader", "fresh"), es))

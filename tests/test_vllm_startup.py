@@ -51,12 +51,13 @@ def gone(workdir) -> str:
 
 @pytest.fixture(scope="module")
 def engines(workdir, daemon, gone):
-    """Four engines started at once: one on the daemon (vLLM's engine-core process, as `vllm
-    serve` runs it), one whose daemon is not there (it runs without it), one with a typo in a
-    key and one that requires a daemon that is not there. Each maps to its outcome (the running
-    EngineProc, or the error its start failed with) and its log."""
+    """Four engines started at once: one on the daemon, one whose daemon is not there (it runs
+    without it), one with a typo in a key and one that requires a daemon that is not there. Each
+    maps to its outcome (the running EngineProc, or the error its start failed with) and its
+    log. (The lines of vLLM's engine-core process and its worker, as `vllm serve` runs them,
+    are checked in tests/test_vllm_openai.py.)"""
     model = str(save_llama(workdir / "model", "tiny"))
-    specs = {"good": EngineSpec(model, kv_transfer=connector(daemon.socket_path), multiprocessing=True),
+    specs = {"good": EngineSpec(model, kv_transfer=connector(daemon.socket_path)),
              "no_daemon": EngineSpec(model, kv_transfer=connector(gone)),
              "typo": EngineSpec(model, kv_transfer=connector(daemon.socket_path, kvstore_sokcet=gone)),
              "required": EngineSpec(model, kv_transfer=connector(gone, require_daemon=True))}
@@ -92,7 +93,7 @@ def test_kvstores_info_lines_are_in_vllms_format_at_its_default_level(engines):
     assert isinstance(outcome, EngineProc)
     connects = re.findall(VLLM_LINE.format(level="INFO", file=r"vllm_setup\.py") + "kvstore: connected to the daemon",
                           log)
-    assert sorted(connects) == ["EngineCore", "Worker"]  # the scheduler's connector and the worker's
+    assert connects == ["vllm-engine good"] * 2  # the scheduler's connector and the worker's, one process
     assert re.search(VLLM_LINE.format(level="INFO", file=r"vllm_connector\.py")
                      + r"kvstore: kv_load_failure_policy 'fail' -> 'recompute'", log)
     assert not re.search(r"^kvstore", log, re.MULTILINE)  # no line of kvstore's without vLLM's prefix

@@ -31,10 +31,12 @@ Llama (config + safetensors, no tokenizer) that vLLM loads with ``skip_tokenizer
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.util  # its exit hook is registered before ours (context())
 import os
+import signal
 import sys
 import threading
 import time
@@ -281,6 +283,7 @@ class EngineProc:
                 pass
             self.proc.join(timeout_s)
             if self.proc.is_alive():
+                self._dump_stacks()
                 self.kill()
         self.conn.close()
         _live.discard(self)
@@ -296,6 +299,17 @@ class EngineProc:
                 except OSError:
                     pass
         return [e.stop(timeout_s) for e in engines]
+
+    def _dump_stacks(self) -> None:
+        """An engine that did not exit when asked: its threads' stacks into its log (the
+        child's faulthandler, on SIGUSR1), then a line saying it is killed."""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            with open(self.log_path, "a") as f:
+                f.write("vllm_engine: the engine did not exit when asked; its stacks are above; killed\n")
+        except OSError:
+            pass
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -424,6 +438,7 @@ def _child(spec_json: str, env: dict, log_path: str, conn) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # EngineProc.stop, at a hung exit
     os.environ.update(env)
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 
