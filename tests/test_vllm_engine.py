@@ -20,11 +20,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama
+    from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec
 
     if __name__ == "__main__":
-        work = Path(sys.argv[1])
-        model = str(save_llama(work / "model", "tiny", max_positions=256))
+        work, model = Path(sys.argv[1]), sys.argv[2]
         e = EngineProc.start(EngineSpec(model, max_model_len=256), work / "engine.log")
         assert e.generate([[1, 2, 3] * 11], max_tokens=2)["results"][0]["tokens"]
         print(e.proc.pid, flush=True)
@@ -33,9 +32,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_script_that_leaves_its_engine_running_still_exits_and_leaves_none(tmp_path):
+    from kvstore.app.bench.vllm_engine import save_llama  # torch and transformers, not vLLM
+
+    model = save_llama(tmp_path / "model", "tiny", max_positions=256)  # here: the script imports less
     script = tmp_path / "leave_it_running.py"
     script.write_text(SCRIPT)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path), str(model)], capture_output=True, text=True,
+                       timeout=240)
     assert p.returncode == 0, p.stderr[-4000:]
     pid = int(p.stdout.split()[-1])
     deadline = time.monotonic() + 10  # it was reaped by the script's exit; give the kernel a moment

@@ -4,7 +4,7 @@ CLI cannot start: docs/vllm.md), multiprocess engine core (API server, EngineCor
 default shutdown (``--shutdown-timeout 0``: SIGTERM force-kills EngineCore and Worker), HTTP
 completions. A tiny random Llama with a word-level tokenizer (token ``i`` is the word ``t<i>``),
 made at test time: no download. Three servers serve both server tests (each server is three
-processes importing vLLM: about 45 s of a 2-core machine's time)."""
+processes importing vLLM: about 70 s of a 2-core machine's time)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="the real vLLM is installed by scripts/install_vllm.sh")
 
 from daemon_util import cluster_secret, free_port  # noqa: E402
-from kvstore.app.bench.vllm_engine import save_llama, save_tokenizer, words  # noqa: E402
+from kvstore.app.bench.vllm_engine import EngineProc, EngineSpec, save_llama, save_tokenizer, words  # noqa: E402
 from kvstore.clients import KVStoreClient  # noqa: E402
 from wait_util import wait_for  # noqa: E402
 
@@ -74,11 +74,15 @@ class Server:
         raise RuntimeError(f"server not up in {START_S} s:\n{self.log_path.read_text()[-6000:]}")
 
     def complete(self, prompt: str, max_tokens: int = 8, port: int | None = None) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        """The completion's token ids (all ``max_tokens``: EOS ignored) and cached prompt
+        tokens; the prompt's token ids in ``last_prompt``."""
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port or self.port}/v1/completions", body,
                                      {"content-type": "application/json"})
         r = json.load(urllib.request.urlopen(req, timeout=120))
-        return {"text": r["choices"][0]["text"], "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
+        self.last_prompt = r["choices"][0]["prompt_token_ids"]
+        return {"tokens": r["choices"][0]["token_ids"], "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
     def engine_pids(self) -> list[int]:
         """The EngineCore and Worker processes under this server."""
@@ -147,19 +151,33 @@ def servers(model, tmp_path_factory, module_daemons) -> dict:
     """Three servers, started together: "a" and "b" (kv_both) on daemon D, "a" also shipping the
     prompts it computes to daemon B through a relay that can hold or drop what it carries
     (``transfer_peer``, the prefill side of P/D); "c" (kv_consumer, the decode side) on daemon
-    B. The proxy test runs first (a prefill, c decode), then the crash test (a and b on D)."""
+    B. The proxy test runs first (a prefill, c decode), then the crash test (a and b on D).
+
+    Every test's reference (``plain``): plain vLLM's tokens for each prompt's token ids (the
+    model's tokenizer), from a vLLM engine without a connector, on the same model and settings,
+    in a process of its own (vllm_engine.EngineProc), stopped once it has answered. (A plain
+    OpenAI server, three more processes importing vLLM, cost ~70 s of the 2-core machine.)"""
     work = tmp_path_factory.mktemp("servers")
     secret = ("--transport-secret-file", cluster_secret(work))
     sock = str(work / "kv.sock")
     d = module_daemons(*secret, dram="256MiB", transfer="tcp", socket_path=sock, name="before")
     decode_daemon = module_daemons(*secret, dram="256MiB", transfer="tcp", name="decode")
     relay = Relay(decode_daemon.transfer_addr)
+    plain = EngineProc.spawn(EngineSpec(str(model), prefix_caching=False), work / "plain.log")
     started = [Server(model, work / "a.log", sock, transfer_peer=relay.addr), Server(model, work / "b.log", sock),
                Server(model, work / "c.log", decode_daemon.socket_path, "kv_consumer", transfer_wait_s=8)]
     try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        ids = {p: tok(p)["input_ids"] for p in (PROMPT, OTHER, LAST, WARM, HELD, DROPPED)}
+        plain.ready()
+        answers = {p: plain.generate([i], max_tokens=8, logprobs=0)["results"][0]["tokens"] for p, i in ids.items()}
+        plain.stop()
         a, b, c = (s.ready() for s in started)
-        yield dict(a=a, b=b, c=c, d=d, sock=sock, relay=relay)
+        yield dict(a=a, b=b, c=c, d=d, sock=sock, relay=relay, plain=answers, ids=ids)
     finally:
+        plain.kill()
         for s in started:
             s.stop()
 
@@ -185,15 +203,12 @@ def test_prefill_and_decode_servers_behind_the_proxy_wait_for_the_announced_tran
         relay.drop()
         dropped = decode.complete(DROPPED, port=port)
         assert "announced blocks arrived within transfer_wait_s" in decode.log_path.read_text()
-        # The references: the prefill server's own answers (each prompt is in its vLLM prefix
-        # cache, whole blocks that its own cold run computed), asked only now: what it computes
-        # it ships.
-        ref = {p: prefill.complete(p)["text"] for p in (WARM, HELD, DROPPED)}
+        ref = servers["plain"]
         # WARM: the transfer connection made (and authenticated), the blocks shipped and loaded.
-        assert warm == {"text": ref[WARM], "cached": 6 * BT}
+        assert warm == {"tokens": ref[WARM], "cached": 6 * BT}
         # It waited: the blocks that landed after the request came are what it loaded.
-        assert got == {"text": ref[HELD], "cached": 6 * BT}
-        assert dropped["text"] == ref[DROPPED]
+        assert got == {"tokens": ref[HELD], "cached": 6 * BT}
+        assert dropped["tokens"] == ref[DROPPED]
     finally:
         proxy.terminate()
         proxy.wait(10)
@@ -213,13 +228,14 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
                           said)
     assert sorted(connects) == ["EngineCore", "Worker"], said[-4000:]  # the scheduler's connector, the worker's
     assert not re.search(r"^kvstore", said, re.MULTILINE)  # no line of kvstore's without vLLM's prefix
-    # The reference for each prompt is the server's own miss: a miss with the connector is plain
-    # vLLM's output (tests/test_vllm_connector.py compares them bit for bit).
     held = KVStoreClient(sock).stats().tiers[0].blocks  # the proxy test's prompts, if it ran
-    ref = {p: miss(s, p) for s, p in ((a, PROMPT), (b, OTHER), (a, LAST))}
+    ref = servers["plain"]
+    for s, p in ((a, PROMPT), (b, OTHER), (a, LAST)):  # each computed (cached 0) by one server
+        assert s.complete(p) == {"tokens": ref[p], "cached": 0}
+        assert s.last_prompt == servers["ids"][p]  # the reference's prompt: the server's own tokens
     wait_for(lambda: KVStoreClient(sock).stats().tiers[0].blocks >= held + 18, 30, "the prompts' blocks stored")
-    assert b.complete(PROMPT) == {"text": ref[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
-    assert a.complete(OTHER) == {"text": ref[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
+    assert b.complete(PROMPT) == {"tokens": ref[PROMPT], "cached": 6 * BT}   # stored by a, loaded by b
+    assert a.complete(OTHER) == {"tokens": ref[OTHER], "cached": 6 * BT}   # stored by b, loaded by a
     # vLLM's default shutdown: SIGTERM, EngineCore and Worker force-killed. Their sessions end
     # with them, not at the 60 s session TTL.
     gone = a.stop(signal.SIGTERM)
@@ -228,7 +244,7 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
     assert ended_after < SESSION_END_S, f"sessions ended {ended_after:.2f} s after the processes"
     assert "exited: 1 session(s) ended" in d.log()
     # What a stopped server stored is served on: b loads it.
-    assert b.complete(LAST) == {"text": ref[LAST], "cached": 6 * BT}
+    assert b.complete(LAST) == {"tokens": ref[LAST], "cached": 6 * BT}
 
     # The daemon crashes and comes back on its socket: b's processes each end up mapping one
     # arena, the new daemon's (b goes on serving throughout).
@@ -245,10 +261,10 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         # Requests go on; the connector finds the daemon again (reconnect_s) and re-registers.
         deadline = time.monotonic() + 60
         while sessions(sock) < 2 and time.monotonic() < deadline:
-            assert b.complete(OTHER)["text"] == ref[OTHER]
+            assert b.complete(OTHER)["tokens"] == ref[OTHER]
             time.sleep(0.5)
         assert sessions(sock) == 2
-        assert b.complete(PROMPT)["text"] == ref[PROMPT]
+        assert b.complete(PROMPT)["tokens"] == ref[PROMPT]
         after = {p: arena_mappings(p) for p in pids}
         assert sorted(len(m) for m in after.values()) == [0, 1], after
         assert set().union(*after.values()) == {new}          # the dead daemon's arena is unmapped
@@ -263,13 +279,6 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
         gone = b.stop(signal.SIGKILL)                         # OOM-like: the whole tree at once
     wait_for(lambda: sessions(sock) == 0, 15, "the killed server's sessions to end")
     assert time.monotonic() - gone < SESSION_END_S
-
-
-def miss(server: Server, prompt: str) -> str:
-    """The server's answer to a prompt nothing holds yet (checked: no token cached)."""
-    got = server.complete(prompt)
-    assert got["cached"] == 0, got
-    return got["text"]
 
 
 def _link(pid: int, fd: str) -> str:

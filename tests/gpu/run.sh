@@ -35,14 +35,19 @@ log() { echo "[gpu/run.sh +$(( $(date +%s) - START ))s] $*" >&2; }
 
 has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 
-PY=""
-for cand in "${KVSTORE_GPU_PYTHON:-}" "$ROOT/.venv/bin/python" python3 /opt/torch/.venv/bin/python3; do
-  [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 || continue
-  if has_cuda_torch "$cand"; then PY=$(command -v "$cand"); break; fi
-done
-
 GPU_PRESENT=0
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && GPU_PRESENT=1
+
+# Each probe is an `import torch` (seconds). A CUDA device shows as /dev/nvidia0, 1, ... (in a
+# container without nvidia-smi too); with neither that nor nvidia-smi's list, no python here
+# can see a GPU, and the probes are skipped.
+PY=""
+if [ "$GPU_PRESENT" = 1 ] || compgen -G "/dev/nvidia[0-9]*" >/dev/null; then
+  for cand in "${KVSTORE_GPU_PYTHON:-}" "$ROOT/.venv/bin/python" python3 /opt/torch/.venv/bin/python3; do
+    [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 || continue
+    if has_cuda_torch "$cand"; then PY=$(command -v "$cand"); break; fi
+  done
+fi
 
 if [ -z "$PY" ] && [ "$GPU_PRESENT" = 1 ]; then
   log "a GPU is present but no python here has a CUDA torch: making $WORK/venv with torch==2.13.0"
