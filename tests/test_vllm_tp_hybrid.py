@@ -67,8 +67,11 @@ def snapshots(sock: str, prompt: list[int], block: int, forget: bool = False) ->
         with KVStoreClient(sock) as c:
             c.register(state_layout(1, ns["block_bytes"], block), ns["model_id"])
             key = c.keys(prompt[:2 * block])[-1]
-            with c.acquire([key]) as r:
+            r = c.acquire([key])
+            try:
                 out[ns["model_id"]] = torch.frombuffer(bytearray(r.view(0)), dtype=torch.bfloat16).float()
+            finally:
+                r.release(wait=True)  # a Release not waited for can reach the daemon after the Delete
             if forget:
                 assert c.delete([key]) == 1
     return out
