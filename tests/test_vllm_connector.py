@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ P3 = tokens(260, seed=4)
 P4 = tokens(230, seed=5)
 P5 = tokens(270, seed=6)            # stored by vLLM, loaded by the HF adapter
 P6 = tokens(250, seed=7)            # stored by the HF adapter, loaded by vLLM
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5, "P6": P6}
+P7 = tokens(256, seed=8)            # 8 whole blocks: vLLM loads 7 and computes the last one
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5, "P6": P6, "P7": P7}
 
 
 def loadable(p: list[int]) -> int:
@@ -205,6 +207,26 @@ def test_fresh_engine_loads_the_prefix_from_dram(writer, reader, daemon, ref):
     m = reader.metrics()["metrics"]
     assert m["vllm:external_prefix_cache_hits"] == loadable(P1)
     assert m["vllm:prompt_tokens_cached_by_source{source=host}"] == loadable(P1)  # DRAM
+
+
+def reserves(daemon) -> float:
+    """Reserve RPCs the daemon has served (every save of a block starts with one)."""
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+    name = 'kvstore_rpc_latency_seconds_count{method="Reserve"} '
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_hit_saves_nothing_the_daemon_already_holds(writer, reader, daemon, ref):
+    """A prompt of whole blocks: vLLM computes its last block even on a full hit; the
+    connector saw that block in its Lookup, so the step reserves, copies and commits nothing."""
+    got = writer.generate([P7])["results"][0]
+    same(got, ref["P7"])
+    before = reserves(daemon)
+    assert before > 0 and blocks_in(daemon.socket_path) >= len(P7) // BT
+    got = reader.generate([P7])["results"][0]
+    assert got["cached_tokens"] == loadable(P7)
+    same(got, ref["P7"])
+    assert reserves(daemon) == before
 
 
 def test_two_engines_at_once_on_one_daemon(writer, reader, daemon, ref):
