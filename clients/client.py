@@ -304,7 +304,9 @@ class KVStoreClient:
                 # page tables are filled, and the views callers hold into it.
                 os.close(fd)
                 return
-            self.arena.close()  # another daemon's arena (it restarted)
+            # Another daemon's arena (it restarted): unmapped off this thread, which is vLLM's
+            # scheduler or worker in the middle of a request.
+            self.arena.close(unmap="background")
             self.arena = None
         self.arena = Arena(size, fd=fd, prefault=False)
         if self.prefault:

@@ -61,3 +61,40 @@ def test_mapping_in_background_does_not_hold_up_the_callers_allocations():
     if len(waits) < 3:
         pytest.skip(f"mapped in {whole * 1e3:.0f} ms, before allocations could overlap it")
     assert max(waits) < whole / 5, (max(waits), whole, len(waits))
+
+
+def test_unmapping_does_not_hold_up_the_callers_allocations():
+    """A client unmaps a dead daemon's arena off the engine's thread, at the lowest priority
+    (Arena.unmap_in_background); the process's own large allocations go on meanwhile (one
+    munmap of the mapped arena held the mmap lock for all of it: one allocation got through,
+    after waiting out nearly the whole unmap)."""
+    import time
+
+    import numpy as np
+    import pytest
+
+    owner = Arena(1 << 30, prefault=True)
+    try:
+        mine = Arena(1 << 30, fd=os.dup(owner.fd), prefault=False)
+        mine.map_in_background().wait(60)  # every page-table entry filled, as in a client
+        view = mine.buf[:4096]  # a copy path's view: close leaves the mapping to unmap
+        mine.close()
+        assert not mine.mmap.closed
+        del view
+        t0 = time.perf_counter()
+        done = mine.unmap_in_background()
+        waits = []
+        while done.is_alive():
+            t = time.perf_counter()
+            a = np.empty(8 << 20, np.uint8)  # above malloc's mmap threshold: an mmap and a munmap
+            a[::4096] = 1
+            del a
+            waits.append(time.perf_counter() - t)
+        whole = time.perf_counter() - t0
+    finally:
+        owner.close()
+    assert mine.mmap.closed
+    if whole < 0.01:
+        pytest.skip(f"unmapped in {whole * 1e3:.1f} ms: nothing to measure")
+    # One munmap let a single allocation through, after waiting out nearly all of it.
+    assert len(waits) >= 5 and sorted(waits)[len(waits) // 2] < whole / 10, (waits, whole)

@@ -265,6 +265,9 @@ def test_openai_server_hits_across_servers_sessions_end_with_their_processes_and
             time.sleep(0.5)
         assert sessions(sock) == 2
         assert b.complete(PROMPT)["tokens"] == ref[PROMPT]
+        # The dead arena is unmapped off vLLM's threads, at the lowest priority: within seconds.
+        wait_for(lambda: sorted(len(arena_mappings(p)) for p in pids) == [0, 1], 10,
+                 "one arena mapping in b's processes")
         after = {p: arena_mappings(p) for p in pids}
         assert sorted(len(m) for m in after.values()) == [0, 1], after
         assert set().union(*after.values()) == {new}          # the dead daemon's arena is unmapped
