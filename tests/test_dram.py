@@ -33,6 +33,22 @@ def test_map_in_background_fills_a_second_mapping_and_keeps_data():
     owner.close()
 
 
+def allocations_while(busy) -> list[float]:
+    """Seconds each large allocation (and its page faults) took while ``busy()``."""
+    import time
+
+    import numpy as np
+
+    waits = []
+    while busy():
+        t = time.perf_counter()
+        a = np.empty(8 << 20, np.uint8)  # above malloc's mmap threshold: an mmap and a munmap
+        a[::4096] = 1
+        del a
+        waits.append(time.perf_counter() - t)
+    return waits
+
+
 def test_mapping_in_background_does_not_hold_up_the_callers_allocations():
     """While a client maps a daemon's arena in the background, the process's own large
     allocations (mmap, which waits for the mmap lock an MADV_POPULATE_READ holds for its whole
@@ -40,20 +56,14 @@ def test_mapping_in_background_does_not_hold_up_the_callers_allocations():
     chunks this replaced, one allocation waited a whole chunk's time, a quarter of it."""
     import time
 
-    import numpy as np
     import pytest
 
     owner = Arena(1 << 30, prefault=True)
     try:
         mine = Arena(1 << 30, fd=os.dup(owner.fd), prefault=False)
-        waits, t0 = [], time.perf_counter()
+        t0 = time.perf_counter()
         done = mine.map_in_background()
-        while not done.is_set():
-            t = time.perf_counter()
-            a = np.empty(8 << 20, np.uint8)  # above malloc's mmap threshold: an mmap and a munmap
-            a[::4096] = 1
-            del a
-            waits.append(time.perf_counter() - t)
+        waits = allocations_while(lambda: not done.is_set())
         whole = time.perf_counter() - t0
         mine.close()
     finally:
@@ -70,7 +80,6 @@ def test_unmapping_does_not_hold_up_the_callers_allocations():
     after waiting out nearly the whole unmap)."""
     import time
 
-    import numpy as np
     import pytest
 
     owner = Arena(1 << 30, prefault=True)
@@ -83,13 +92,7 @@ def test_unmapping_does_not_hold_up_the_callers_allocations():
         del view
         t0 = time.perf_counter()
         done = mine.unmap_in_background()
-        waits = []
-        while done.is_alive():
-            t = time.perf_counter()
-            a = np.empty(8 << 20, np.uint8)  # above malloc's mmap threshold: an mmap and a munmap
-            a[::4096] = 1
-            del a
-            waits.append(time.perf_counter() - t)
+        waits = allocations_while(done.is_alive)
         whole = time.perf_counter() - t0
     finally:
         owner.close()
