@@ -284,9 +284,10 @@ def run(a) -> dict:
         ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.clients.vllm_connector",
                "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_socket": d.socket_path, **extra}}
         kv = EngineSpec(**spec, kv_transfer=ktc)
-        # The three connector engines are built together (nothing is timed while they build); a
-        # connector reaches the daemon at its first request, so the NVMe reader, built now, meets
-        # the restarted daemon.
+        # The three connector engines are built together (nothing is timed while they build).
+        # Each worker registers with the daemon as its engine is built, so the NVMe reader lives
+        # through the daemon's restart, as a serving engine would: its warm-up request meets the
+        # restarted daemon and re-registers, and its old arena is unmapped behind it.
         engines = EngineProc.start_all([(kv, work / f"{name}.log") for name in ("writer", "reader-dram", "reader-nvme")])
         writer, reader_dram, reader_nvme = engines
         try:
