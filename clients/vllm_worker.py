@@ -79,6 +79,7 @@ class ConnectorWorker:
         self.saves_failed: set[str] | None = None
         self.unannounced: set[str] = set()
         self._events_due = False  # report events this step even if none (a rank writing parts)
+        self._active_at = time.monotonic()  # the last step's start or end (a dead arena is unmapped when quiet)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
@@ -118,13 +119,17 @@ class ConnectorWorker:
                 # A client that re-registered with a restarted daemon closed the old arena; the
                 # path's views kept it mapped. Unmapped off vLLM's thread, at the lowest priority
                 # (the munmap frees the dead daemon's pages, ~0.3 s of CPU per GiB here).
-                self._drop_path().unmap_in_background()
+                self._drop_path().unmap_in_background(self._quiet_s)
             # vLLM's CPU backend: the copies are waited for before the forward (_issue_load),
             # so they run in vLLM's thread; a copy thread only competes with its OpenMP team.
             cpu = self._pages[0].halves[0].device.type == "cpu"
             self._path = GpuKVPath(client, self._pages, copy_path=self.settings.copy_path, inline=cpu)
             self._path_generation = self.link.generation
         return self._path
+
+    def _quiet_s(self) -> float:
+        """Seconds since this worker's last step began or ended."""
+        return time.monotonic() - self._active_at
 
     def _drop_path(self):
         """Close the copy path; returns the arena it copied to and from."""
@@ -151,6 +156,7 @@ class ConnectorWorker:
         start on the fetcher's threads; those fetched since the last step have their copies
         issued, behind this step's loads on the copy stream (the forward waits for those only;
         on steps without synchronous loads vLLM calls this after the forward)."""
+        self._active_at = time.monotonic()
         path = self._ensure_path() if meta.loads else None
         if path is not None and meta.saves and self.writes and self._saves is None:
             self._reserving = (meta, path, self._reserver.submit(_reserve_all, path.client, meta.saves))
@@ -401,8 +407,9 @@ class ConnectorWorker:
                 # client is closed, rather than beside the first load that meets the new daemon
                 # (measured there: 170 ms of a 0.36 s first NVMe hit after a restart; after a
                 # re-registration, 60-90 ms of that load's copy).
-                self._reserver.submit(self._drop_path().unmap_in_background)
+                self._reserver.submit(self._drop_path().unmap_in_background, self._quiet_s)
         self._worker_events += stored
+        self._active_at = time.monotonic()
         if saves:
             self._stats.data["save_s"] += time.perf_counter() - t0
             # A block written in parts is whole only if every rank's part is in: vLLM keeps the

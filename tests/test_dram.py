@@ -52,8 +52,8 @@ def allocations_while(busy) -> list[float]:
 def test_mapping_in_background_does_not_hold_up_the_callers_allocations():
     """While a client maps a daemon's arena in the background, the process's own large
     allocations (mmap, which waits for the mmap lock an MADV_POPULATE_READ holds for its whole
-    range) go on: none waits more than a fifth of the whole mapping's time. With the 256 MiB
-    chunks this replaced, one allocation waited a whole chunk's time, a quarter of it."""
+    range) go on: most wait less than a tenth of the whole mapping's time. With the 256 MiB
+    chunks this replaced, each allocation waited a whole chunk's time, a quarter of it."""
     import time
 
     import pytest
@@ -68,9 +68,11 @@ def test_mapping_in_background_does_not_hold_up_the_callers_allocations():
         mine.close()
     finally:
         owner.close()
-    if len(waits) < 3:
-        pytest.skip(f"mapped in {whole * 1e3:.0f} ms, before allocations could overlap it")
-    assert max(waits) < whole / 5, (max(waits), whole, len(waits))
+    if whole < 0.01:
+        pytest.skip(f"mapped in {whole * 1e3:.1f} ms: nothing to measure")
+    # The median: on a loaded machine the first allocation may wait for a core (the mapping's
+    # thread has just started), whatever the chunk size.
+    assert len(waits) >= 5 and sorted(waits)[len(waits) // 2] < whole / 10, (waits, whole)
 
 
 def test_unmapping_does_not_hold_up_the_callers_allocations():
@@ -101,3 +103,30 @@ def test_unmapping_does_not_hold_up_the_callers_allocations():
         pytest.skip(f"unmapped in {whole * 1e3:.1f} ms: nothing to measure")
     # One munmap let a single allocation through, after waiting out nearly all of it.
     assert len(waits) >= 5 and sorted(waits)[len(waits) // 2] < whole / 10, (waits, whole)
+
+
+def test_an_unmap_waits_for_its_caller_to_be_quiet_and_no_longer_than_told():
+    """``idle``: the engine's seconds since its last step. Busy (0 s): the unmap waits, up to
+    ``within_s``; quiet for ``idle_s``: it goes at once."""
+    import time
+
+    def closed_arena(owner: Arena) -> Arena:
+        a = Arena(16 << 20, fd=os.dup(owner.fd), prefault=False)
+        view = a.buf[:8]  # a copy path's view: close leaves the mapping to unmap
+        a.close()
+        del view
+        return a
+
+    owner = Arena(16 << 20, prefault=True)
+    try:
+        busy, quiet = closed_arena(owner), closed_arena(owner)
+        t0 = time.monotonic()
+        waiting = busy.unmap_in_background(lambda: 0.0, idle_s=0.2, within_s=1.0)
+        quiet.unmap_in_background(lambda: 5.0, idle_s=0.2, within_s=1.0).join(5)
+        assert quiet.mmap.closed and time.monotonic() - t0 < 0.5
+        time.sleep(0.3)
+        assert not busy.mmap.closed  # still waiting for the caller to be quiet
+        waiting.join(5)
+        assert busy.mmap.closed and time.monotonic() - t0 >= 1.0
+    finally:
+        owner.close()

@@ -143,14 +143,21 @@ class Arena:
         except BufferError:
             pass  # views still alive; the mapping goes with them
 
-    def unmap_in_background(self) -> threading.Thread:
+    def unmap_in_background(self, idle=None, idle_s: float = 0.2, within_s: float = 30.0) -> threading.Thread:
         """:meth:`unmap` on a thread of its own at the lowest CPU priority (nice 19): clearing
         the page tables and, for the last mapping of a dead daemon's arena, freeing its pages
         costs ~0.3 s of CPU per GiB here (0.09 s for 0.3 GiB), which an engine's forward on the
-        same cores would otherwise share (the first hit after a daemon restart: its load's copy
-        took 60-90 ms instead of 4-10 beside it). At nice 19 it runs on cores the engine leaves
-        idle."""
+        same cores would otherwise share. ``idle``: seconds since the caller last worked (an
+        engine's last step); the unmap then waits for ``idle_s`` of quiet, at most ``within_s``:
+        even at nice 19 it slowed the copy of a load beside it 3-8x (the first hit after a
+        daemon restart, right behind the request that met the new daemon)."""
         def run() -> None:
+            deadline = time.monotonic() + within_s
+            while idle is not None and time.monotonic() < deadline:
+                quiet = idle()
+                if quiet >= idle_s:
+                    break
+                time.sleep(max(0.01, idle_s - quiet))
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
             except OSError:
