@@ -130,3 +130,25 @@ def test_an_unmap_waits_for_its_caller_to_be_quiet_and_no_longer_than_told():
         assert busy.mmap.closed and time.monotonic() - t0 >= 1.0
     finally:
         owner.close()
+
+
+def test_a_background_close_leaves_a_viewed_arena_to_the_views_owner(caplog):
+    """A client that re-registers closes the old arena in the background while a copy path
+    may still view it: no collection, no warning; the mapping goes when the owner unmaps it."""
+    import threading
+
+    owner = Arena(16 << 20, prefault=True)
+    try:
+        a = Arena(16 << 20, fd=os.dup(owner.fd), prefault=False)
+        view = a.buf[:8]
+        with caplog.at_level("WARNING", logger="kvstore.arena"):
+            a.close(unmap="background")
+            for t in threading.enumerate():
+                if t.name == "kvstore-unmap":
+                    t.join(5)
+        assert not a.mmap.closed and not caplog.records
+        del view
+        a.unmap()
+        assert a.mmap.closed
+    finally:
+        owner.close()

@@ -136,21 +136,24 @@ class Arena:
         except OSError:
             pass
         if unmap == "background":
-            self.unmap_in_background()
+            self.unmap_in_background(viewed_ok=True)
             return
         try:
             self.mmap.close()
         except BufferError:
             pass  # views still alive; the mapping goes with them
 
-    def unmap_in_background(self, idle=None, idle_s: float = 0.2, within_s: float = 30.0) -> threading.Thread:
+    def unmap_in_background(self, idle=None, idle_s: float = 0.2, within_s: float = 30.0,
+                            viewed_ok: bool = False) -> threading.Thread:
         """:meth:`unmap` on a thread of its own at the lowest CPU priority (nice 19): clearing
         the page tables and, for the last mapping of a dead daemon's arena, freeing its pages
         costs ~0.3 s of CPU per GiB here (0.09 s for 0.3 GiB), which an engine's forward on the
         same cores would otherwise share. ``idle``: seconds since the caller last worked (an
         engine's last step); the unmap then waits for ``idle_s`` of quiet, at most ``within_s``:
         even at nice 19 it slowed the copy of a load beside it 3-8x (the first hit after a
-        daemon restart, right behind the request that met the new daemon)."""
+        daemon restart, right behind the request that met the new daemon). ``viewed_ok``: views
+        still alive are expected (their owner unmaps when it drops them): no collection, no
+        warning."""
         def run() -> None:
             deadline = time.monotonic() + within_s
             while idle is not None and time.monotonic() < deadline:
@@ -162,17 +165,18 @@ class Arena:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
             except OSError:
                 pass
-            self.unmap()
+            self.unmap(viewed_ok)
 
         t = threading.Thread(target=run, name="kvstore-unmap", daemon=True)
         t.start()
         return t
 
-    def unmap(self) -> None:
+    def unmap(self, viewed_ok: bool = False) -> None:
         """After :meth:`close` left the mapping to live views: unmap it now, collecting the
-        reference cycles that may hold the last view first. Blocking: the munmap frees the
-        pages and takes as long as their count, without the GIL, so call it off a thread that
-        must not wait. Still viewed after that: it stays mapped until the view goes."""
+        reference cycles that may hold the last view first (not when ``viewed_ok``). Blocking:
+        the munmap frees the pages and takes as long as their count, without the GIL, so call it
+        off a thread that must not wait. Still viewed after that: it stays mapped until the view
+        goes."""
         if self.buf is not None or self.mmap.closed:
             return  # open, or already unmapped
         # The page tables first, a chunk at a time (MADV_DONTNEED on a shared mapping drops this
@@ -186,6 +190,8 @@ class Arena:
         try:
             self.mmap.close()
         except BufferError:
+            if viewed_ok:
+                return
             gc.collect()
             try:
                 self.mmap.close()
