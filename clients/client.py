@@ -370,15 +370,16 @@ class KVStoreClient:
             self.acquire([key], allow_partial=True).release(wait=True)
 
     def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False, each: bool = False,
-                    promote_from: int | None = None) -> LookupResult:
+                    promote_from: int | None = None, promote_to: int = 0) -> LookupResult:
         """``ask_peers``: in a cluster, also learn which peer holds the blocks after the local
         hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`).
         ``each``: every key on its own, not a prefix (``found`` says which are committed).
         ``promote_from``: the caller Acquires the hit next, from this block on: the daemon
-        starts reading its NVMe blocks (as far as ``load_blocks``) into DRAM at once."""
+        starts reading its NVMe blocks (as far as ``load_blocks``, and not past ``promote_to``
+        when set) into DRAM at once."""
         r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers,
                                                  each=each, promote=promote_from is not None,
-                                                 promote_from=promote_from or 0))
+                                                 promote_from=promote_from or 0, promote_to=promote_to))
         advice = pb.Advice.Name(r.advice).removeprefix("ADVICE_").lower() if r.advice else ""
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
                             advice, r.remote_blocks, r.remote_node_id, r.est_pull_s, bytes(r.found))

@@ -112,11 +112,11 @@ class ConnectorScheduler:
             # Every full block is looked up, the last one too, though vLLM computes it (at least
             # one prompt token is computed): a block the daemon holds is not saved again (a
             # prompt of whole blocks had its last block copied, reserved and committed for
-            # nothing at every hit: 1.5-2 ms of the step). promote_from: the NVMe blocks past
-            # vLLM's own hit start their reads now, while vLLM schedules the step and the
-            # worker comes to Acquire them.
+            # nothing at every hit: 1.5-2 ms of the step). promote_from/to: the NVMe blocks past
+            # vLLM's own hit, up to the last one loaded, start their reads now, while vLLM
+            # schedules the step and the worker comes to Acquire them.
             r = client.lookup_keys(client.keys(prompt[:len(prompt) // self.bt * self.bt]), ask_peers=s.ask_peers,
-                                   promote_from=num_computed_tokens // self.bt)
+                                   promote_from=num_computed_tokens // self.bt, promote_to=cap)
         except KVStoreError as e:
             self.link.lost(e)
             self.link.retire()  # nothing of it in flight here: unmap the lost daemon's memory now

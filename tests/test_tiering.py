@@ -291,9 +291,10 @@ def test_reserve_waits_in_the_daemon_while_demotion_makes_room(tmp_path):
 
 
 def test_a_lookup_for_a_load_starts_reading_its_nvme_blocks(tmp_path):
-    """Lookup(promote_from): the NVMe blocks of the hit past ``promote_from`` move into DRAM
-    without an Acquire (an engine's scheduler asks before its worker Acquires them); a plain
-    Lookup moves nothing, and what was promoted reads back whole."""
+    """Lookup(promote_from, promote_to): the NVMe blocks of the hit past ``promote_from`` (and
+    not past ``promote_to``) move into DRAM without an Acquire (an engine's scheduler asks
+    before its worker Acquires them); a plain Lookup moves nothing, and what was promoted reads
+    back whole."""
     args = nvme_args(tmp_path / "nvme", "--nvme-durable-commit", "true")
     toks = list(range(16 * 12))
     d = start_daemon(tmp_path, *args, dram=DRAM)
@@ -307,14 +308,24 @@ def test_a_lookup_for_a_load_starts_reading_its_nvme_blocks(tmp_path):
     d = start_daemon(tmp_path, *args, dram=DRAM)  # DRAM empty, the NVMe index recovered
     try:
         c = KVStoreClient(d.socket_path)
-        c.register(LAYOUT, "promote")
+        # A prefill rate this slow makes every hit block worth loading, however slow this loaded
+        # machine measures its disk: load_blocks is the whole hit.
+        c.register(LAYOUT, "promote", prefill_tokens_per_s=1.0)
         keys = c.keys(toks)
         nvme = bytes([TierKind.NVME]) * 12
         assert c.lookup_keys(keys).tiers == nvme
         time.sleep(0.3)
         assert c.lookup_keys(keys).tiers == nvme  # a Lookup alone reads nothing
+        # promote_to bounds it too (an engine computes its prompt's last block, though it looks it up)
+        r = c.lookup_keys(keys, promote_from=4, promote_to=5)
+        assert r.hit_blocks == 12 and r.load_blocks == 12, r
+        deadline = time.monotonic() + 10
+        while c.lookup_keys(keys).tiers[4] != TierKind.DRAM and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert c.lookup_keys(keys).tiers == nvme[:4] + bytes([TierKind.DRAM]) + nvme[5:]  # block 4 alone
         r = c.lookup_keys(keys, promote_from=4)
-        assert r.hit_blocks == 12 and r.load_blocks > 4, r
+        assert r.hit_blocks == 12 and r.load_blocks == 12, r
         want = bytes([TierKind.NVME]) * 4 + bytes([TierKind.DRAM]) * (r.load_blocks - 4)  # as far as advised
 
         def landed() -> bool:

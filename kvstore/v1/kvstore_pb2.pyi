@@ -153,20 +153,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "ask_peers", "each", "promote", "promote_from")
+    __slots__ = ("session_id", "keys", "ask_peers", "each", "promote", "promote_from", "promote_to")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ASK_PEERS_FIELD_NUMBER: _ClassVar[int]
     EACH_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FROM_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_TO_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     ask_peers: bool
     each: bool
     promote: bool
     promote_from: int
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ..., each: _Optional[bool] = ..., promote: _Optional[bool] = ..., promote_from: _Optional[int] = ...) -> None: ...
+    promote_to: int
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ..., each: _Optional[bool] = ..., promote: _Optional[bool] = ..., promote_from: _Optional[int] = ..., promote_to: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s", "found")
