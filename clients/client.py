@@ -306,7 +306,7 @@ class KVStoreClient:
                 return
             # Another daemon's arena (it restarted): unmapped off this thread, which is vLLM's
             # scheduler or worker in the middle of a request.
-            self.arena.close(unmap="background")
+            self.arena.close(background=True)
             self.arena = None
         self.arena = Arena(size, fd=fd, prefault=False)
         if self.prefault:

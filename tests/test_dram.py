@@ -142,7 +142,7 @@ def test_a_background_close_leaves_a_viewed_arena_to_the_views_owner(caplog):
         a = Arena(16 << 20, fd=os.dup(owner.fd), prefault=False)
         view = a.buf[:8]
         with caplog.at_level("WARNING", logger="kvstore.arena"):
-            a.close(unmap="background")
+            a.close(background=True)
             for t in threading.enumerate():
                 if t.name == "kvstore-unmap":
                     t.join(5)

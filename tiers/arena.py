@@ -59,7 +59,7 @@ class Arena:
             os.ftruncate(self.fd, size_bytes)
         self.mmap = mmap.mmap(self.fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = np.frombuffer(self.mmap, dtype=np.uint8)
-        self._base = self.buf.ctypes.data  # fixed while the mapping lives (unmap)
+        self._base = self.buf.ctypes.data  # fixed while the mapping lives (prefault, map, unmap)
         self.prefault_s = 0.0
         if prefault:
             try:
@@ -80,7 +80,7 @@ class Arena:
             self.mmap.madvise(MADV_HUGEPAGE)
         except (OSError, ValueError):
             pass
-        base, size, populate = self.buf.ctypes.data, self.size_bytes, True
+        base, size, populate = self._base, self.size_bytes, True
         for off in range(0, size, PREFAULT_CHUNK_BYTES):
             if stop is not None and stop.is_set():
                 raise PrefaultStopped(f"stopped after pre-faulting {off >> 20} of {size >> 20} MiB")
@@ -106,7 +106,7 @@ class Arena:
         0.09 ms (max 1.2 ms), the whole mapping taking as long (93-146 ms against 102-122 ms).
         That wait fell on the first load after a daemon restart, in the engine's forward."""
         done = threading.Event()
-        base, size = self.buf.ctypes.data, self.size_bytes
+        base, size = self._base, self.size_bytes
 
         def run() -> None:
             try:
@@ -126,16 +126,16 @@ class Arena:
             raise ValueError(f"range [{offset}, {offset + nbytes}) outside arena of {self.size_bytes} bytes")
         return self.buf[offset:offset + nbytes]
 
-    def close(self, unmap: str = "now") -> None:
-        """Close the fd and unmap: ``"now"``, or ``"background"`` (:meth:`unmap_in_background`:
-        a client dropping a dead daemon's arena from an engine's thread). Views still alive
-        keep the mapping until they go."""
+    def close(self, background: bool = False) -> None:
+        """Close the fd and unmap, now or (``background``) with :meth:`unmap_in_background` (a
+        client dropping a dead daemon's arena from an engine's thread). Views still alive keep
+        the mapping until they go."""
         self.buf = None  # type: ignore[assignment]
         try:
             os.close(self.fd)
         except OSError:
             pass
-        if unmap == "background":
+        if background:
             self.unmap_in_background(viewed_ok=True)
             return
         try:
