@@ -38,6 +38,7 @@ class BlockSpan:
     holder: str = ""         # pulls: the peer (node id) the scheduler's Lookup named
     tables: tuple = ()       # every KV cache group's block table (hybrid models; [0] is block_table)
     wait_s: float = 0.0      # an announced transfer: wait this long for the span's blocks to arrive
+    from_nvme: bool = False  # loads: the daemon is reading some of the blocks from NVMe (the Lookup's tiers)
 
 
 @dataclass
@@ -239,8 +240,10 @@ class ConnectorScheduler:
         if not ext:
             return
         local = m.local if m is not None and m.external == ext else computed - ext
-        end = (local + ext) // self.bt
-        meta.loads.append(st.span(req_id, local // self.bt, end, self.bt))
+        start, end = local // self.bt, (local + ext) // self.bt
+        span = st.span(req_id, start, end, self.bt)
+        span.from_nvme = m is not None and TierKind.NVME in m.tiers[start:end]
+        meta.loads.append(span)
         st.saved_blocks = max(st.saved_blocks, end)
 
     def _add_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, done_tokens: int) -> None:

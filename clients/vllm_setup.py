@@ -86,6 +86,7 @@ class ConnectorSettings:
     require_daemon: bool = False         # "require_daemon": an unreachable daemon fails vLLM's start
     transfer_wait_s: float = 5.0         # "transfer_wait_s": a decode waits this long for an announced transfer
     kv_codec: str = ""                   # "kv_codec": int8 | fp8 stores blocks quantized on NVMe (docs/compression.md)
+    load_piece_bytes: int = 4 << 20      # "load_piece_bytes": a load from NVMe is pinned and copied in pieces this size (0: whole)
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",
@@ -93,7 +94,8 @@ class ConnectorSettings:
              "save_timeout_s": "save_timeout_s", "rpc_timeout_s": "rpc_timeout_s", "reconnect_s": "reconnect_s",
              "transfer_peer": "transfer_peer", "tp_rank": "tp_rank", "copy_path": "copy_path", "pull": "pull",
              "pull_timeout_s": "pull_timeout_s", "ask_peers": "ask_peers",
-             "require_daemon": "require_daemon", "transfer_wait_s": "transfer_wait_s", "kv_codec": "kv_codec"}
+             "require_daemon": "require_daemon", "transfer_wait_s": "transfer_wait_s", "kv_codec": "kv_codec",
+             "load_piece_bytes": "load_piece_bytes"}
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -118,8 +120,10 @@ class ConnectorSettings:
         if s.kv_codec not in KV_CODECS:
             raise ValueError(f"kv_connector_extra_config: kv_codec must be int8 or fp8 (lossy, opt-in) or empty, "
                              f"got {s.kv_codec!r}")
-        if not isinstance(s.block_tokens, int) or s.block_tokens < 0:
-            raise ValueError(f"kv_connector_extra_config: block_tokens must be a positive integer, got {s.block_tokens!r}")
+        for name in ("block_tokens", "load_piece_bytes"):
+            v = getattr(s, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"kv_connector_extra_config: {name} must be an integer >= 0, got {v!r}")
         try:
             CopyPath.parse(s.copy_path)
         except ValueError as e:

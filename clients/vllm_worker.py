@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import torch
@@ -58,6 +59,7 @@ class ConnectorWorker:
         # This step's Reserves, sent on their own thread while its loads pin and copy (each is
         # a daemon round trip of 1-3 ms on a busy host); their answers are taken in _begin_saves.
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-reserve")
+        self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-acquire")  # NVMe loads' pieces
         self._reserving: tuple[KVStoreConnectorMetadata, GpuKVPath, Future] | None = None
         self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
@@ -161,37 +163,64 @@ class ConnectorWorker:
         if path is not None and meta.saves and self.writes and self._saves is None:
             self._reserving = (meta, path, self._reserver.submit(_reserve_all, path.client, meta.saves))
         for span in meta.loads:
-            got = 0
+            issued: list[LoadHandle] = []
             try:
                 if path is None:
                     raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "kvstore daemon not reachable")
-                h = self._start_load(path, span)
-                got = h.blocks if h is not None else 0
-                if h is not None:
-                    self._loads.append((span, h))
+                self._start_load(path, span, issued)
             except Exception as e:  # noqa: BLE001 - whatever failed, vLLM recomputes; never fail its step
                 log.warning("kvstore load of %s failed; vLLM recomputes it: %s", span.req_id, e)
                 if isinstance(e, KVStoreError):
                     self.link.lost(e)
+            self._loads += [(span, h) for h in issued]
+            got = sum(h.blocks for h in issued)
             if got < span.end - span.start:
                 # Evicted since the Lookup (or the daemon failed): vLLM recomputes these blocks.
                 self._fail_load(span, span.start + got, removed=True)
         if meta.pulls or self._pulling:
             self._advance_pulls(meta.pulls)
 
-    def _start_load(self, path: GpuKVPath, span: BlockSpan) -> LoadHandle | None:
+    def _start_load(self, path: GpuKVPath, span: BlockSpan, issued: list[LoadHandle]) -> None:
         """Pin the span's blocks (as many leading ones as are still there) and issue every
-        layer's copy; None when none is left."""
+        layer's copy: a :class:`LoadHandle` per lease, appended to ``issued`` as it is issued.
+
+        A span the daemon reads from NVMe is pinned in pieces of ``load_piece_bytes``, one
+        Acquire after the other on the acquire thread, and each piece is copied as its Acquire
+        returns: the daemon lands its reads piece by piece (``nvme.promote_piece_bytes``), so
+        the copy of one piece overlaps the reads of the next instead of following them all."""
         client = path.client
         keys = client.keys(span.token_ids)[span.start:span.end]
-        lease = client.acquire(keys, allow_partial=True, wait_s=self.settings.load_wait_s)
-        if client.arena is not path.arena:
-            # The Acquire found the daemon restarted and registered again (a new arena): the
-            # lease's offsets are the new arena's, so copy through a path over it. Without this
-            # the first loads after a daemon restart failed and vLLM recomputed them (measured:
-            # 0.39-0.49 s each for 2 s, the link's retry interval, instead of a ~50 ms load).
-            path = self._ensure_path() or path
-        return self._load_pinned(path, span, lease)
+        wait_s, piece = self.settings.load_wait_s, self.settings.load_piece_bytes
+        per = max(1, piece // self.layout.block_bytes) if span.from_nvme and piece else len(keys)
+        sizes = [min(per, len(keys) - i) for i in range(0, len(keys), per)]
+        if len(sizes) == 1:
+            leases = [_resolved(client.acquire(keys, allow_partial=True, wait_s=wait_s))]
+        else:
+            leases = [self._acquirer.submit(client.acquire, keys[i:i + per], True, wait_s)
+                      for i in range(0, len(keys), per)]
+        start, used = span.start, 0
+        try:
+            for want, f in zip(sizes, leases):
+                lease = f.result()
+                used += 1
+                if client.arena is not path.arena:
+                    # The Acquire found the daemon restarted and registered again (a new arena):
+                    # the lease's offsets are the new arena's, so copy through a path over it.
+                    # Without this the first loads after a daemon restart failed and vLLM
+                    # recomputed them (measured: 0.39-0.49 s each for 2 s, the link's retry
+                    # interval, instead of a ~50 ms load).
+                    path = self._ensure_path() or path
+                h = self._load_pinned(path, replace(span, start=start, end=start + want), lease)
+                if h is None:
+                    return
+                issued.append(h)
+                start += h.blocks
+                if h.blocks < want:  # evicted since the Lookup: the blocks after it are recomputed
+                    return
+        finally:
+            for f in leases[used:]:  # pinned for nothing: unpinned as soon as they answer
+                if not f.cancel():
+                    f.add_done_callback(_release_pinned)
 
     def _load_pinned(self, path: GpuKVPath, span: BlockSpan, lease: ReadLease) -> LoadHandle | None:
         """Issue every layer's copy of the span's leading blocks that ``lease`` pins; None
@@ -461,6 +490,7 @@ class ConnectorWorker:
         sent, self._reserving = self._reserving, None
         if sent is not None:
             _abort_all(sent[2].result())
+        self._acquirer.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=True)  # the releases it still holds go out first
         for _, h in self._saves or ():
             _quietly(h.abort)
@@ -492,6 +522,17 @@ def _release(req_id: str, h: LoadHandle) -> None:
         h.release(wait=True)
     except Exception as e:  # noqa: BLE001 - the lease TTL reclaims the pins
         log.warning("kvstore release after the load of %s failed: %s", req_id, e)
+
+
+def _resolved(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _release_pinned(f: Future) -> None:
+    if f.exception() is None:
+        _quietly(f.result().release)
 
 
 def _abort_all(answers) -> None:

@@ -70,17 +70,18 @@ class FakeKeyedTier:
         self.puts = 0  # put_many calls that wrote something
 
     # --- what a test makes happen -------------------------------------------------------
-    def complete(self) -> int:
-        """Finish every batch waiting for "the disk" (those given ``on_done``), oldest first,
-        on the caller's thread; returns how many finished."""
+    def complete(self, batches: int | None = None) -> int:
+        """Finish every batch waiting for "the disk" (those given ``on_done``; at most
+        ``batches`` of them), oldest first, on the caller's thread; returns how many finished."""
         n = 0
-        while True:
+        while batches is None or n < batches:
             with self._lock:
                 if not self._later:
                     return n
                 done = self._later.pop(0)
             done()
             n += 1
+        return n
 
     def in_flight(self) -> int:
         """Batches that :meth:`complete` would finish."""

@@ -401,6 +401,24 @@ def test_prefetch_promotes_and_is_done_when_every_block_is_resident(make):
         assert len(env.core.acquire(env.s, join(a), allow_partial=False)[1]) == 4
 
 
+def test_a_promotion_lands_piece_by_piece_in_key_order(make):
+    """Pieces of ``promote_piece_bytes``: the first piece's blocks can be acquired (and copied
+    by the client) while the rest is still being read."""
+    env = make(promote_piece_bytes=2 * BLOCK)
+    a = demoted(env)[0]
+    env.tiering.prefetch(env.s, a, deadline_s=5.0)
+    assert env.nvme.in_flight() == 2
+    assert env.nvme.complete(batches=1) == 1
+    assert [(env.block(k).tier, env.block(k).busy) for k in a] == [(DRAM, False)] * 2 + [(NVME, True)] * 2
+    with env.core.lock:
+        lease, blocks = env.core.acquire(env.s, join(a), allow_partial=True)
+        assert [b.offset for b in blocks] == [env.block(k).offset for k in a[:2]]
+        env.core.release(env.s, lease.id)
+    assert env.nvme.complete() == 1
+    assert all(env.block(k).tier is DRAM for k in a)
+    assert env.count("kvstore_promotions_total", src="nvme", dst="dram") == 4
+
+
 def test_prefetch_is_partial_at_its_deadline_on_the_injected_clock(make):
     env = make()
     a = demoted(env)[0]

@@ -209,10 +209,10 @@ def test_fresh_engine_loads_the_prefix_from_dram(writer, reader, daemon, ref):
     assert m["vllm:prompt_tokens_cached_by_source{source=host}"] == loadable(P1)  # DRAM
 
 
-def reserves(daemon) -> float:
-    """Reserve RPCs the daemon has served (every save of a block starts with one)."""
+def rpc_count(daemon, method: str) -> float:
+    """``method`` RPCs the daemon has served (every save of a block starts with a Reserve)."""
     text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
-    name = 'kvstore_rpc_latency_seconds_count{method="Reserve"} '
+    name = f'kvstore_rpc_latency_seconds_count{{method="{method}"}} '
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -221,12 +221,12 @@ def test_a_hit_saves_nothing_the_daemon_already_holds(writer, reader, daemon, re
     connector saw that block in its Lookup, so the step reserves, copies and commits nothing."""
     got = writer.generate([P7])["results"][0]
     same(got, ref["P7"])
-    before = reserves(daemon)
+    before = rpc_count(daemon, "Reserve")
     assert before > 0 and blocks_in(daemon.socket_path) >= len(P7) // BT
     got = reader.generate([P7])["results"][0]
     assert got["cached_tokens"] == loadable(P7)
     same(got, ref["P7"])
-    assert reserves(daemon) == before
+    assert rpc_count(daemon, "Reserve") == before
 
 
 def test_two_engines_at_once_on_one_daemon(writer, reader, daemon, ref):
@@ -371,7 +371,8 @@ def restart_engines(model, workdir, module_daemons):
     socks = {"fresh": str(workdir / "restarted.sock"), "killed": str(workdir / "killed.sock")}
     es = EngineProc.start_all([
         (EngineSpec(model, kv_transfer=connector(d.socket_path), kv_events=events), workdir / "nvme-a.log"),
-        (EngineSpec(model, kv_transfer=connector(socks["fresh"], reconnect_s=0.5)), workdir / "nvme-b.log"),
+        (EngineSpec(model, kv_transfer=connector(socks["fresh"], reconnect_s=0.5, load_piece_bytes=1)),
+         workdir / "nvme-b.log"),
         (EngineSpec(model, kv_transfer=connector(socks["killed"], reconnect_s=0.5, rpc_timeout_s=2)),
          workdir / "killed.log")])
     yield dict(zip(("store", "fresh", "killed"), es), nvme=nvme, daemon=d, replay=replay, socks=socks)
@@ -397,11 +398,15 @@ def test_prefix_from_nvme_after_a_daemon_restart(restart_engines, daemons, ref):
     # Restarted again under the engine, with no request between: the worker's first Acquire
     # registers anew (a new arena), and its load must copy out of the new arena, not fail
     # and be recomputed (vLLM still counts recomputed tokens as cached, so the log says it).
+    # Its reads land a block at a time, and the engine pins and copies a block at a time
+    # (load_piece_bytes=1): an Acquire per block, each copied while the next is read.
     d.stop_cleanly()
-    d = daemons(*r["nvme"], dram="64MiB", socket_path=r["socks"]["fresh"], name="restarted-again")
+    d = daemons(*r["nvme"], "--nvme-promote-piece-bytes", "1", dram="64MiB", socket_path=r["socks"]["fresh"],
+                name="restarted-again")
     got = e.generate([P1])["results"][0]
     assert got["cached_tokens"] == loadable(P1)
     same(got, ref["P1"])
+    assert rpc_count(d, "Acquire") >= loadable(P1) // BT  # one for the whole load without pieces (and the warm-up's)
     m = e.metrics()["metrics"]
     assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
     e.stop()

@@ -183,6 +183,14 @@ def test_kv_codec_is_a_lossy_codec_or_nothing():
         ConnectorSettings.from_extra({"kv_codec": "int4"})
 
 
+def test_load_piece_bytes_is_a_size_or_zero():
+    assert ConnectorSettings.from_extra({}).load_piece_bytes == 4 << 20
+    assert ConnectorSettings.from_extra({"load_piece_bytes": 0}).load_piece_bytes == 0
+    for bad in (-1, 1.5, "4MiB", True):
+        with pytest.raises(ValueError, match="load_piece_bytes must be an integer >= 0"):
+            ConnectorSettings.from_extra({"load_piece_bytes": bad})
+
+
 def test_reach_daemon(tmp_path, daemon, loggers):
     reach_daemon(ConnectorSettings(socket_path=daemon.socket_path, require_daemon=True))
     gone = str(tmp_path / "gone.sock")

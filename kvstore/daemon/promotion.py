@@ -38,6 +38,21 @@ class Prefetch:
     failed: str = ""
 
 
+class _Reads:
+    """The pieces of one promotion still being read, and the bytes read so far."""
+
+    def __init__(self, pieces: int, t0: float) -> None:
+        self.left, self.nbytes, self.t0 = pieces, 0, t0
+        self._lock = threading.Lock()
+
+    def landed(self, nbytes: int) -> int:
+        """Count a piece in; the promotion's bytes once it was the last, else 0."""
+        with self._lock:
+            self.left -= 1
+            self.nbytes += nbytes
+            return self.nbytes if self.left == 0 else 0
+
+
 class Promoter:
     """Promotions and prefetches. ``clock`` (seconds, monotonic) gives prefetch and
     make-resident deadlines; waits for a promotion to land are real-time condition waits, each
@@ -60,28 +75,39 @@ class Promoter:
 
     def promote(self, st: NsState, keys: list[bytes], each: bool = False) -> int:
         """Start moving the leading NVMe-only blocks of ``keys`` into DRAM (with ``each``: all of
-        them, a miss does not stop it); returns how many leading blocks are resident or on their way."""
+        them, a miss does not stop it); returns how many leading blocks are resident or on their way.
+
+        The reads go in pieces of ``promote_piece_bytes``, in key order, each landing (resident,
+        verified) as soon as its own reads end: an Acquire waiting for the first blocks returns
+        while the later ones are still read, so the client's copy of the first overlaps them."""
         n, moves = self.res.prepare_promotion(st, keys, each)
-        if moves:
-            t0 = time.perf_counter()
+        if not moves:
+            return n
+        per = max(1, self.cfg.promote_piece_bytes // max(1, moves[0].view.nbytes)) if self.cfg.promote_piece_bytes \
+            else len(moves)
+        pieces = [moves[i:i + per] for i in range(0, len(moves), per)]
+        reads = _Reads(len(pieces), time.perf_counter())
+        for i, piece in enumerate(pieces):
             try:
-                self.nvme.get_many([m.key for m in moves], [m.view for m in moves],
-                                   on_done=lambda batch: self._landed(st, moves, batch, t0))
+                self.nvme.get_many([m.key for m in piece], [m.view for m in piece],
+                                   on_done=lambda batch, piece=piece: self._landed(st, piece, batch, reads))
             except Exception as e:  # noqa: BLE001 - disabled tier: the blocks are gone
                 log.error("NVMe read failed: %s", e)
-                self.res.complete_promotion(st, moves, {}, {})
+                self.res.complete_promotion(st, [m for p in pieces[i:] for m in p], {}, {})
                 self.res.nvme_lost()
+                break
         return n
 
-    def _landed(self, st: NsState, moves: list[Move], batch, t0: float) -> None:
+    def _landed(self, st: NsState, moves: list[Move], batch, reads: "_Reads") -> None:
         results, sums = {}, {}
         try:
             results, sums = batch.results, batch.digests()
         finally:  # digests that cannot be had fail the whole batch: nothing unverified is served
             n = self.res.complete_promotion(st, moves, results, sums)
         self.metrics.promotions.labels(src="nvme", dst="dram").inc(n)
-        if batch.nbytes:
-            self.policy.observe("nvme", batch.nbytes, time.perf_counter() - t0)
+        nbytes = reads.landed(batch.nbytes)
+        if nbytes:  # the whole promotion's bytes over its time: the pieces were read together
+            self.policy.observe("nvme", nbytes, time.perf_counter() - reads.t0)
 
     def make_resident(self, session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True,
                       each: bool = False) -> None:
