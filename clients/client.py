@@ -119,6 +119,9 @@ class LookupResult:
     remote_node_id: str = ""
     est_pull_s: float = 0.0
     found: bytes = b""  # lookup_keys(each=True): one byte per key, 1 where it is committed
+    # lookup_keys(pin=True): the read lease on blocks promote_from... (0: none) and their slots.
+    lease_id: int = 0
+    offsets: tuple = ()
 
 
 class KVStoreClient:
@@ -370,19 +373,22 @@ class KVStoreClient:
             self.acquire([key], allow_partial=True).release(wait=True)
 
     def lookup_keys(self, keys: Sequence[bytes], ask_peers: bool = False, each: bool = False,
-                    promote_from: int | None = None, promote_to: int = 0) -> LookupResult:
+                    promote_from: int | None = None, promote_to: int = 0, pin: bool = False) -> LookupResult:
         """``ask_peers``: in a cluster, also learn which peer holds the blocks after the local
         hits (a round trip) and whether pulling them pays (act on it with :meth:`advised_blocks`).
         ``each``: every key on its own, not a prefix (``found`` says which are committed).
         ``promote_from``: the caller Acquires the hit next, from this block on: the daemon
         starts reading its NVMe blocks (as far as ``load_blocks``, and not past ``promote_to``
-        when set) into DRAM at once."""
+        when set) into DRAM at once. ``pin`` (with ``promote_from``): where those blocks are all
+        in DRAM, the daemon pins them now (``lease_id``, ``offsets``), in place of that Acquire;
+        the lease is this session's: a :class:`ReadLease` naming it releases it, from any client."""
         r = self.call("Lookup", pb.LookupRequest(session_id=self.session_id, keys=pack(keys), ask_peers=ask_peers,
                                                  each=each, promote=promote_from is not None,
-                                                 promote_from=promote_from or 0, promote_to=promote_to))
+                                                 promote_from=promote_from or 0, promote_to=promote_to, pin=pin))
         advice = pb.Advice.Name(r.advice).removeprefix("ADVICE_").lower() if r.advice else ""
         return LookupResult(r.hit_blocks, r.tiers, r.load_blocks, r.est_load_s, r.est_recompute_s, r.reason,
-                            advice, r.remote_blocks, r.remote_node_id, r.est_pull_s, bytes(r.found))
+                            advice, r.remote_blocks, r.remote_node_id, r.est_pull_s, bytes(r.found), r.lease_id,
+                            tuple(r.offsets))
 
     def route_hints(self, keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
                     max_nodes: int = 0) -> pb.RouteHintsResponse:

@@ -3,6 +3,7 @@ shipping here. Each is a context manager; the data moves through zero-copy arena
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import TYPE_CHECKING, Self
 
@@ -172,10 +173,13 @@ class PullingTransfer(IncomingTransfer):
 
 
 class ReadLease:
-    """Pinned blocks; ``view(i)`` reads block i in place. Released on context exit."""
+    """Pinned blocks; ``view(i)`` reads block i in place. Released on context exit.
+    ``session_id``: the session that holds the lease, where it is not ``client``'s (a lease an
+    engine's scheduler took in its Lookup, copied and released by its worker)."""
 
-    def __init__(self, client: "KVStoreClient", resp: pb.AcquireResponse) -> None:
+    def __init__(self, client: "KVStoreClient", resp: pb.AcquireResponse, session_id: bytes = b"") -> None:
         self.client, self.lease_id = client, resp.lease_id
+        self.session_id = session_id
         self.offsets = list(resp.offsets)
         self.count = resp.acquired
         self.hbm_offsets = list(resp.hbm_offsets)  # per block: its copy in the HBM pool, or -1
@@ -188,7 +192,7 @@ class ReadLease:
         the reader could act on; a lost release is reclaimed at the lease TTL)."""
         if self.lease_id:
             lid, self.lease_id = self.lease_id, 0
-            req = pb.ReleaseRequest(session_id=self.client.session_id, lease_id=lid)
+            req = pb.ReleaseRequest(session_id=self.session_id or self.client.session_id, lease_id=lid)
             if wait:
                 self.client.call("Release", req)
             else:
@@ -199,6 +203,57 @@ class ReadLease:
 
     def __exit__(self, *_):
         self.release()
+
+
+class PinnedPieces:
+    """One chain's blocks (``keys``) pinned in pieces of ``per`` keys, one Acquire after the
+    other on ``executor`` (each may wait ``wait_s`` for the daemon's promotions), so a caller
+    copies piece k while the daemon still reads the later ones: iterating yields ``(keys asked,
+    ReadLease)`` in order as each answers. Leases not taken by :meth:`close` (the caller
+    stopped early, or failed) are released as soon as they answer. One piece: a plain Acquire
+    on the caller's thread."""
+
+    def __init__(self, client: "KVStoreClient", keys, per: int, wait_s: float, executor) -> None:
+        starts = range(0, len(keys), max(1, per))
+        self.sizes = [min(per, len(keys) - i) for i in starts]
+        if len(self.sizes) == 1:
+            self._leases = [_done(client.acquire(keys, allow_partial=True, wait_s=wait_s))]
+        else:
+            self._leases = [executor.submit(client.acquire, keys[i:i + per], True, wait_s) for i in starts]
+        self._taken = 0
+
+    def __iter__(self):
+        for want, f in zip(self.sizes, self._leases):
+            self._taken += 1
+            yield want, f.result()
+
+    def close(self) -> None:
+        for f in self._leases[self._taken:]:
+            if not f.cancel():
+                f.add_done_callback(_release_answered)
+        self._taken = len(self._leases)
+
+    def __enter__(self) -> "PinnedPieces":
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+
+def _done(value) -> concurrent.futures.Future:
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_result(value)
+    return f
+
+
+def _release_answered(f: concurrent.futures.Future) -> None:
+    """On the thread that answered (the executor's, or the caller's when it had): waited for
+    there, so releases from several threads never share the client's list of releases in flight."""
+    if f.exception() is None:
+        try:
+            f.result().release(wait=True)
+        except KVStoreError:
+            pass  # the lease TTL reclaims the pins
 
 
 class _Future:

@@ -140,7 +140,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.links = [self.link]
         if scheduler_side:
             can_load = bool(ktc.is_kv_consumer) and not _prefill_ignores_context(vllm_config, model_id)
-            self._scheduler = self.scheduler_class(s, self.link, bt, can_load, bool(ktc.is_kv_producer))
+            # One worker (TP and PP of 1) copies what the scheduler loads: its Lookups pin DRAM hits.
+            one_worker = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1) == 1
+            self._scheduler = self.scheduler_class(s, self.link, bt, can_load, bool(ktc.is_kv_producer),
+                                                   pin=one_worker)
         else:
             # The scheduler looks keys up in rank 0's namespace; events name blocks by those keys.
             root0 = Namespace(model_id, store_layout, 0, tp_world, s.tenant_salt, s.kv_codec).root

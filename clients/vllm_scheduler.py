@@ -39,6 +39,24 @@ class BlockSpan:
     tables: tuple = ()       # every KV cache group's block table (hybrid models; [0] is block_table)
     wait_s: float = 0.0      # an announced transfer: wait this long for the span's blocks to arrive
     from_nvme: bool = False  # loads: the daemon is reading some of the blocks from NVMe (the Lookup's tiers)
+    pinned: "Pin | None" = None  # loads: the blocks, pinned by the scheduler's Lookup (the worker copies, then releases)
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A read lease the scheduler's Lookup took on a request's DRAM blocks from ``first`` on
+    (LookupRequest.pin): the worker copies from ``offsets`` in place of an Acquire, then
+    releases it naming ``session_id`` (the scheduler's session), if its arena is ``arena_id``."""
+
+    session_id: bytes
+    lease_id: int
+    offsets: tuple
+    arena_id: bytes
+    first: int
+
+    def release(self, client) -> None:
+        """Release it through ``client`` (any session's client of that daemon), not waited for."""
+        client.release_later(pb.ReleaseRequest(session_id=self.session_id, lease_id=self.lease_id))
 
 
 @dataclass
@@ -82,9 +100,14 @@ class ConnectorScheduler:
     request until it finishes. ``bt``: tokens per kvstore block; ``can_load``/``can_save``:
     the connector's KV role."""
 
-    def __init__(self, settings: ConnectorSettings, link: Link, bt: int, can_load: bool, can_save: bool) -> None:
+    def __init__(self, settings: ConnectorSettings, link: Link, bt: int, can_load: bool, can_save: bool,
+                 pin: bool = False) -> None:
         self.settings, self.link, self.bt = settings, link, bt
         self.can_load, self.can_save = can_load, can_save
+        # One worker copies what this scheduler loads (vLLM's world size 1): its Lookup pins a
+        # DRAM hit for that worker, saving it the Acquire's round trip (1-2 ms of a hit's step).
+        self.pin = pin and can_load
+        self._pins: dict[str, Pin] = {}  # looked up and pinned, not yet handed to a load
         self._matched: dict[str, _Match] = {}
         self._to_load: dict[str, int] = {}
         self._to_pull: dict[str, BlockSpan] = {}  # allocated, not yet in a step's metadata
@@ -103,6 +126,7 @@ class ConnectorScheduler:
         (:mod:`kvstore.clients.vllm_pull`). The Lookup costs no network unless ``ask_peers``."""
         self._matched.pop(request.request_id, None)
         self._stored.pop(request.request_id, None)
+        self._unpin(request.request_id)  # looked up again (it waited for blocks): pinned anew below
         client = self.link.get() if self.can_load else None
         prompt = list(request.prompt_token_ids or [])
         cap = (len(prompt) - 1) // self.bt
@@ -117,11 +141,22 @@ class ConnectorScheduler:
             # vLLM's own hit, up to the last one loaded, start their reads now, while vLLM
             # schedules the step and the worker comes to Acquire them.
             r = client.lookup_keys(client.keys(prompt[:len(prompt) // self.bt * self.bt]), ask_peers=s.ask_peers,
-                                   promote_from=num_computed_tokens // self.bt, promote_to=cap)
+                                   promote_from=num_computed_tokens // self.bt, promote_to=cap, pin=self.pin)
         except KVStoreError as e:
             self.link.lost(e)
             self.link.retire()  # nothing of it in flight here: unmap the lost daemon's memory now
             return 0, False
+        if r.lease_id:
+            self._pins[request.request_id] = Pin(client.session_id, r.lease_id, r.offsets, client.info.arena_id,
+                                                 num_computed_tokens // self.bt)
+        ext, pull = self._match(request, client, prompt, num_computed_tokens, cap, r)
+        if pull or not ext:
+            self._unpin(request.request_id)  # nothing loaded at once: no worker takes the pin
+        return ext, pull
+
+    def _match(self, request, client, prompt: list[int], num_computed_tokens: int, cap: int, r) -> tuple[int, bool]:
+        """What :meth:`get_num_new_matched_tokens` answers for the Lookup ``r``."""
+        s = self.settings
         if r.hit_blocks:
             self._stored[request.request_id] = r.hit_blocks
         r = replace(r, hit_blocks=min(r.hit_blocks, cap), load_blocks=min(r.load_blocks, cap),
@@ -237,14 +272,31 @@ class ConnectorScheduler:
     def _add_load(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, computed: int) -> None:
         ext = self._to_load.pop(req_id, 0)
         m = self._matched.pop(req_id, None)
+        pin = self._pins.pop(req_id, None)
         if not ext:
+            self._release(pin)
             return
         local = m.local if m is not None and m.external == ext else computed - ext
         start, end = local // self.bt, (local + ext) // self.bt
         span = st.span(req_id, start, end, self.bt)
         span.from_nvme = m is not None and TierKind.NVME in m.tiers[start:end]
+        if pin is not None and pin.first == start and len(pin.offsets) >= end - start:
+            span.pinned = replace(pin, offsets=pin.offsets[:end - start])  # the worker releases it
+        else:
+            self._release(pin)
         meta.loads.append(span)
         st.saved_blocks = max(st.saved_blocks, end)
+
+    def _unpin(self, req_id: str) -> None:
+        self._release(self._pins.pop(req_id, None))
+
+    def _release(self, pin: Pin | None) -> None:
+        client = self.link.get() if pin is not None else None
+        if client is not None:
+            try:
+                pin.release(client)
+            except Exception as e:  # noqa: BLE001 - the lease TTL reclaims the pins
+                log.debug("kvstore: releasing an unused pin failed: %s", e)
 
     def _add_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState, done_tokens: int) -> None:
         if not self.can_save:
@@ -280,6 +332,7 @@ class ConnectorScheduler:
         st = self._reqs.pop(request.request_id, None)
         for pending in (self._matched, self._to_load, self._to_pull, self._pulled, self._stored):
             pending.pop(request.request_id, None)
+        self._unpin(request.request_id)  # finished (or aborted) before its load was scheduled
         peer = self.settings.transfer_peer
         client = self.link.get() if peer and st is not None and st.saved_blocks else None
         if client is None:

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore.clients.client import KVStoreError
 from kvstore.clients.gpu import GpuKVPath, LoadHandle, StoreHandle
-from kvstore.clients.leases import RESERVED, ReadLease
+from kvstore.clients.leases import RESERVED, PinnedPieces, ReadLease
 from kvstore.clients.vllm_pages import CPU_BACKEND, check_cpu_pages, layer_pages
 from kvstore.clients.vllm_pull import PullFetcher
 from kvstore.clients.vllm_scheduler import BlockSpan, KVStoreConnectorMetadata
@@ -32,6 +32,7 @@ from kvstore.clients.vllm_setup import LOST, ConnectorSettings, KVStoreConnector
 from kvstore.keys import chain_keys
 from kvstore.clients.hbm_paged import wait_events
 from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -184,25 +185,31 @@ class ConnectorWorker:
         """Pin the span's blocks (as many leading ones as are still there) and issue every
         layer's copy: a :class:`LoadHandle` per lease, appended to ``issued`` as it is issued.
 
-        A span the daemon reads from NVMe is pinned in pieces of ``load_piece_bytes``, one
+        A span the scheduler's Lookup pinned (``span.pinned``: a DRAM hit, one worker) is
+        copied at once, without an Acquire. A span the daemon reads from NVMe is pinned in pieces of ``load_piece_bytes``, one
         Acquire after the other on the acquire thread, and each piece is copied as its Acquire
         returns: the daemon lands its reads piece by piece (``nvme.promote_piece_bytes``), so
         the copy of one piece overlaps the reads of the next instead of following them all."""
         client = path.client
+        pin = span.pinned
+        if pin is not None:
+            if pin.arena_id and pin.arena_id == client.info.arena_id:
+                # Pinned by the scheduler's Lookup in this daemon's arena: no Acquire.
+                if client.arena is not path.arena:
+                    path = self._ensure_path() or path
+                lease = ReadLease(client, pb.AcquireResponse(lease_id=pin.lease_id, offsets=pin.offsets,
+                                                             acquired=len(pin.offsets)), session_id=pin.session_id)
+                h = self._load_pinned(path, span, lease)
+                if h is not None:
+                    issued.append(h)
+                return
+            pin.release(client)  # another daemon's (it restarted since the Lookup): Acquire instead
         keys = client.keys(span.token_ids)[span.start:span.end]
-        wait_s, piece = self.settings.load_wait_s, self.settings.load_piece_bytes
+        piece = self.settings.load_piece_bytes
         per = max(1, piece // self.layout.block_bytes) if span.from_nvme and piece else len(keys)
-        sizes = [min(per, len(keys) - i) for i in range(0, len(keys), per)]
-        if len(sizes) == 1:
-            leases = [_resolved(client.acquire(keys, allow_partial=True, wait_s=wait_s))]
-        else:
-            leases = [self._acquirer.submit(client.acquire, keys[i:i + per], True, wait_s)
-                      for i in range(0, len(keys), per)]
-        start, used = span.start, 0
-        try:
-            for want, f in zip(sizes, leases):
-                lease = f.result()
-                used += 1
+        start = span.start
+        with PinnedPieces(client, keys, per, self.settings.load_wait_s, self._acquirer) as pieces:
+            for want, lease in pieces:
                 if client.arena is not path.arena:
                     # The Acquire found the daemon restarted and registered again (a new arena):
                     # the lease's offsets are the new arena's, so copy through a path over it.
@@ -217,10 +224,6 @@ class ConnectorWorker:
                 start += h.blocks
                 if h.blocks < want:  # evicted since the Lookup: the blocks after it are recomputed
                     return
-        finally:
-            for f in leases[used:]:  # pinned for nothing: unpinned as soon as they answer
-                if not f.cancel():
-                    f.add_done_callback(_release_pinned)
 
     def _load_pinned(self, path: GpuKVPath, span: BlockSpan, lease: ReadLease) -> LoadHandle | None:
         """Issue every layer's copy of the span's leading blocks that ``lease`` pins; None
@@ -522,17 +525,6 @@ def _release(req_id: str, h: LoadHandle) -> None:
         h.release(wait=True)
     except Exception as e:  # noqa: BLE001 - the lease TTL reclaims the pins
         log.warning("kvstore release after the load of %s failed: %s", req_id, e)
-
-
-def _resolved(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
-def _release_pinned(f: Future) -> None:
-    if f.exception() is None:
-        _quietly(f.result().release)
 
 
 def _abort_all(answers) -> None:

@@ -6,12 +6,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 from kvstore.clients import KVStoreClient
+from kvstore.clients.leases import PinnedPieces, ReadLease
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from wait_util import wait_for
@@ -84,6 +86,47 @@ def test_lookup_stops_at_first_miss(client_factory):
     assert c.lookup([99] * bt) == 0
     # A different first block shares nothing with the chain, even with the same later tokens.
     assert c.lookup([1] * bt + tokens[bt:]) == 0
+
+
+def test_pinned_pieces_come_in_order_and_the_untaken_are_released(client_factory):
+    c = client_factory()
+    bt = c.layout.block_tokens
+    tokens = list(range(500, 500 + 7 * bt))
+    keys = c.keys(tokens)
+    assert c.put(tokens, np.ones(c.layout.tensor_shape(len(tokens)), np.float16)) == 7
+    with ThreadPoolExecutor(1) as ex:
+        pieces = PinnedPieces(c, keys, 3, 0.0, ex)
+        assert pieces.sizes == [3, 3, 1]
+        want, first = next(iter(pieces))
+        again = c.acquire(keys[:3])
+        assert (want, first.count, first.offsets) == (3, 3, again.offsets)
+        again.release(wait=True)
+        pieces.close()  # the other two pieces were pinned for nothing: released as they answer
+    # A pinned block cannot be deleted; the first piece's three still are, the rest are not.
+    assert wait_for(lambda: c.delete(keys[3:]) == 4, 10, "the untaken pieces' pins released")
+    assert c.delete(keys[:3]) == 0
+    first.release(wait=True)
+    assert c.delete(keys[:3]) == 3
+
+
+def test_lookup_pins_a_dram_hit_for_another_client_to_release(client_factory):
+    """LookupRequest.pin: an engine's scheduler pins the blocks its worker loads next; the
+    worker (another session) copies them and releases the lease naming the scheduler's session."""
+    sched, worker = client_factory(), client_factory()
+    bt = sched.layout.block_tokens
+    tokens = list(range(900, 900 + 6 * bt))
+    keys = sched.keys(tokens)
+    assert sched.put(tokens, np.ones(sched.layout.tensor_shape(len(tokens)), np.float16)) == 6
+    assert sched.info.arena_id == worker.info.arena_id and len(sched.info.arena_id) == 16
+    assert sched.lookup_keys(keys, pin=True).lease_id == 0  # pins only what is about to load
+    r = sched.lookup_keys(keys + sched.keys(list(range(7 * bt)))[6:], promote_from=2, promote_to=5, pin=True)
+    assert r.hit_blocks == 6 and r.lease_id
+    same = worker.acquire(keys[2:5])
+    assert list(r.offsets) == same.offsets
+    same.release(wait=True)
+    assert sched.delete(keys[5:]) == 1 and sched.delete(keys[2:5]) == 0  # pinned: not deleted
+    ReadLease(worker, pb.AcquireResponse(lease_id=r.lease_id), session_id=sched.session_id).release(wait=True)
+    assert sched.delete(keys[2:5]) == 3
 
 
 def _hold_leases_and_die(sock: str, ready) -> None:

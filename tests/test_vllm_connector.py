@@ -201,9 +201,15 @@ def test_fresh_engine_loads_the_prefix_from_dram(writer, reader, daemon, ref):
     assert got["cached_tokens"] == 0
     assert blocks_in(daemon.socket_path) == loadable(P1) // BT  # every full prompt block, chunk by chunk
 
+    acquires = rpc_count(daemon, "Acquire")
     got = reader.generate([P1])["results"][0]
     assert got["cached_tokens"] == loadable(P1)  # nothing was in this process before
     same(got, ref["P1"])
+    # The scheduler's Lookup pinned the DRAM hit for the worker (one worker: TP=1), which
+    # copied it without an Acquire of its own, then released the Lookup's lease.
+    assert rpc_count(daemon, "Acquire") == acquires
+    assert wait_for(lambda: kvstore_json(daemon.socket_path, "stats")["counters"]["leases"] == 0, 10,
+                    "the pinned hit released")
     m = reader.metrics()["metrics"]
     assert m["vllm:external_prefix_cache_hits"] == loadable(P1)
     assert m["vllm:prompt_tokens_cached_by_source{source=host}"] == loadable(P1)  # DRAM

@@ -30,8 +30,8 @@ class FailingCopies:
 
 
 class FaultyLoadWorker(ConnectorWorker):
-    def _start_load(self, path, span):
-        h = super()._start_load(path, span)
+    def _load_pinned(self, path, span, lease):
+        h = super()._load_pinned(path, span, lease)
         left = int(os.environ.get("KVSTORE_TEST_FAIL_LOADS", "0"))
         log = os.environ["KVSTORE_TEST_FAULT_LOG"]
         done = len(open(log).read().splitlines()) if os.path.exists(log) else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -161,6 +162,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.reporter = reporter
         self.metrics = metrics
         self.arena_socket = arena_socket
+        self.arena_id = os.urandom(16)  # RegisterResponse.arena_id: offsets name this arena's slots
         self.tiering = tiering
         self.outbound = outbound
         self.inbound = inbound
@@ -210,7 +212,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             layer_chunk_bytes=layout.layer_chunk_bytes, lease_ttl_s=self.core.leases.ttl_s,
             max_keys_per_request=c.max_keys, hbm_emulated=self.reporter.hbm_emulated,
             durable_commit=self.durable_commit, session_ttl_s=c.session_ttl_s,
-            slot_stride_bytes=self.core.dram.slot_stride(layout.block_bytes))
+            slot_stride_bytes=self.core.dram.slot_stride(layout.block_bytes), arena_id=self.arena_id)
 
     def _count_sessions(self) -> None:
         """The sessions gauge at once (the reaper refreshes it after expiries); under the lock."""
@@ -226,11 +228,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     def Lookup(self, req, context):
+        pin = {}
         with self.core.lock:
             s = self._session(req.session_id)
             hits, tiers, found = self.core.lookup(s, req.keys, req.each)
             # Keys each on its own (sparse snapshots): no prefix to advise on or count as one.
             decision = None if req.each else self.advisor.decide(s.ns, tiers)
+            if req.pin and req.promote and not req.each:
+                pin = self._pin_for_load(s, req, tiers)
         if req.each:
             if self.metrics:
                 self.metrics.lookups.inc()
@@ -247,7 +252,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             m.lookup_query_tokens.inc(len(req.keys) // KEY_BYTES * bt)
             for t in set(tiers):
                 m.lookup_hit_tokens.labels(tier=TierKind(t).name.lower()).inc(tiers.count(t) * bt)
-        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice)
+        return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, **advice, **pin)
+
+    def _pin_for_load(self, s, req, tiers: bytes) -> dict:
+        """Lookup(pin), under the core lock with the lookup itself: the hit's blocks from
+        ``promote_from`` (to ``promote_to``) pinned, as the Acquire that would follow would pin
+        them, where every one is in DRAM; else nothing (the caller Acquires, waiting for reads)."""
+        first, end = req.promote_from, min(len(tiers), req.promote_to or len(tiers))
+        if first >= end or any(t != TierKind.DRAM for t in tiers[first:end]):
+            return {}
+        lease, blocks = self.core.acquire(s, req.keys[first * KEY_BYTES:end * KEY_BYTES], allow_partial=True)
+        return {"lease_id": lease.id, "offsets": [b.offset for b in blocks]} if lease else {}
 
     def _promote_for_load(self, s, req, tiers: bytes, load_blocks: int) -> None:
         """Lookup(promote): the NVMe blocks of the hit the caller is about to load start moving

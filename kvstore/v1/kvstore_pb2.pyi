@@ -125,7 +125,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_world: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., model_params: _Optional[float] = ..., client_name: _Optional[str] = ..., kv_codec: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit", "session_ttl_s", "slot_stride_bytes")
+    __slots__ = ("session_id", "namespace_id", "arena_socket", "arena_bytes", "block_bytes", "layer_chunk_bytes", "lease_ttl_s", "max_keys_per_request", "hbm_emulated", "durable_commit", "session_ttl_s", "slot_stride_bytes", "arena_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class RegisterResponse(_message.Message):
     DURABLE_COMMIT_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_id: bytes
     arena_socket: str
@@ -150,10 +151,11 @@ class RegisterResponse(_message.Message):
     durable_commit: bool
     session_ttl_s: float
     slot_stride_bytes: int
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
+    arena_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_keys_per_request: _Optional[int] = ..., hbm_emulated: _Optional[bool] = ..., durable_commit: _Optional[bool] = ..., session_ttl_s: _Optional[float] = ..., slot_stride_bytes: _Optional[int] = ..., arena_id: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "ask_peers", "each", "promote", "promote_from", "promote_to")
+    __slots__ = ("session_id", "keys", "ask_peers", "each", "promote", "promote_from", "promote_to", "pin")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ASK_PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,7 @@ class LookupRequest(_message.Message):
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FROM_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_TO_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     ask_peers: bool
@@ -168,10 +171,11 @@ class LookupRequest(_message.Message):
     promote: bool
     promote_from: int
     promote_to: int
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ..., each: _Optional[bool] = ..., promote: _Optional[bool] = ..., promote_from: _Optional[int] = ..., promote_to: _Optional[int] = ...) -> None: ...
+    pin: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., ask_peers: _Optional[bool] = ..., each: _Optional[bool] = ..., promote: _Optional[bool] = ..., promote_from: _Optional[int] = ..., promote_to: _Optional[int] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s", "found")
+    __slots__ = ("hit_blocks", "tiers", "load_blocks", "est_load_s", "est_recompute_s", "reason", "advice", "remote_blocks", "remote_node_id", "remote_epoch", "remote_tier", "est_pull_s", "time_if_load_s", "time_if_pull_s", "time_if_recompute_s", "found", "lease_id", "offsets")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,8 @@ class LookupResponse(_message.Message):
     TIME_IF_PULL_S_FIELD_NUMBER: _ClassVar[int]
     TIME_IF_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: bytes
     load_blocks: int
@@ -204,7 +210,9 @@ class LookupResponse(_message.Message):
     time_if_pull_s: float
     time_if_recompute_s: float
     found: bytes
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ..., found: _Optional[bytes] = ...) -> None: ...
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_blocks: _Optional[int] = ..., est_load_s: _Optional[float] = ..., est_recompute_s: _Optional[float] = ..., reason: _Optional[str] = ..., advice: _Optional[_Union[Advice, str]] = ..., remote_blocks: _Optional[int] = ..., remote_node_id: _Optional[str] = ..., remote_epoch: _Optional[int] = ..., remote_tier: _Optional[_Union[Tier, str]] = ..., est_pull_s: _Optional[float] = ..., time_if_load_s: _Optional[float] = ..., time_if_pull_s: _Optional[float] = ..., time_if_recompute_s: _Optional[float] = ..., found: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteHintsRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "token_ids", "max_nodes")
