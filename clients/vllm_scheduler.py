@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.clients.client import KVStoreError, pack
+from kvstore.clients.leases import ReadLease
 from kvstore.clients.vllm_setup import HIT_SOURCES, ConnectorSettings, KVStoreKVEvents, Link
 from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
@@ -53,6 +54,16 @@ class Pin:
     offsets: tuple
     arena_id: bytes
     first: int
+
+    def lease(self, client) -> ReadLease | None:
+        """The pinned blocks as a lease ``client`` copies from and releases, where ``client``
+        maps the arena they are pinned in; else None, the pin released (the daemon restarted
+        since the Lookup: the caller Acquires instead)."""
+        if self.arena_id and self.arena_id == client.info.arena_id:
+            resp = pb.AcquireResponse(lease_id=self.lease_id, offsets=self.offsets, acquired=len(self.offsets))
+            return ReadLease(client, resp, session_id=self.session_id)
+        self.release(client)
+        return None
 
     def release(self, client) -> None:
         """Release it through ``client`` (any session's client of that daemon), not waited for."""

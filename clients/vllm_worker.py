@@ -32,7 +32,6 @@ from kvstore.clients.vllm_setup import LOST, ConnectorSettings, KVStoreConnector
 from kvstore.keys import chain_keys
 from kvstore.clients.hbm_paged import wait_events
 from kvstore.layout import KVLayout
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -186,24 +185,20 @@ class ConnectorWorker:
         layer's copy: a :class:`LoadHandle` per lease, appended to ``issued`` as it is issued.
 
         A span the scheduler's Lookup pinned (``span.pinned``: a DRAM hit, one worker) is
-        copied at once, without an Acquire. A span the daemon reads from NVMe is pinned in pieces of ``load_piece_bytes``, one
-        Acquire after the other on the acquire thread, and each piece is copied as its Acquire
-        returns: the daemon lands its reads piece by piece (``nvme.promote_piece_bytes``), so
-        the copy of one piece overlaps the reads of the next instead of following them all."""
+        copied at once, without an Acquire. A span the daemon reads from NVMe is pinned in
+        pieces of ``load_piece_bytes``, one Acquire after the other on the acquire thread, and
+        each piece is copied as its Acquire returns: the daemon lands its reads piece by piece
+        (``nvme.promote_piece_bytes``), so the copy of one piece overlaps the reads of the next
+        instead of following them all."""
         client = path.client
-        pin = span.pinned
-        if pin is not None:
-            if pin.arena_id and pin.arena_id == client.info.arena_id:
-                # Pinned by the scheduler's Lookup in this daemon's arena: no Acquire.
-                if client.arena is not path.arena:
-                    path = self._ensure_path() or path
-                lease = ReadLease(client, pb.AcquireResponse(lease_id=pin.lease_id, offsets=pin.offsets,
-                                                             acquired=len(pin.offsets)), session_id=pin.session_id)
-                h = self._load_pinned(path, span, lease)
-                if h is not None:
-                    issued.append(h)
-                return
-            pin.release(client)  # another daemon's (it restarted since the Lookup): Acquire instead
+        lease = span.pinned.lease(client) if span.pinned is not None else None
+        if lease is not None:
+            if client.arena is not path.arena:
+                path = self._ensure_path() or path
+            h = self._load_pinned(path, span, lease)
+            if h is not None:
+                issued.append(h)
+            return
         keys = client.keys(span.token_ids)[span.start:span.end]
         piece = self.settings.load_piece_bytes
         per = max(1, piece // self.layout.block_bytes) if span.from_nvme and piece else len(keys)

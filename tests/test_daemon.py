@@ -119,7 +119,7 @@ def test_lookup_pins_a_dram_hit_for_another_client_to_release(client_factory):
     assert sched.put(tokens, np.ones(sched.layout.tensor_shape(len(tokens)), np.float16)) == 6
     assert sched.info.arena_id == worker.info.arena_id and len(sched.info.arena_id) == 16
     assert sched.lookup_keys(keys, pin=True).lease_id == 0  # pins only what is about to load
-    r = sched.lookup_keys(keys + sched.keys(list(range(7 * bt)))[6:], promote_from=2, promote_to=5, pin=True)
+    r = sched.lookup_keys(keys + [os.urandom(32)], promote_from=2, promote_to=5, pin=True)  # a miss after 6 hits
     assert r.hit_blocks == 6 and r.lease_id
     same = worker.acquire(keys[2:5])
     assert list(r.offsets) == same.offsets
