@@ -200,8 +200,9 @@ class KVStoreClient:
                 and getattr(request, "session_id", b"") == self.session_id
                 and not any(getattr(request, f, 0) for f in _SESSION_BOUND_FIELDS))
 
-    def _end_session(self) -> None:
-        """Close the session, if any, once the releases in flight have landed."""
+    def _end_session(self, end: bool = True) -> None:
+        """Close the session, if any, once the releases in flight have landed (``end`` False:
+        leave it to the daemon's session TTL)."""
         for f in self._pending:
             try:
                 f.result()
@@ -209,14 +210,17 @@ class KVStoreClient:
                 pass  # the lease TTL reclaims it
         self._pending.clear()
         if self._keeper is not None:
-            self._keeper.close()
+            self._keeper.close() if end else self._keeper.abandon()
             self._keeper = None
         self.session_id = b""
 
-    def close(self) -> None:
+    def close(self, end_session: bool = True) -> None:
         """End the session (CloseSession: its reserved, uncommitted slots are freed and its pins
-        released at once) and the connection. Safe to call twice."""
-        self._end_session()
+        released at once) and the connection. Safe to call twice. ``end_session`` False: drop
+        the connection only, and leave the session to the daemon's session TTL and its leases to
+        theirs: for a session whose pins another process may still copy from (a scheduler's
+        Lookup pins, released by its worker naming the session)."""
+        self._end_session(end_session)
         if self._copier is not None:
             self._copier.shutdown()
             self._copier = None

@@ -214,9 +214,10 @@ class GpuKVPath:
 
     def check_arena(self, leases=()) -> None:
         """Raise (ending ``leases``) when the client re-registered with a restarted daemon since
-        this path was made: slot offsets now point into another arena than the one it copies
-        to and from. Make a new path."""
-        if self.client.arena is self.arena:
+        this path was made, or when a lease's offsets name another arena than the path's (it
+        was answered before a re-registration on another thread): slot offsets would point into
+        another arena than the one it copies to and from. Make a new path."""
+        if self.client.arena is self.arena and all(getattr(l, "arena", self.arena) is self.arena for l in leases):
             return
         for lease in leases:
             try:

@@ -180,6 +180,9 @@ class ReadLease:
     def __init__(self, client: "KVStoreClient", resp: pb.AcquireResponse, session_id: bytes = b"") -> None:
         self.client, self.lease_id = client, resp.lease_id
         self.session_id = session_id
+        # The arena its offsets name: the client's when the answer came (another thread's call
+        # may register the client anew, with a restarted daemon's arena, before this is used).
+        self.arena = client.arena
         self.offsets = list(resp.offsets)
         self.count = resp.acquired
         self.hbm_offsets = list(resp.hbm_offsets)  # per block: its copy in the HBM pool, or -1
@@ -216,10 +219,17 @@ class PinnedPieces:
     def __init__(self, client: "KVStoreClient", keys, per: int, wait_s: float, executor) -> None:
         starts = range(0, len(keys), max(1, per))
         self.sizes = [min(per, len(keys) - i) for i in starts]
+        self._executor = executor
         if len(self.sizes) == 1:
             self._leases = [_done(client.acquire(keys, allow_partial=True, wait_s=wait_s))]
         else:
-            self._leases = [executor.submit(client.acquire, keys[i:i + per], True, wait_s) for i in starts]
+            # One deadline for all the pieces: together they wait no longer than one Acquire would.
+            deadline = time.monotonic() + wait_s
+
+            def acquire(piece):
+                return client.acquire(piece, allow_partial=True, wait_s=max(0.0, deadline - time.monotonic()))
+
+            self._leases = [executor.submit(acquire, keys[i:i + per]) for i in starts]
         self._taken = 0
 
     def __iter__(self):
@@ -229,8 +239,12 @@ class PinnedPieces:
 
     def close(self) -> None:
         for f in self._leases[self._taken:]:
-            if not f.cancel():
-                f.add_done_callback(_release_answered)
+            if f.cancel():
+                continue
+            if f.done():  # answered already: released on the executor, not on the caller's thread
+                self._executor.submit(_release_answered, f)
+            else:
+                f.add_done_callback(_release_answered)  # runs on the executor's thread
         self._taken = len(self._leases)
 
     def __enter__(self) -> "PinnedPieces":
@@ -247,8 +261,8 @@ def _done(value) -> concurrent.futures.Future:
 
 
 def _release_answered(f: concurrent.futures.Future) -> None:
-    """On the thread that answered (the executor's, or the caller's when it had): waited for
-    there, so releases from several threads never share the client's list of releases in flight."""
+    """On the executor's thread: waited for there, so releases from several threads never share
+    the client's list of releases in flight."""
     if f.exception() is None:
         try:
             f.result().release(wait=True)

@@ -155,7 +155,12 @@ class ConnectorScheduler:
                                    promote_from=num_computed_tokens // self.bt, promote_to=cap, pin=self.pin)
         except KVStoreError as e:
             self.link.lost(e)
-            self.link.retire()  # nothing of it in flight here: unmap the lost daemon's memory now
+            # Nothing of it in flight here but the pins its Lookups handed to the worker, which
+            # may be copying from them (vLLM's async scheduling): a daemon that only answered
+            # late keeps the session for its TTL, and with it those pins, until the worker
+            # releases them. Pins no load took yet are not handed out (the worker Acquires).
+            self.link.retire(end_sessions=not self.pin)
+            self._pins.clear()
             return 0, False
         if r.lease_id:
             self._pins[request.request_id] = Pin(client.session_id, r.lease_id, r.offsets, client.info.arena_id,

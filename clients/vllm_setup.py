@@ -316,13 +316,14 @@ class Link:
             self.client = None
             self._next_try = time.monotonic() + self.settings.reconnect_s
 
-    def retire(self) -> None:
-        """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight."""
+    def retire(self, end_sessions: bool = True) -> None:
+        """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight (``end_sessions``
+        False: their sessions are left to the daemon's TTL, see :meth:`KVStoreClient.close`)."""
         with self._retired_lock:
             retired, self._retired = self._retired, []
         for c in retired:
             try:
-                c.close()
+                c.close(end_session=end_sessions)
             except Exception:  # noqa: BLE001 - the daemon is gone; nothing to tell it
                 pass
 

@@ -124,9 +124,43 @@ def test_lookup_pins_a_dram_hit_for_another_client_to_release(client_factory):
     same = worker.acquire(keys[2:5])
     assert list(r.offsets) == same.offsets
     same.release(wait=True)
-    assert sched.delete(keys[5:]) == 1 and sched.delete(keys[2:5]) == 0  # pinned: not deleted
-    ReadLease(worker, pb.AcquireResponse(lease_id=r.lease_id), session_id=sched.session_id).release(wait=True)
-    assert sched.delete(keys[2:5]) == 3
+    assert sched.delete(keys[5:]) == 1 and worker.delete(keys[2:5]) == 0  # pinned: not deleted
+    # A scheduler whose daemon answered late drops its connection but not its session: the pins
+    # the worker copies from stay until the worker releases them naming that session.
+    sid = sched.session_id
+    sched.close(end_session=False)
+    assert worker.delete(keys[2:5]) == 0
+    ReadLease(worker, pb.AcquireResponse(lease_id=r.lease_id), session_id=sid).release(wait=True)
+    assert worker.delete(keys[2:5]) == 3
+
+
+class SlowAcquires(KVStoreClient):
+    """Records each Acquire's wait and takes ``delay_s`` over it."""
+
+    def __init__(self, *a, delay_s: float = 0.0, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.delay_s, self.waits = delay_s, []
+
+    def acquire(self, keys, allow_partial=False, wait_s=0.0):
+        self.waits.append(wait_s)
+        time.sleep(self.delay_s)
+        return super().acquire(keys, allow_partial, wait_s)
+
+
+def test_pinned_pieces_wait_no_longer_than_one_acquire_would(daemon):
+    c = SlowAcquires(daemon.socket_path, timeout_s=10, delay_s=0.2)
+    try:
+        c.register(KVLayout(4, 2, 64, "fp16"), "test-model")
+        tokens = list(range(2000, 2000 + 4 * 16))
+        keys = c.keys(tokens)
+        assert c.put(tokens, np.ones(c.layout.tensor_shape(len(tokens)), np.float16)) == 4
+        with ThreadPoolExecutor(1) as ex, PinnedPieces(c, keys, 1, 1.0, ex) as pieces:
+            for _, lease in pieces:
+                lease.release(wait=True)
+        assert len(c.waits) == 4 and c.waits[0] <= 1.0 and c.waits == sorted(c.waits, reverse=True)
+        assert c.waits[-1] <= 1.0 - 3 * 0.2  # the pieces share one deadline (each took 0.2 s more)
+    finally:
+        c.close()
 
 
 def _hold_leases_and_die(sock: str, ready) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore.clients.client import KVStoreError  # noqa: E402
 from kvstore.clients.gpu import GpuKVPath, KVMover, PagedKV  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.tiers.arena import slot_runs as _runs  # noqa: E402
@@ -173,6 +174,22 @@ def test_partial_hit_loads_the_cached_prefix(client_factory):
         with path.load(ids, [6]) as h:
             assert h.tokens == 16
     assert c.lookup(ids) == 32
+
+
+def test_a_lease_on_another_mapping_is_never_copied(client_factory):
+    """A lease answered to another mapping of an arena (another client's; in a worker, the
+    client's mapping before another thread's call registered it anew with a restarted daemon)
+    names offsets this path does not copy from: refused and ended, never copied."""
+    c, other = client_factory(LAYOUT), client_factory(LAYOUT)
+    ids = prompt(2 * 16, seed=141)
+    with GpuKVPath(c, paged(LAYOUT, 4, 16, seed=142)) as path:
+        path.store(ids, [0, 1]).commit(30)
+        keys = c.keys(ids)
+        path.check_arena([c.acquire(keys)])  # its own mapping's lease: fine
+        foreign = other.acquire(keys)
+        with pytest.raises(KVStoreError, match="new arena"):
+            path.check_arena([foreign])
+        assert foreign.lease_id == 0  # ended
 
 
 def test_blocks_already_cached_are_skipped(client_factory):

@@ -241,10 +241,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.metrics.lookups.inc()
             return pb.LookupResponse(hit_blocks=len(hits), tiers=tiers, found=found)
         advice = self.advisor.fields(decision)
-        if req.promote and self.tiering is not None:
-            self._promote_for_load(s, req, tiers, advice.get("load_blocks", len(hits)))
-        if self.cluster is not None:  # without a cluster the answer has none of these fields
-            advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
+        try:
+            if req.promote and self.tiering is not None:
+                self._promote_for_load(s, req, tiers, advice.get("load_blocks", len(hits)))
+            if self.cluster is not None:  # without a cluster the answer has none of these fields
+                advice.update(self.cluster.advise(s.ns, self.core.keys(req.keys), decision, req.ask_peers))
+        except BaseException:
+            if pin:  # the caller never learns of the lease: end it now, not at its TTL
+                with self.core.lock:
+                    self.core.release(s, pin["lease_id"])
+            raise
         m = self.metrics
         if m:
             bt = s.ns.ns.layout.block_tokens
