@@ -331,19 +331,24 @@ class ConnectorWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait (at most ``load_wait_s``) for this layer's load copies; on a GPU, order the
         compute stream after them. A copy that failed or timed out turns its request's blocks
-        into load errors: vLLM discards the step's output for it and recomputes."""
+        into load errors: vLLM discards the step's output for it and recomputes. A request
+        whose load already failed part-way is waited for too: vLLM keeps the blocks before the
+        failed one as computed, and its next step reads them."""
         l = self._layer_index.get(layer_name)
         if l is None or not self._loads:
             return
         t0 = time.perf_counter()
         for span, h in list(self._loads):
-            if span.req_id in self._failed_reqs:
-                continue
             try:
                 h.wait_layer(l, timeout_s=self.settings.load_wait_s)
             except Exception as e:  # noqa: BLE001 - a failed copy is a load error, not a failed step
-                log.warning("kvstore load of %s failed at layer %d; vLLM recomputes it: %s", span.req_id, l, e)
-                self._fail_load(span, span.start)
+                if span.req_id not in self._failed_reqs:
+                    log.warning("kvstore load of %s failed at layer %d; vLLM recomputes it: %s", span.req_id, l, e)
+                    self._fail_load(span, span.start)
+                else:  # failed from a later block already: its leading blocks now too (counted once)
+                    bad = self._vllm_blocks(span, span.start)
+                    self._load_errors |= bad
+                    self._bad_blocks |= bad
         self._stats.data["load_s"] += time.perf_counter() - t0
 
     def _begin_saves(self, meta: KVStoreConnectorMetadata | None) -> list[tuple[BlockSpan, StoreHandle]]:
