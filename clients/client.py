@@ -175,6 +175,15 @@ class KVStoreClient:
         while self._pending and self._pending[0].done():
             self._pending.pop(0)
 
+    def flush_releases(self) -> None:
+        """Wait for the Releases :meth:`release_later` sent (one the daemon refused, or lost,
+        is left to the lease TTL, as it would have been)."""
+        while self._pending:
+            try:
+                self._pending.pop(0).result()
+            except grpc.RpcError:
+                pass
+
     # --- plumbing ---------------------------------------------------------------------------
     def call(self, method: str, request, timeout_s: float | None = None):
         """One RPC of the daemon's API by name (for the adapters and the CLI); a refusal raises KVStoreError. A request that names only this client's

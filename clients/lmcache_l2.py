@@ -279,7 +279,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 try:
                     # Waited for (this is the adapter's own thread, not LMCache's): once the
                     # unlock has run, the blocks are evictable. Fire-and-forget let a Delete or
-                    # an eviction right after it find them still pinned (CI saw it once).
+                    # an eviction right after it find them still pinned (CI saw it once), and
+                    # so did the loads' own leases, released without a wait as they finished.
+                    held[1].client.flush_releases()
                     held[0].release(wait=True)
                 except Exception as e:  # the daemon drops it at its TTL
                     failed(e)

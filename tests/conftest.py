@@ -1,3 +1,4 @@
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,6 +29,34 @@ SLOW = {
 def pytest_collection_modifyitems(config, items):
     per_module = Counter(item.path for item in items)
     items.sort(key=lambda item: (-per_module[item.path], -SLOW.get(item.path.name, 0)))  # stable
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.module.__dict__["_kvstore_failed"] = True
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_dirs_go_with_the_module(request, tmp_path_factory):
+    """What a module's fixtures made with ``tmp_path_factory.mktemp`` (daemons' NVMe files,
+    models, engines' logs) is removed once the module's last fixture has stopped, as a passed
+    test's ``tmp_path`` is (pyproject's tmp_path_retention_policy); kept where a test of the
+    module failed. Autouse, so set up before and torn down after the module's other fixtures."""
+    made, mktemp = [], tmp_path_factory.mktemp
+
+    def recorded(*a, **kw):
+        made.append(path := mktemp(*a, **kw))
+        return path
+
+    tmp_path_factory.mktemp = recorded
+    yield
+    del tmp_path_factory.mktemp
+    if not request.module.__dict__.get("_kvstore_failed"):
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

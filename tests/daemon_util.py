@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.app.local import wait_serving
+from kvstore.app.local import free_port, wait_serving
 
 LOG_TAIL = 4000  # characters of a daemon's log shown when it misbehaves
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now (another process may take it later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

