@@ -123,8 +123,8 @@ class PagedKV:
                                      f"and half; the layout needs {heads} heads of {self.row} bytes in all "
                                      f"({kblocks} blocks of {self.kernel_block} tokens); check dtype and heads")
 
-    def token_rows(self, block_table, n_tokens: int) -> torch.Tensor:
-        """Where each of the request's first ``n_tokens`` tokens lives: ``[n_tokens, 2]``
+    def token_rows(self, block_table, n_tokens: int, first: int = 0) -> torch.Tensor:
+        """Where each of the request's tokens ``[first, n_tokens)`` lives: ``[n_tokens - first, 2]``
         (kernel block, position in it), CPU int64. Slicing it slices tokens."""
         table = torch.as_tensor(block_table).reshape(-1).to("cpu", torch.int64)
         need = -(-n_tokens // self.block_size)
@@ -135,7 +135,7 @@ class PagedKV:
         if need and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
             raise ValueError(f"block_table: ids must be in [0, {self.num_blocks}), got "
                              f"[{int(table.min())}, {int(table.max())}]")
-        t = torch.arange(n_tokens, dtype=torch.int64)
+        t = torch.arange(min(first, n_tokens), n_tokens, dtype=torch.int64)
         within = t % self.block_size
         kb = table[t // self.block_size] * self.ratio + within // self.kernel_block
         return torch.stack([kb, within % self.kernel_block], dim=1)

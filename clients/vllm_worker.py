@@ -142,7 +142,7 @@ class ConnectorWorker:
 
     def _rows(self, path: GpuKVPath, span: BlockSpan) -> torch.Tensor:
         bt = self.bt
-        return path.paged.token_rows(span.block_table, span.end * bt)[span.start * bt:span.end * bt]
+        return path.paged.token_rows(span.block_table, span.end * bt, span.start * bt)
 
     def _vllm_blocks(self, span: BlockSpan, first_block: int) -> set[int]:
         """vLLM block ids holding kvstore blocks ``[first_block, span.end)`` of ``span``."""

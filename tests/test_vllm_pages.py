@@ -271,6 +271,10 @@ def test_backend_writes_read_as_canonical_bytes(case):
     rows = paged.token_rows(table, n_tokens)
     for l in range(LAYERS):
         assert torch.equal(paged.gather(l, rows), canonical(kv[l]))
+    # A piece of the request (the worker's NVMe loads): its own tokens' rows, the same places.
+    first = n_tokens // 3
+    assert torch.equal(paged.token_rows(table, n_tokens, first), rows[first:])
+    assert paged.token_rows(table, n_tokens, n_tokens).shape == (0, 2)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

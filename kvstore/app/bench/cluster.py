@@ -334,11 +334,14 @@ def bench(a) -> dict:
         with ThreadPoolExecutor(len(fleets) * len(NODES)) as ex:
             futs = [ex.submit(start_daemon, where, n, *daemon_flags(a, etcd.endpoint, pki, n, size, prefix, events))
                     for where, prefix, events, size in fleets for n in NODES]
-            for f in futs:
+            failed = None
+            for f in futs:  # every one that started is stopped below, whichever did not
                 try:
                     daemons.append(f.result())
                 except RuntimeError as e:
-                    raise SystemExit(f"kvstore bench cluster: a daemon did not start: {e}") from None
+                    failed = failed or e
+            if failed:
+                raise SystemExit(f"kvstore bench cluster: a daemon did not start: {failed}") from None
         sockets = [d.socket_path for d in daemons[:len(NODES)]]
         dir_sockets = [d.socket_path for d in daemons[len(NODES):]]
         # Every namespace registered on every daemon before anything is timed, so each is advertised.
