@@ -41,8 +41,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if report.failed:
-        item.module.__dict__["_kvstore_failed"] = True
+    module = getattr(item, "module", None)
+    if report.failed and module is not None:
+        module.__dict__["_kvstore_failed"] = True
     return report
 
 
