@@ -212,12 +212,7 @@ class KVStoreClient:
     def _end_session(self, end: bool = True) -> None:
         """Close the session, if any, once the releases in flight have landed (``end`` False:
         leave it to the daemon's session TTL)."""
-        for f in self._pending:
-            try:
-                f.result()
-            except grpc.RpcError:
-                pass  # the lease TTL reclaims it
-        self._pending.clear()
+        self.flush_releases()
         if self._keeper is not None:
             self._keeper.close() if end else self._keeper.abandon()
             self._keeper = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import replace
 
 import grpc
@@ -192,25 +193,22 @@ class ConnectorWorker:
         instead of following them all."""
         client = path.client
         lease = span.pinned.lease(client) if span.pinned is not None else None
-        if lease is not None:
-            if client.arena is not path.arena:
-                path = self._ensure_path() or path
-            h = self._load_pinned(path, span, lease)
-            if h is not None:
-                issued.append(h)
-            return
-        keys = client.keys(span.token_ids)[span.start:span.end]
-        piece = self.settings.load_piece_bytes
-        per = max(1, piece // self.layout.block_bytes) if span.from_nvme and piece else len(keys)
+        if lease is not None:  # one piece, pinned already
+            leases = nullcontext([(span.end - span.start, lease)])
+        else:
+            keys = client.keys(span.token_ids)[span.start:span.end]
+            piece = self.settings.load_piece_bytes
+            per = max(1, piece // self.layout.block_bytes) if span.from_nvme and piece else len(keys)
+            leases = PinnedPieces(client, keys, per, self.settings.load_wait_s, self._acquirer)
         start = span.start
-        with PinnedPieces(client, keys, per, self.settings.load_wait_s, self._acquirer) as pieces:
+        with leases as pieces:
             for want, lease in pieces:
                 if client.arena is not path.arena:
-                    # The Acquire found the daemon restarted and registered again (a new arena):
-                    # the lease's offsets are the new arena's, so copy through a path over it.
-                    # Without this the first loads after a daemon restart failed and vLLM
-                    # recomputed them (measured: 0.39-0.49 s each for 2 s, the link's retry
-                    # interval, instead of a ~50 ms load).
+                    # The client registered again with a restarted daemon (a new arena) since
+                    # the path was made, in an Acquire or before: the lease's offsets are the
+                    # new arena's, so copy through a path over it. Without this the first loads
+                    # after a daemon restart failed and vLLM recomputed them (measured:
+                    # 0.39-0.49 s each for 2 s, the link's retry interval, instead of a ~50 ms load).
                     path = self._ensure_path() or path
                 h = self._load_pinned(path, replace(span, start=start, end=start + want), lease)
                 if h is None:
