@@ -32,9 +32,10 @@ $(FSTAMP): transport/_fused.c scripts/build_fused.sh $(TSTAMP) | sysdeps
 	./scripts/build_fused.sh $(PY)
 	touch $@
 
-# The C block codec (kvstore/_kvcodec.c) for kvstore.codec; needs only a C compiler. Without it
-# the codec tests measure the slower zstd codec and decode the C codec's payloads in numpy.
-$(CSTAMP): kvstore/_kvcodec.c scripts/build_kvcodec.sh $(TSTAMP)
+# The C block codec (kvstore/_kvcodec.c) for kvstore.codec and the CPU caches' block copies
+# (tiers/_kvcopy.c); need only a C compiler. Without them the codec tests measure the slower
+# zstd codec and decode the C codec's payloads in numpy, and CPU engines copy with torch.
+$(CSTAMP): kvstore/_kvcodec.c tiers/_kvcopy.c scripts/build_kvcodec.sh $(TSTAMP)
 	./scripts/build_kvcodec.sh $(PY)
 	touch $@
 

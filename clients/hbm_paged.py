@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvstore.layout import AttnKind, DType, HeadShard, KVLayout
+from kvstore.tiers import cpu_copy
 from kvstore.tiers.arena import slot_runs
 from kvstore.tiers.hbm_device import (CudaEvent, DeviceChoice, DeviceKind, EmuEvent, EmuStream, HostPin,
                                       choose_device, make_stream)
@@ -313,7 +314,12 @@ class KVMover:
                                 "chunks; using the legacy per-block copies of this rank's columns (zerocopy writes "
                                 "them in place)")
         self.batched = None
+        self.native = None  # the C whole-block copies (CPU caches, where the library was built)
         self._last_index: tuple = (None, None, None)  # (rows, offsets, _block_index of them)
+        if paged.device.type == "cpu" and self.copy_path is CopyPath.LEGACY and cpu_copy.native() is not None:
+            # As many threads as the engine gives torch's own ops (vLLM: the cores bound to this worker).
+            self.native = cpu_copy.BlockCopy(paged, lambda off: self._slot_blocks(0, 1, off), self.host,
+                                             layout.block_bytes, threads=min(8, torch.get_num_threads()))
         if self.copy_path is not CopyPath.LEGACY:
             try:
                 self.batched = BatchedKV(paged.pages, layout, self.host, self.copy_path, BULK_STAGING_BYTES,
@@ -341,10 +347,21 @@ class KVMover:
         self._last_index = (rows, offsets, idx)
         return idx
 
-    def _whole_blocks(self, idx: torch.Tensor, offsets: Sequence[int | None], layers, copy):
-        """Submit ``copy(l, idx_run, slots)`` (:meth:`PagedKV.scatter_blocks` or
-        :meth:`PagedKV.gather_blocks`) for each of ``layers`` and each run of adjacent slots,
-        straight between the slots and the pages; returns the op's event."""
+    def _whole_blocks(self, idx: torch.Tensor, offsets: Sequence[int | None], layers, to_slots: bool):
+        """Submit the copies of ``layers`` of the blocks straight between the slots and the
+        pages (``to_slots``: a store); returns the op's event. With the C copy
+        (:class:`~kvstore.tiers.cpu_copy.BlockCopy`) one call per layer and half moves every
+        block; else :meth:`PagedKV.gather_blocks` / :meth:`PagedKV.scatter_blocks` per layer
+        and run of adjacent slots."""
+        if self.native is not None:
+            keep = [j for j, o in enumerate(offsets) if o is not None]
+            offs = np.array([offsets[j] for j in keep], dtype=np.int64)
+            part = idx if len(keep) == len(offsets) else idx[keep]
+            self.native.check(part, offs)
+            self.stream.submit(lambda: self.native.run(part, offs, layers, to_slots))
+            return self.stream.record()
+        copy = self.paged.gather_blocks if to_slots else self.paged.scatter_blocks
+
         def run() -> None:
             for a, b, off in slot_runs(offsets, self.layout.block_bytes):
                 slots, part = self._slot_blocks(a, b, off), idx[a:b]
@@ -411,7 +428,7 @@ class KVMover:
 
         idx = self._block_index(rows, offsets)
         if idx is not None:
-            return self._whole_blocks(idx, offsets, (l,), self.paged.gather_blocks)
+            return self._whole_blocks(idx, offsets, (l,), True)
 
         def run() -> None:
             staged = self._gather(l, rows, len(offsets)).contiguous()
@@ -431,7 +448,7 @@ class KVMover:
 
         idx = self._block_index(rows, offsets)
         if idx is not None:
-            return self._whole_blocks(idx, offsets, (l,), p.scatter_blocks)
+            return self._whole_blocks(idx, offsets, (l,), False)
 
         def run() -> None:
             staged = torch.empty((len(offsets), p.halves, self.layout.block_tokens, p.row),
@@ -456,7 +473,7 @@ class KVMover:
             return self.stream.record()
         idx = self._block_index(rows, offsets)
         if idx is not None:
-            return self._whole_blocks(idx, offsets, range(L), p.gather_blocks)
+            return self._whole_blocks(idx, offsets, range(L), True)
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):
@@ -479,7 +496,7 @@ class KVMover:
             return [self.stream.record()] * L
         idx = self._block_index(rows, offsets)
         if idx is not None:
-            return [self._whole_blocks(idx, offsets, range(L), p.scatter_blocks)] * L
+            return [self._whole_blocks(idx, offsets, range(L), False)] * L
 
         def run() -> None:
             for j0, j1 in self._steps(len(offsets)):

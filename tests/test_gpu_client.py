@@ -123,6 +123,10 @@ def test_layer_waits_in_order(client_factory, monkeypatch):
         for name in ("scatter", "scatter_blocks"):  # token rows or whole blocks: whichever runs
             real = getattr(path.paged, name)
             monkeypatch.setattr(path.paged, name, lambda l, *a, real=real: (real(l, *a), order.append(l)))
+        if path.mover.native is not None:  # the C whole-block copies
+            real = path.mover.native.run
+            monkeypatch.setattr(path.mover.native, "run",
+                                lambda idx, offs, layers, to_slots: (real(idx, offs, layers, to_slots), order.extend(layers)))
         gate = threading.Event()
         path.mover.stream.submit(lambda: gate.wait(30))  # hold the side stream
         h = path.load(ids, t_dst)
@@ -213,6 +217,8 @@ def test_failed_copy_is_never_committed(client_factory, monkeypatch):
         fail = lambda *a: (_ for _ in ()).throw(OSError("injected"))  # noqa: E731
         monkeypatch.setattr(path.mover, "_gather", fail)  # token rows or whole blocks: whichever runs
         monkeypatch.setattr(path.paged, "gather_blocks", fail)
+        if path.mover.native is not None:  # the C whole-block copies
+            monkeypatch.setattr(path.mover.native, "run", fail)
         h = path.store(ids, [0, 1])
         with pytest.raises(OSError, match="injected"):
             h.commit(30)

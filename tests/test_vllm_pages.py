@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvstore.clients.gpu import GpuKVPath, PagedKV  # noqa: E402
+from kvstore.tiers.cpu_copy import BlockCopy  # noqa: E402
 from kvstore.clients.vllm_pages import UnsupportedPages, check_cpu_pages, cpu_pages, layer_pages  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.clients.hbm_paged import LayerPages  # noqa: E402
@@ -335,6 +336,24 @@ def test_whole_block_copies_move_the_bytes_token_rows_do(case):
             p_out.scatter_blocks(l, table_idx, slots[:, l])
             p_out.gather_blocks(l, table_idx, back[:, l])
         assert torch.equal(back, slots)
+    # The C copies (one call per layer and half) move the same bytes, from and into slots in
+    # any order in an arena.
+    B = LAYERS * paged.halves * bt * paged.row
+    arena = torch.zeros((2 * n + 1) * B, dtype=torch.uint8)
+    offsets = np.array([(2 * (n - j) - 1) * B for j in range(n)], dtype=np.int64)  # backwards, with gaps
+    for j, off in enumerate(offsets):
+        arena[off:off + B] = slots[j].reshape(-1)
+    _, out = engine_caches(case)
+    p_out = PagedKV(mapped(case, names, out), layout)
+    blocks = BlockCopy(p_out, lambda off: arena[off:off + B].view(1, LAYERS, paged.halves, bt, paged.row), arena, B)
+    blocks.check(idx, offsets)
+    blocks.run(idx, offsets, range(LAYERS), to_slots=False)
+    for a, b in zip(out, by_blocks):
+        assert torch.equal(bits(a), bits(b))
+    back = torch.zeros_like(arena)
+    BlockCopy(p_out, lambda off: back[off:off + B].view(1, LAYERS, paged.halves, bt, paged.row), back, B).run(
+        idx, offsets, range(LAYERS), to_slots=True)
+    assert torch.equal(back, arena)
 
 GQA_FP16 = Case(FLASH, KVCacheLayout.LBNHC, "fp16")
 MLA_BF16 = Case(FLASHMLA, KVCacheLayout.LBNHC, "bf16", 64)
