@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, HeadShard, KVLayout
+from kvstore.clients.query_channel import QueryChannel, Unsent
 from kvstore.tiers.arena import Arena, HandoutRefused, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -127,7 +128,8 @@ class LookupResult:
 class KVStoreClient:
     def __init__(self, socket_path: str | None = None, timeout_s: float = 30.0, *, target: str | None = None,
                  root_ca: bytes | None = None, client_cert: bytes | None = None, client_key: bytes | None = None,
-                 token: str | None = None, prefault: bool = True, map_arena: bool = True) -> None:
+                 token: str | None = None, prefault: bool = True, map_arena: bool = True,
+                 query_channel: bool = True) -> None:
         """Connect over the daemon's unix socket (default), or to ``target`` ("host:port") over
         TLS for cross-node control (``root_ca`` PEM; ``client_cert``/``client_key`` for mutual
         TLS; ``token`` for the bearer token). Over TCP there is no arena: put/get need the socket.
@@ -135,11 +137,15 @@ class KVStoreClient:
         (``arena_mapped`` is set when done) so the first copies into each slot do not fault
         on every page (they run at a third of their speed when they do). ``map_arena=False``: a
         client of control calls only (lookups, deletes, transfers) that never maps the arena; its
-        session still ends with its process, like one that maps it."""
+        session still ends with its process, like one that maps it. ``query_channel``: send the
+        session's Lookups and Acquires over its own unix connection (one raw round trip, see
+        :mod:`kvstore.daemon.query_channel`) rather than gRPC, where the daemon grants one."""
         self.socket_path = socket_path or default_socket_path()
         self.timeout_s = timeout_s
         self.prefault = prefault
         self.map_arena = map_arena
+        self.query_channel = query_channel
+        self._fast: QueryChannel | None = None  # the session's query channel
         self.arena_mapped = threading.Event()  # the arena's page tables are filled (prefault)
         self.remote = bool(target)
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -194,9 +200,17 @@ class KVStoreClient:
             if self._keeper is not None and getattr(request, "session_id", None) == self.session_id:
                 self._keeper.used = time.monotonic()  # the daemon renews the session on arrival
             try:
+                fast = self._fast
+                if fast is not None and fast.serves(method, request):
+                    try:
+                        return fast.call(method, request, timeout_s or self.timeout_s)
+                    except Unsent:
+                        pass  # busy or closed: gRPC
                 return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = KVStoreError(e.code(), e.details() or "", refusal(e))
+            except KVStoreError as e:  # from the query channel
+                err = e
             if again or not self._may_resend(err, request):
                 raise err
             log.warning("%s: %s; registering again", method, err.message)
@@ -213,6 +227,9 @@ class KVStoreClient:
         """Close the session, if any, once the releases in flight have landed (``end`` False:
         leave it to the daemon's session TTL)."""
         self.flush_releases()
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         if self._keeper is not None:
             self._keeper.close() if end else self._keeper.abandon()
             self._keeper = None
@@ -269,7 +286,16 @@ class KVStoreClient:
             return
         if self.map_arena:
             self._map_arena(resp)
-        else:  # no memory, only the watch that ends the session with this process
+        if self._fast is not None:  # the last session's
+            self._fast.close()
+            self._fast = None
+        if self.query_channel:  # the watch that ends the session with this process comes with it
+            try:
+                _, _, s = self._handout(resp.arena_socket, resp.session_id + b"Q", want_fd=False)
+                self._fast = QueryChannel(s, resp.session_id)
+            except KVStoreError as e:
+                log.debug("no query channel (%s): Lookups and Acquires go over gRPC", e.message)
+        if not self.map_arena and self._fast is None:  # no memory, only the watch
             _, _, s = self._handout(resp.arena_socket, resp.session_id + b"W", want_fd=False)
             s.close()
 

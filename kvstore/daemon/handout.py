@@ -1,7 +1,8 @@
 """The arena handout: ``<socket>.arena``, where a registered client gets the DRAM arena's file
 descriptor (SCM_RIGHTS) or, asking with ``H``, the HBM pool's handle; asking with ``W`` it gets
 nothing but the watch every handout gives (:mod:`kvstore.daemon.peer_watch`: the session ends
-with the process). Never a path: only a client that can reach the socket and names a live
+with the process); asking with ``Q``, the watch and a query channel on the same connection
+(:mod:`kvstore.daemon.query_channel`). Never a path: only a client that can reach the socket and names a live
 session gets the memory."""
 
 from __future__ import annotations
@@ -25,6 +26,38 @@ MAX_CONNECTIONS = 64
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
+class PerUser:
+    """Connections counted in per uid and in all, each count capped; thread-safe."""
+
+    def __init__(self, max_total: int, max_per_user: int, what: str, per_user_setting: str = "") -> None:
+        self.max_total, self.max_per_user, self.what = max_total, max_per_user, what
+        self.setting = f" ({per_user_setting})" if per_user_setting else ""
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}  # uid -> open
+        self.total = 0
+
+    def admit(self, uid: int) -> str:
+        """Count one of ``uid`` in: "" when admitted, else why not."""
+        with self._lock:
+            mine = self._open.get(uid, 0)
+            if mine >= self.max_per_user:
+                return f"{mine} {self.what} of this user are open{self.setting}"
+            if self.total >= self.max_total:
+                return f"{self.total} {self.what} are open in all"
+            self._open[uid] = mine + 1
+            self.total += 1
+            return ""
+
+    def release(self, uid: int) -> None:
+        """Count one of ``uid`` out (it was admitted)."""
+        with self._lock:
+            self.total -= 1
+            if self._open[uid] == 1:
+                del self._open[uid]
+            else:
+                self._open[uid] -= 1
+
+
 class ArenaHandout:
     """Serves each connection on its own thread, so an idle or slow one holds up no other: a
     connection that has not sent its request within ``server.handout_timeout_s`` is closed, and
@@ -41,9 +74,8 @@ class ArenaHandout:
         self.hbm_cache = hbm_cache  # kvstore.daemon.hbm_cache.HbmCache or None
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._open: dict[int, int] = {}  # uid -> connections being served
-        self._total = 0
+        self._served = PerUser(MAX_CONNECTIONS, cfg.handout_per_user, "connections", "server.handout_per_user")
+        self.channels = None  # kvstore.daemon.query_channel.QueryChannels: ``Q`` requests (None: refused)
 
     def start(self) -> None:
         if os.path.exists(self.path):
@@ -66,7 +98,7 @@ class ArenaHandout:
                 log.warning("arena handout: cannot tell who connected (%s); closing", e)
                 conn.close()
                 continue
-            why = self._admit(uid)
+            why = self._served.admit(uid)
             if why:
                 log.warning("arena handout: uid %d turned away: %s", uid, why)
                 send_refusal(conn, f"arena handout busy: {why}; retry", retryable=True)
@@ -74,52 +106,57 @@ class ArenaHandout:
                 continue
             threading.Thread(target=self._serve, args=(conn, uid), name="arena-handout-conn", daemon=True).start()
 
-    def _admit(self, uid: int) -> str:
-        """Count a connection of ``uid`` in: "" when admitted, else why not."""
-        with self._lock:
-            mine = self._open.get(uid, 0)
-            if mine >= self.cfg.handout_per_user:
-                return f"{mine} connections of this user are open (server.handout_per_user)"
-            if self._total >= MAX_CONNECTIONS:
-                return f"{self._total} connections are open in all"
-            self._open[uid] = mine + 1
-            self._total += 1
-            return ""
-
     def _serve(self, conn: socket.socket, uid: int) -> None:
+        sid = b""
         try:
-            with conn:
-                req = self._request(conn)  # session id, then b"H" for the HBM pool's handle
-                if req is None:
-                    log.debug("arena handout: uid %d sent no request within %.2f s", uid, self.cfg.handout_timeout_s)
-                    send_refusal(conn, f"no request within server.handout_timeout_s "
-                                       f"({self.cfg.handout_timeout_s:g} s)", retryable=False)
-                    return
-                sid, what = req[:16], req[16:]
-                with self.core.lock:
-                    known = sid in self.core.sessions
-                    if known and self.peers is not None:
-                        self.peers.watch(sid, conn)
-                if not known:
-                    send_refusal(conn, "unknown or expired session (register again)", retryable=False)
-                elif what == b"W":  # watch only: a client that maps no memory (a scheduler's lookups)
-                    conn.sendall((0).to_bytes(8, "little"))
-                elif what == b"H":
-                    if self.hbm_cache is None:
-                        send_refusal(conn, "this daemon has no HBM tier (hbm.capacity_bytes)", retryable=False)
-                    else:
-                        self.hbm_cache.handout(conn)
-                else:
-                    send_fd(conn, self.arena.fd, self.arena.size_bytes)
+            sid = self._handle(conn, uid)
         except OSError as e:
             log.warning("arena handout failed: %s", e)
         finally:
-            with self._lock:
-                self._total -= 1
-                if self._open[uid] == 1:
-                    del self._open[uid]
-                else:
-                    self._open[uid] -= 1
+            self._served.release(uid)
+            if not sid:
+                conn.close()
+        if sid:  # a query channel: served on this thread, counted among the channels, not the handouts
+            self.channels.serve(conn, sid, uid)
+
+    def _handle(self, conn: socket.socket, uid: int) -> bytes:
+        """Answer one handout request; the session id when the connection goes on as its query
+        channel (admitted, answered), else b"" (close it)."""
+        req = self._request(conn)  # session id, then b"H" for the HBM pool's handle
+        if req is None:
+            log.debug("arena handout: uid %d sent no request within %.2f s", uid, self.cfg.handout_timeout_s)
+            send_refusal(conn, f"no request within server.handout_timeout_s "
+                               f"({self.cfg.handout_timeout_s:g} s)", retryable=False)
+            return b""
+        sid, what = req[:16], req[16:]
+        with self.core.lock:
+            known = sid in self.core.sessions
+            if known and self.peers is not None:
+                self.peers.watch(sid, conn)
+        if not known:
+            send_refusal(conn, "unknown or expired session (register again)", retryable=False)
+        elif what == b"W":  # watch only: a client that maps no memory (a scheduler's lookups)
+            conn.sendall((0).to_bytes(8, "little"))
+        elif what == b"Q":  # the session's query channel (kvstore.daemon.query_channel)
+            why = "this daemon serves no query channels" if self.channels is None else self.channels.admit(uid)
+            if why:
+                send_refusal(conn, why, retryable=False)
+                return b""
+            try:
+                conn.sendall((0).to_bytes(8, "little"))
+            except OSError:
+                self.channels.release(uid)
+                raise
+            conn.settimeout(None)
+            return sid
+        elif what == b"H":
+            if self.hbm_cache is None:
+                send_refusal(conn, "this daemon has no HBM tier (hbm.capacity_bytes)", retryable=False)
+            else:
+                self.hbm_cache.handout(conn)
+        else:
+            send_fd(conn, self.arena.fd, self.arena.size_bytes)
+        return b""
 
     def _request(self, conn: socket.socket) -> bytes | None:
         """The 16- or 17-byte request, read within ``handout_timeout_s`` of accept however the

@@ -39,6 +39,7 @@ from kvstore.config import ARENA_SUFFIX, EVENTS_EXTRA, Config
 from kvstore.daemon.core import Core, CoreConfig
 from kvstore.daemon.fleet import Fleet
 from kvstore.daemon.handout import ArenaHandout
+from kvstore.daemon.query_channel import QueryChannels
 from kvstore.daemon.hints import RouteHints
 from kvstore.daemon.peer_watch import PeerWatch
 from kvstore.daemon.metrics import Metrics
@@ -333,6 +334,7 @@ class Daemon:
         peer = self._peer_service()
         self.reporter = self._reporter()
         service = self._service()  # its Lookup asks peers through the fleet
+        self.handout.channels = QueryChannels(service, self.core.sessions, self.core.lock)
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_grpc.add_PeerServicer_to_server(peer, self.server)

@@ -272,11 +272,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _promote_for_load(self, s, req, tiers: bytes, load_blocks: int) -> None:
         """Lookup(promote): the NVMe blocks of the hit the caller is about to load start moving
-        into DRAM (on the NVMe tier's threads; nothing here waits), so their reads overlap the
-        caller's scheduling and its Acquire's round trip."""
+        into DRAM (planned on the promoter's thread, read on the NVMe tier's; nothing here
+        waits), so their reads overlap the caller's scheduling and its Acquire's round trip."""
         first, end = req.promote_from, min(load_blocks, len(tiers), req.promote_to or len(tiers))
         if first < end and TierKind.NVME in tiers[first:end]:
-            self.tiering.promote(s.ns, self.core.keys(req.keys)[first:end])
+            self.tiering.promote_soon(s.ns, self.core.keys(req.keys)[first:end])
 
     @rpc
     def RouteHints(self, req, context):

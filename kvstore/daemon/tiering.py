@@ -50,6 +50,7 @@ class Tiering:
         self.run_round = self.demoter.run_round
         self.make_resident = self.promoter.make_resident
         self.promote = self.promoter.promote
+        self.promote_soon = self.promoter.promote_soon
         self.prefetch = self.promoter.prefetch
         self.prefetch_status = self.promoter.prefetch_status
 
@@ -73,6 +74,7 @@ class Tiering:
         holds to NVMe (see :meth:`NvmeStore.write_out`), save recency, commit and close the
         tier. Call once nothing writes any more (the RPC server and the transfer listener are
         stopped)."""
+        self.promoter.stopping.set()
         self.demoter.stop(deadline)
         if self._writer is not None:  # a drain's write-out: it stops at its next batch
             self._writer.join(max(0.0, deadline - time.monotonic()))
