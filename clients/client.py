@@ -28,7 +28,6 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, HeadShard, KVLayout
-from kvstore.clients.query_channel import QueryChannel, Unsent
 from kvstore.tiers.arena import Arena, HandoutRefused, recv_fd, recv_header, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -36,6 +35,7 @@ from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
 from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease,
                                     _Future)
+from kvstore.clients.query_channel import QueryChannel, Unsent
 from kvstore.clients.session import SessionKeeper, refusal
 
 log = logging.getLogger("kvstore.client")

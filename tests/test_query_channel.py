@@ -5,6 +5,7 @@ met the way gRPC meets it."""
 
 import os
 import socket
+import threading
 
 import grpc
 import numpy as np
@@ -159,3 +160,37 @@ def test_channels_are_capped_per_user_and_in_all():
     assert "3 query channels are open in all" in ch.admit(3)
     ch.release(1)
     assert ch.admit(3) == "" and len(ch) == 3
+
+
+def serving(sessions, **kw):
+    """A QueryChannels over ``sessions`` whose service answers every Lookup with one hit block,
+    serving one end of a socket pair on a thread: (channels, client end, thread)."""
+
+    class Service:
+        def Lookup(self, req, ctx):
+            return pb.LookupResponse(hit_blocks=1)
+
+    ch = QueryChannels(Service(), sessions, threading.Lock(), **kw)
+    assert ch.admit(0) == ""
+    mine, theirs = socket.socketpair()
+    t = threading.Thread(target=ch.serve, args=(theirs, b"s" * 16, 0), daemon=True)
+    t.start()
+    return ch, mine, t
+
+
+def test_a_channel_ends_with_its_session_a_stalled_frame_and_the_daemon(monkeypatch):
+    sessions = {b"s" * 16}
+    ch, c, t = serving(sessions, idle_check_s=0.05)
+    assert ask(c, "Lookup", pb.LookupRequest(session_id=b"s" * 16)) == (0, pb.LookupResponse(hit_blocks=1).SerializeToString())
+    sessions.clear()  # the session ended: the idle channel notices
+    t.join(5)
+    assert not t.is_alive() and c.recv(1) == b"" and len(ch) == 0
+    monkeypatch.setattr("kvstore.daemon.query_channel.FRAME_TIMEOUT_S", 0.2)
+    ch, c, t = serving({b"s" * 16})
+    c.sendall(FRAME.pack(100, 1) + b"half")  # a frame begun, never finished
+    t.join(5)
+    assert not t.is_alive() and len(ch) == 0
+    ch, c, t = serving({b"s" * 16})
+    ch.close_all()  # the daemon stops
+    t.join(5)
+    assert not t.is_alive() and c.recv(1) == b"" and len(ch) == 0

@@ -186,6 +186,8 @@ class ArenaHandout:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.channels is not None:
+            self.channels.close_all()
         if self._listener is not None:
             try:
                 self._listener.close()

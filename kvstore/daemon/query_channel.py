@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 
 import grpc
 
@@ -38,6 +39,7 @@ FRAME = struct.Struct("<IB")
 REFUSAL_LEN = struct.Struct("<H")
 MAX_FRAME_BYTES = 64 << 20  # a Lookup of 2M keys; the gRPC server takes no larger message
 IDLE_CHECK_S = 10.0  # an idle channel checks this often that its session still lives
+FRAME_TIMEOUT_S = 30.0  # a frame begun must arrive whole within this
 
 
 class ChannelClosed(Exception):
@@ -92,14 +94,21 @@ class QueryChannels:
         self.max_total, self.max_per_user, self.idle_check_s = max_total, max_per_user, idle_check_s
         self._open = PerUser(max_total, max_per_user, "query channels")
         self.admit, self.release = self._open.admit, self._open.release  # admit: "" or why not
+        self._conns: set[socket.socket] = set()  # the channels being served
+        self._conns_lock = threading.Lock()
+        self._stopping = False
 
     def __len__(self) -> int:
         return self._open.total
 
     def serve(self, conn: socket.socket, sid: bytes, uid: int) -> None:
-        """Answer ``conn``'s calls until the client closes it or its session ends; then close it."""
+        """Answer ``conn``'s calls until the client closes it, its session ends or the daemon
+        stops (:meth:`close_all`); then close it."""
+        with self._conns_lock:
+            if not self._stopping:
+                self._conns.add(conn)
         try:
-            while True:
+            while not self._stopping:
                 conn.settimeout(self.idle_check_s)
                 try:
                     head = conn.recv(FRAME.size, socket.MSG_PEEK)
@@ -111,7 +120,7 @@ class QueryChannels:
                     continue
                 if not head:
                     return
-                conn.settimeout(None)  # the frame is on its way; the client sent it whole
+                conn.settimeout(FRAME_TIMEOUT_S)  # the frame is on its way: a client that stalls in it is closed
                 n, method = FRAME.unpack(recv_exactly(conn, FRAME.size))
                 if n > MAX_FRAME_BYTES or method not in METHODS:
                     log.warning("query channel: uid %d sent a bad frame (%d bytes, method %d); closing", uid, n, method)
@@ -120,8 +129,22 @@ class QueryChannels:
         except (ChannelClosed, OSError):
             return
         finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
             conn.close()
             self.release(uid)
+
+    def close_all(self) -> None:
+        """The daemon stops: every channel ends (its client's next call goes over gRPC, which
+        answers as a stopping daemon does), and no new one is served."""
+        with self._conns_lock:
+            self._stopping = True
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _answer(self, conn: socket.socket, sid: bytes, method: int, body: bytes) -> None:
         name, kind = METHODS[method]
