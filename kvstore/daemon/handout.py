@@ -17,6 +17,7 @@ import time
 from kvstore.config import ServerConfig
 from kvstore.daemon.core import Core
 from kvstore.daemon.peer_watch import PeerWatch
+from kvstore.daemon.places import Places
 from kvstore.tiers.arena import Arena, send_fd, send_refusal
 
 log = logging.getLogger("kvstore.daemon.handout")
@@ -24,38 +25,6 @@ log = logging.getLogger("kvstore.daemon.handout")
 # server.handout_timeout_s, and a handout itself takes microseconds.
 MAX_CONNECTIONS = 64
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-class PerUser:
-    """Connections counted in per uid and in all, each count capped; thread-safe."""
-
-    def __init__(self, max_total: int, max_per_user: int, what: str, per_user_setting: str = "") -> None:
-        self.max_total, self.max_per_user, self.what = max_total, max_per_user, what
-        self.setting = f" ({per_user_setting})" if per_user_setting else ""
-        self._lock = threading.Lock()
-        self._open: dict[int, int] = {}  # uid -> open
-        self.total = 0
-
-    def admit(self, uid: int) -> str:
-        """Count one of ``uid`` in: "" when admitted, else why not."""
-        with self._lock:
-            mine = self._open.get(uid, 0)
-            if mine >= self.max_per_user:
-                return f"{mine} {self.what} of this user are open{self.setting}"
-            if self.total >= self.max_total:
-                return f"{self.total} {self.what} are open in all"
-            self._open[uid] = mine + 1
-            self.total += 1
-            return ""
-
-    def release(self, uid: int) -> None:
-        """Count one of ``uid`` out (it was admitted)."""
-        with self._lock:
-            self.total -= 1
-            if self._open[uid] == 1:
-                del self._open[uid]
-            else:
-                self._open[uid] -= 1
 
 
 class ArenaHandout:
@@ -74,7 +43,9 @@ class ArenaHandout:
         self.hbm_cache = hbm_cache  # kvstore.daemon.hbm_cache.HbmCache or None
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
-        self._served = PerUser(MAX_CONNECTIONS, cfg.handout_per_user, "connections", "server.handout_per_user")
+        self._served = Places(MAX_CONNECTIONS, cfg.handout_per_user,
+                              lambda n, _: f"{n} connections of this user are open (server.handout_per_user)",
+                              lambda n, _: f"{n} connections are open in all")
         self.channels = None  # kvstore.daemon.query_channel.QueryChannels: ``Q`` requests (None: refused)
 
     def start(self) -> None:
@@ -98,7 +69,7 @@ class ArenaHandout:
                 log.warning("arena handout: cannot tell who connected (%s); closing", e)
                 conn.close()
                 continue
-            why = self._served.admit(uid)
+            why = self._served.take(uid)
             if why:
                 log.warning("arena handout: uid %d turned away: %s", uid, why)
                 send_refusal(conn, f"arena handout busy: {why}; retry", retryable=True)
@@ -113,7 +84,7 @@ class ArenaHandout:
         except OSError as e:
             log.warning("arena handout failed: %s", e)
         finally:
-            self._served.release(uid)
+            self._served.leave(uid)
             if not sid:
                 conn.close()
         if sid:  # a query channel: served on this thread, counted among the channels, not the handouts

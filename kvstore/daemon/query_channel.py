@@ -27,7 +27,7 @@ import threading
 
 import grpc
 
-from kvstore.daemon.handout import PerUser
+from kvstore.daemon.places import Places
 from kvstore.errors import REFUSAL_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -91,15 +91,16 @@ class QueryChannels:
     def __init__(self, service, sessions, lock, max_total: int = 256, max_per_user: int = 64,
                  idle_check_s: float = IDLE_CHECK_S) -> None:
         self.service, self.sessions, self.core_lock = service, sessions, lock
-        self.max_total, self.max_per_user, self.idle_check_s = max_total, max_per_user, idle_check_s
-        self._open = PerUser(max_total, max_per_user, "query channels")
-        self.admit, self.release = self._open.admit, self._open.release  # admit: "" or why not
+        self.idle_check_s = idle_check_s
+        self._open = Places(max_total, max_per_user, lambda n, _: f"{n} query channels of this user are open",
+                            lambda n, _: f"{n} query channels are open in all")
+        self.admit, self.release = self._open.take, self._open.leave  # admit: "" or why not
         self._conns: set[socket.socket] = set()  # the channels being served
         self._conns_lock = threading.Lock()
         self._stopping = False
 
     def __len__(self) -> int:
-        return self._open.total
+        return self._open.held
 
     def serve(self, conn: socket.socket, sid: bytes, uid: int) -> None:
         """Answer ``conn``'s calls until the client closes it, its session ends or the daemon

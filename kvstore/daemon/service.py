@@ -10,7 +10,6 @@ import functools
 import logging
 import math
 import os
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from kvstore.daemon.core import Core, SessionEnd
 from kvstore.daemon.hints import HintError, RouteHints
 from kvstore.errors import REFUSAL_KEY, Code, KVError, invalid, not_found
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.places import Places
 from kvstore.daemon.stats import Reporter
 from kvstore.keys import KEY_BYTES, Namespace, check_tokens
 from kvstore.layout import KVLayout, LayoutError
@@ -68,40 +68,18 @@ MAX_TRANSFER_DEADLINE_S = 86400.0  # a day: past any real transfer, far below wh
 
 # Prefetch targets: proto3 enums are open, so a request may carry any int32 there.
 PREFETCH_TARGETS = "TIER_UNSPECIFIED (= DRAM) or TIER_DRAM"
-class Waits:
+class Waits(Places):
     """The places for calls that wait in the daemon (AwaitTransfer, PrefetchStatus and Acquire
     with wait_s, Reserve waiting for demotion): at most ``per_session`` for one session and
     ``total`` in all, so waiting calls never hold every gRPC worker and Stats, Lookup or
     Register always find one. A call over either bound is refused at once."""
 
     def __init__(self, total: int, per_session: int) -> None:
-        self.total = total
-        self.per_session = per_session
-        self._lock = threading.Lock()  # never held with anything else taken inside
-        self._mine: dict[bytes, int] = {}
-        self._n = 0
-
-    def take(self, sid: bytes) -> str:
-        """Take a place for session ``sid``: "" when taken, else why not."""
-        with self._lock:
-            mine = self._mine.get(sid, 0)
-            if mine >= self.per_session:
-                return (f"this session already has {mine} calls waiting in the daemon "
-                        f"(server.max_waits_per_session = {self.per_session} per session); let one end first")
-            if self._n >= self.total:
-                return (f"{self._n} calls are waiting in the daemon in all (server.max_waits = {self.total}); "
-                        "retry shortly, or wait less per call")
-            self._mine[sid] = mine + 1
-            self._n += 1
-            return ""
-
-    def leave(self, sid: bytes) -> None:
-        with self._lock:
-            self._n -= 1
-            if self._mine[sid] == 1:
-                del self._mine[sid]
-            else:
-                self._mine[sid] -= 1
+        super().__init__(total, per_session,
+                         lambda n, cap: (f"this session already has {n} calls waiting in the daemon "
+                                         f"(server.max_waits_per_session = {cap} per session); let one end first"),
+                         lambda n, cap: (f"{n} calls are waiting in the daemon in all (server.max_waits = {cap}); "
+                                         "retry shortly, or wait less per call"))
 
     @contextmanager
     def place(self, sid: bytes, method: str):
