@@ -36,7 +36,7 @@ from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease,
                                     _Future)
 from kvstore.clients.query_channel import QueryChannel, Unsent
-from kvstore.clients.session import SessionKeeper, refusal
+from kvstore.clients.session import UNIX_CHANNEL_OPTIONS, SessionKeeper, listening, refusal
 
 log = logging.getLogger("kvstore.client")
 
@@ -155,7 +155,7 @@ class KVStoreClient:
                 creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
             self.channel = grpc.secure_channel(target, creds, options=opts)
         else:
-            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=opts)
+            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=opts + UNIX_CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.peer_stub = peer_grpc.PeerStub(self.channel)
         self.session_id = b""
@@ -206,7 +206,7 @@ class KVStoreClient:
                         return fast.call(method, request, timeout_s or self.timeout_s)
                     except Unsent:
                         pass  # busy or closed: gRPC
-                return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
+                return self._grpc(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = KVStoreError(e.code(), e.details() or "", refusal(e))
             except KVStoreError as e:  # from the query channel
@@ -217,6 +217,18 @@ class KVStoreClient:
             self._keeper.abandon()
             self._open(self._registration)
             request.session_id = self.session_id
+
+    def _grpc(self, method: str, request, timeout_s: float):
+        stub = getattr(self.stub, method)
+        try:
+            return stub(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or self.remote or not listening(self.socket_path):
+                raise
+        # The channel met the daemon away (a call while it restarted) and now fails every call
+        # until its reconnect backoff ends, though the daemon is back: wait for the connection.
+        # A restarted daemon knows no session of ours: the caller registers again.
+        return stub(request, timeout=timeout_s, wait_for_ready=True)
 
     def _may_resend(self, err: KVStoreError, request) -> bool:
         return (err.refusal == pb.REFUSAL_SESSION_UNKNOWN and self._keeper is not None

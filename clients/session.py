@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -29,6 +30,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.client")
 
 CLOSE_TIMEOUT_S = 2.0  # bound on CloseSession when a client closes or its process exits (seconds)
+# gRPC's reconnect backoff on the daemon's unix socket. A call made while the daemon was away
+# (restarting) fails to connect; gRPC then fails every call at once, without trying, until its
+# backoff has passed: 1 s by default, growing to 120 s. A local socket costs nothing to retry.
+UNIX_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def listening(socket_path: str) -> bool:
+    """Whether a daemon accepts connections on the unix socket ``socket_path`` now."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(socket_path)
+        except OSError:
+            return False
+    return True
 
 
 def refusal(e: grpc.RpcError) -> int:

@@ -11,9 +11,21 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.app.local import free_port, wait_serving
+from kvstore.app.local import free_port as _free_port
+from kvstore.app.local import wait_serving
 
 LOG_TAIL = 4000  # characters of a daemon's log shown when it misbehaves
+PORTS = (20000, 32768)  # below the kernel's ephemeral range (32768-60999 by default)
+
+
+def free_port() -> int:
+    """A free loopback port from this xdist worker's own slice of PORTS: the two workers each
+    pick ports they bind a little later, and the same random pick in both once took a daemon's
+    listener (EADDRINUSE in CI)."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    span = (PORTS[1] - PORTS[0]) // count
+    return _free_port(PORTS[0] + n * span, PORTS[0] + (n + 1) * span)
 
 
 @dataclass

@@ -3,6 +3,7 @@ serving and no committed block is lost."""
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 
@@ -329,3 +330,20 @@ def test_a_damaged_index_geometry_disables_the_tier_with_a_clear_message(tmp_pat
         finally:
             assert d.stop() == 0
         assert "Traceback" not in d.log(), d.log()
+
+
+def test_free_port_never_hands_a_port_twice_and_keeps_to_its_range():
+    """``free_port`` (every benchmark's and test's listener ports): a port handed out is never
+    handed again in the same process, even before anything binds it (two picks for one daemon
+    once met), a port in use is skipped, and a range it cannot fill is refused."""
+    from kvstore.app.local import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        got = [free_port(busy, busy + 9) for _ in range(8)]  # nine ports, one of them in use
+        assert len(set(got)) == 8 and busy not in got and all(busy < p < busy + 9 for p in got)
+        with pytest.raises(RuntimeError, match="no free loopback port"):
+            free_port(busy, busy + 1)
+    with pytest.raises(ValueError, match="empty range"):
+        free_port(30000, 30000)

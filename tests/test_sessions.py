@@ -225,6 +225,36 @@ def test_expired_session_is_not_found_and_the_client_registers_again(short_ttl_d
     obs.close()
 
 
+def test_a_call_while_the_daemon_was_away_does_not_fail_the_first_after_its_restart(tmp_path):
+    """A call made while the daemon restarts (the session's keep-alive, as its thread sends
+    them) fails to connect, and gRPC would then fail every call at once until its reconnect
+    backoff ends (1 s and growing) though the daemon is back: the first Lookup after the
+    restart must register again and be answered. While the daemon is down, calls still fail
+    at once: nothing waits for a daemon that is not there."""
+    from daemon_util import start_daemon
+
+    d = start_daemon(tmp_path)
+    c = KVStoreClient(d.socket_path, query_channel=False)  # every call over gRPC
+    c.register(LAYOUT, "away")
+    c.put(TOKENS, _kv())
+    assert d.stop() == 0
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        c.stub.KeepAlive(pb.KeepAliveRequest(session_id=c.session_id), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(KVStoreError) as e:
+        c.lookup(TOKENS)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t < 2.0
+    d = start_daemon(tmp_path)
+    try:
+        for _ in range(3):  # the first call after the restart, then two more
+            assert c.lookup(TOKENS) == 0  # answered by the new daemon (it holds nothing), no error
+        assert counters(c)["sessions"] == 1
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_worker_that_exits_without_close_ends_its_session(daemon, client_factory):
     obs = client_factory(LAYOUT)
     base = counters(obs)["sessions"]

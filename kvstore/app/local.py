@@ -47,24 +47,38 @@ class LocalDaemon:
         return self.proc.returncode
 
 
-def free_port(low: int = 20000) -> int:
-    """A loopback TCP port nothing listens on right now, for a listener started next. Drawn at
-    random below the kernel's ephemeral range (ip_local_port_range, 32768 on by default): a port
-    the kernel hands out for bind(0) is also what it hands every outgoing connection, and one of
+_HANDED: set[int] = set()  # the ports free_port returned in this process
+
+
+def free_port(low: int = 20000, high: int | None = None) -> int:
+    """A loopback TCP port nothing listens on right now, for a listener started next, and never
+    one this process was handed before (two picks for one start, with nothing bound between
+    them, could otherwise meet). Drawn at random in [low, high); ``high`` defaults to the
+    bottom of the kernel's ephemeral range (ip_local_port_range, 32768 by default): a port the
+    kernel hands out for bind(0) is also what it hands every outgoing connection, and one of
     those took such a port between the pick and the daemon's listen (CI saw EADDRINUSE)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            high = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        high = 32768
+    if high is None:
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                high = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            high = 32768
+    if high <= low:
+        raise ValueError(f"free_port: empty range [{low}, {high})")
+    handed = {p for p in _HANDED if low <= p < high}
+    if len(handed) == high - low:
+        _HANDED.difference_update(handed)  # every one handed out: start the range again
     for _ in range(1000):
-        port = low + secrets.randbelow(max(1, high - low))
+        port = low + secrets.randbelow(high - low)
+        if port in _HANDED:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED.add(port)
+        return port
     raise RuntimeError(f"no free loopback port in [{low}, {high})")
 
 
