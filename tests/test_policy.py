@@ -296,6 +296,39 @@ def test_ties_go_to_loading():
     assert (d.outcome, d.load_blocks) == (LoadChoice.LOAD, 8)
 
 
+def test_the_split_is_the_cheapest_of_every_split_with_quadratic_attention():
+    """Against every split j priced on its own (the path estimates' seconds for the first j
+    blocks, transfers opened by run and by max_blocks_per_transfer, plus the cost model's
+    seconds for the rest): the decision is the cheapest, the last of equals."""
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(300):
+        per_transfer = rnd.choice([0, 1, 3])
+        p = LoadPolicy(LoadPolicyConfig(max_blocks_per_transfer=per_transfer), clock=FakeClock())
+        runs = [(rnd.choice(["dram", "nvme", "peer:n"]), rnd.randrange(0, 9)) for _ in range(rnd.randrange(1, 4))]
+        bt, bb = rnd.choice([16, 32]), rnd.choice([4096, MIB, 64 * MIB])
+        cost = PrefillCostModel.calibrated(rnd.choice([1e6, 1e9]), rnd.choice([0.0, 1e3, 1e6]),
+                                           tokens_per_s=rnd.choice([500.0, 20_000.0]), ref_tokens=2048)
+        d = p.decide(runs, block_tokens=bt, block_bytes=bb, cost=cost)
+        blocks = sum(n for _, n in runs)
+        seconds = []
+        for path, n in runs:
+            hops = [path] + (["dram"] if path != "dram" else [])
+            for k in range(n):
+                opens = k % per_transfer == 0 if per_transfer else k == 0
+                seconds.append(sum(p.bandwidth.estimate(h).seconds(bb, transfers=int(opens)) for h in hops))
+        totals = [sum(seconds[:j]) + cost.seconds(j * bt, blocks * bt) for j in range(blocks + 1)]
+        if not blocks:
+            assert d.outcome is LoadChoice.NONE
+            continue
+        best = max(j for j, t in enumerate(totals) if t <= min(totals) * (1 + 1e-9))
+        assert d.load_s + d.recompute_s == pytest.approx(min(totals), rel=1e-9)
+        assert d.load_blocks == best or totals[d.load_blocks] == pytest.approx(min(totals), rel=1e-9)
+        assert d.all_load_s == pytest.approx(sum(seconds), rel=1e-9)
+        assert d.all_recompute_s == pytest.approx(totals[0], rel=1e-9)
+
+
 def test_nothing_matched_is_a_normal_answer():
     p = policy()
     for runs in ([], {"dram": 0}):
