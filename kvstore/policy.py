@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-
 from kvstore.layout import KVLayout
 from kvstore.modelcfg import ModelConfig
 
