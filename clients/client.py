@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +27,14 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.layout import AttnKind, HeadShard, KVLayout
-from kvstore.tiers.arena import Arena, HandoutRefused, recv_fd, recv_header, slot_runs
+from kvstore.tiers.arena import Arena, slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
 from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease,
                                     _Future)
+from kvstore.clients.handout import handout, hbm_pool
 from kvstore.clients.query_channel import QueryChannel, Unsent
 from kvstore.clients.session import UNIX_CHANNEL_OPTIONS, SessionKeeper, listening, refusal
 
@@ -303,48 +303,16 @@ class KVStoreClient:
             self._fast = None
         if self.query_channel:  # the watch that ends the session with this process comes with it
             try:
-                _, _, s = self._handout(resp.arena_socket, resp.session_id + b"Q", want_fd=False)
+                _, _, s = handout(resp.arena_socket, resp.session_id + b"Q", False, self.timeout_s)
                 self._fast = QueryChannel(s, resp.session_id)
             except KVStoreError as e:
                 log.debug("no query channel (%s): Lookups and Acquires go over gRPC", e.message)
         if not self.map_arena and self._fast is None:  # no memory, only the watch
-            _, _, s = self._handout(resp.arena_socket, resp.session_id + b"W", want_fd=False)
+            _, _, s = handout(resp.arena_socket, resp.session_id + b"W", False, self.timeout_s)
             s.close()
 
-    def _handout(self, path: str, request: bytes, want_fd: bool):
-        """Ask the daemon's arena socket for what ``request`` names: ``(fd or None, size, socket)``
-        (the socket is open: an HBM handle's body follows on it). A busy daemon (a connection
-        cap) is asked again, backing off, until ``timeout_s``; a refusal that will not change, or
-        one still there at the timeout, raises KVStoreError with the daemon's reason."""
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.01
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.settimeout(max(0.05, deadline - time.monotonic()))
-                s.connect(path)
-                try:
-                    s.sendall(request)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # refused before it read the request: its reason waits to be read
-                fd, size = recv_fd(s) if want_fd else recv_header(s)
-                return fd, size, s
-            except HandoutRefused as e:
-                s.close()
-                if not e.retryable:
-                    raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, f"arena handout ({path}): {e.reason}") from None
-                if time.monotonic() + delay > deadline:
-                    raise KVStoreError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"arena handout ({path}) still refused after "
-                                       f"{self.timeout_s:g} s: {e.reason}") from None
-            except (OSError, ConnectionError) as e:  # no answer at all: a daemon going away, or an old one
-                s.close()
-                raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"arena handout ({path}) failed: "
-                                   f"{getattr(e, 'strerror', None) or e}") from None
-            time.sleep(delay)
-            delay = min(2 * delay, 0.2)
-
     def _map_arena(self, resp: pb.RegisterResponse) -> None:
-        fd, size, s = self._handout(resp.arena_socket, resp.session_id, want_fd=True)
+        fd, size, s = handout(resp.arena_socket, resp.session_id, True, self.timeout_s)
         s.close()
         if self.arena is not None:
             old, new = os.fstat(self.arena.fd), os.fstat(fd)
@@ -365,36 +333,8 @@ class KVStoreClient:
         """Map the daemon's HBM pool in this process (``kvstore.tiers.hbm.PoolMapping``; its
         ``mem`` is a uint8 tensor). ReadLease.hbm_offsets says where each pinned block's HBM copy
         is. Raises KVStoreError when the daemon has no HBM tier."""
-        import json
-
-        from kvstore.tiers.hbm import open_pool
-
         self.require_data_session()
-        try:
-            fd, size, s = self._handout(self.info.arena_socket, self.session_id + b"H", want_fd=False)
-        except KVStoreError as e:
-            if e.code is not grpc.StatusCode.UNAVAILABLE:
-                raise
-            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon has no HBM tier (hbm.capacity_bytes), "
-                               "or this session ended (register again)") from None
-        with s:
-            body = b""
-            while len(body) < size:
-                chunk = s.recv(size - len(body))
-                if not chunk:
-                    break
-                body += chunk
-        handle = json.loads(body)
-        if fd is not None and fd >= 0:
-            handle["fd"] = fd
-        for k in ("handle", "ref_counter_handle", "event_handle"):
-            if isinstance(handle.get(k), str):
-                handle[k] = bytes.fromhex(handle[k])
-        try:
-            return open_pool(handle)
-        finally:
-            if handle.get("fd") is not None:
-                os.close(handle["fd"])
+        return hbm_pool(self.info.arena_socket, self.session_id, self.timeout_s)
 
     def keys(self, token_ids) -> list[BlockKey]:
         if self.namespace is None:
