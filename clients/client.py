@@ -36,7 +36,7 @@ from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, Pu
                                     _Future)
 from kvstore.clients.handout import handout, hbm_pool
 from kvstore.clients.query_channel import QueryChannel, Unsent
-from kvstore.clients.session import UNIX_CHANNEL_OPTIONS, SessionKeeper, listening, refusal
+from kvstore.clients.session import NOT_CONNECTED, UNIX_CHANNEL_OPTIONS, SessionKeeper, listening, refusal
 
 log = logging.getLogger("kvstore.client")
 
@@ -223,11 +223,12 @@ class KVStoreClient:
         try:
             return stub(request, timeout=timeout_s)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or self.remote or not listening(self.socket_path):
+            if (e.code() != grpc.StatusCode.UNAVAILABLE or NOT_CONNECTED not in (e.details() or "") or self.remote
+                    or not listening(self.socket_path)):
                 raise
-        # The channel met the daemon away (a call while it restarted) and now fails every call
-        # until its reconnect backoff ends, though the daemon is back: wait for the connection.
-        # A restarted daemon knows no session of ours: the caller registers again.
+        # Never sent: the channel met the daemon away (a call while it restarted) and fails every
+        # call until its reconnect backoff ends, though the daemon is back. Wait for the
+        # connection. A restarted daemon knows no session of ours: the caller registers again.
         return stub(request, timeout=timeout_s, wait_for_ready=True)
 
     def _may_resend(self, err: KVStoreError, request) -> bool:

@@ -33,8 +33,11 @@ CLOSE_TIMEOUT_S = 2.0  # bound on CloseSession when a client closes or its proce
 # gRPC's reconnect backoff on the daemon's unix socket. A call made while the daemon was away
 # (restarting) fails to connect; gRPC then fails every call at once, without trying, until its
 # backoff has passed: 1 s by default, growing to 120 s. A local socket costs nothing to retry.
-UNIX_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                        ("grpc.max_reconnect_backoff_ms", 1000)]
+# (Not grpc.min_reconnect_backoff_ms: gRPC core takes that as the connect timeout.)
+UNIX_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# How gRPC says a call was never sent: it found no connection to the daemon (an UNAVAILABLE the
+# daemon sends itself, e.g. a draining daemon's Reserve, must not be sent again).
+NOT_CONNECTED = "failed to connect to all addresses"
 
 
 def listening(socket_path: str) -> bool:

@@ -255,6 +255,58 @@ def test_a_call_while_the_daemon_was_away_does_not_fail_the_first_after_its_rest
         assert d.stop() == 0
 
 
+class NotConnected(grpc.RpcError):
+    """What gRPC raises for a call it never sent: no connection to the daemon."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "failed to connect to all addresses; last error: UNAVAILABLE: (injected)"
+
+
+class CountingStub:
+    """The client's stub, counting each method's calls (and their keyword arguments); the first
+    ``fail_first`` call of each method raises :class:`NotConnected` instead."""
+
+    def __init__(self, stub, fail_first: int = 0) -> None:
+        self._stub, self.fail_first, self.calls = stub, fail_first, {}
+
+    def __getattr__(self, name):
+        real = getattr(self._stub, name)
+
+        def call(request, **kw):
+            self.calls.setdefault(name, []).append(kw)
+            if len(self.calls[name]) <= self.fail_first:
+                raise NotConnected()
+            return real(request, **kw)
+        return call
+
+
+def test_a_call_never_sent_is_sent_again_once_the_daemon_listens_and_no_other_is(daemons):
+    """gRPC's "failed to connect" with the daemon's socket accepting: sent once more, waiting for
+    the connection. An UNAVAILABLE the daemon sends itself (a Prefetch with no lower tier) keeps
+    its message and is sent once; with no daemon listening, the call fails at once."""
+    d = daemons()
+    c = KVStoreClient(d.socket_path, query_channel=False)
+    c.register(LAYOUT, "never-sent")
+    c.put(TOKENS, _kv())
+    c.stub = stub = CountingStub(c.stub, fail_first=1)
+    assert c.lookup(TOKENS) == len(TOKENS)
+    assert stub.calls["Lookup"] == [{"timeout": c.timeout_s}, {"timeout": c.timeout_s, "wait_for_ready": True}]
+    c.stub = stub = CountingStub(stub._stub)
+    with pytest.raises(KVStoreError) as e:
+        c.prefetch(c.keys(TOKENS))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no lower tier" in e.value.message
+    assert len(stub.calls["Prefetch"]) == 1
+    c.stub = stub = CountingStub(stub._stub, fail_first=1)
+    d.stop()
+    with pytest.raises(KVStoreError) as e:
+        c.lookup(TOKENS)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and len(stub.calls["Lookup"]) == 1
+    c.close(end_session=False)
+
+
 def test_a_worker_that_exits_without_close_ends_its_session(daemon, client_factory):
     obs = client_factory(LAYOUT)
     base = counters(obs)["sessions"]
