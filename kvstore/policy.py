@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from kvstore.layout import KVLayout
 from kvstore.modelcfg import ModelConfig
 
@@ -315,6 +317,60 @@ def runs_of(paths: Iterable[object]) -> list[tuple[str, int]]:
     return runs
 
 
+PY_SPLIT_BLOCKS = 256  # prefixes up to this many blocks are priced in plain Python, longer ones in numpy
+
+
+def splits(counts: Sequence[int], per_block_s: Sequence[float], latency_s: Sequence[float], per_transfer: int,
+           block_tokens: int, cost: "PrefillCostModel") -> tuple[Sequence[float], Sequence[float], int]:
+    """Every split of a matched prefix of runs of ``counts`` blocks (each run's seconds per block
+    and per transfer opened): ``load[j]`` and ``recompute[j]`` for loading the first j blocks
+    and recomputing the rest, and the cheapest j (the last of equals: ties load more).
+
+    A Lookup's answer waits for this. On a core that has just been idle a dozen small numpy
+    calls cost 2.5 ms (0.08 ms warm; a 2-core VM), so a prefix of up to ``PY_SPLIT_BLOCKS``
+    blocks is priced in plain Python; a longer one in numpy, where plain Python's per-block cost
+    passes numpy's. Both do the same float operations in the same order: the same answers."""
+    if sum(counts) > PY_SPLIT_BLOCKS:
+        return _splits_np(counts, per_block_s, latency_s, per_transfer, block_tokens, cost)
+    return _splits_py(counts, per_block_s, latency_s, per_transfer, block_tokens, cost)
+
+
+def _splits_py(counts, per_block_s, latency_s, per_transfer, block_tokens, cost):
+    load = [0.0]  # each block's seconds, plus the latency where it opens a transfer
+    for n, c, lat in zip(counts, per_block_s, latency_s):
+        for k in range(n):
+            opens = k % per_transfer == 0 if per_transfer else k == 0
+            load.append(load[-1] + (c + lat if opens else c))
+    blocks = len(load) - 1
+    matched = blocks * block_tokens
+    lin, attn, rate = cost.linear_flops_per_token, cost.attn_flops_per_pair, cost.flops_per_s
+    pairs_all = float(matched * (matched + 1))
+    recompute = []
+    for j in range(blocks + 1):
+        s = float(j * block_tokens)
+        recompute.append((lin * (matched - s) + attn * (pairs_all - s * (s + 1)) / 2) / rate)
+    best = 0
+    for j in range(1, blocks + 1):
+        if load[j] + recompute[j] <= load[best] + recompute[best]:
+            best = j
+    return load, recompute, best
+
+
+def _splits_np(counts, per_block_s, latency_s, per_transfer, block_tokens, cost):
+    n_arr = np.asarray(counts, dtype=np.int64)
+    blocks = int(n_arr.sum())
+    within = np.arange(blocks) - np.repeat(np.cumsum(n_arr) - n_arr, n_arr)
+    opens = within % per_transfer == 0 if per_transfer else within == 0
+    step = np.repeat(per_block_s, n_arr) + opens * np.repeat(latency_s, n_arr)
+    matched = blocks * block_tokens
+    load = np.concatenate([[0.0], np.cumsum(step)])
+    starts = np.arange(blocks + 1, dtype=np.float64) * block_tokens
+    recompute = (cost.linear_flops_per_token * (matched - starts) + cost.attn_flops_per_pair
+                 * (matched * (matched + 1) - starts * (starts + 1)) / 2) / cost.flops_per_s
+    total = load + recompute
+    return load, recompute, int(blocks - np.argmin(total[::-1]))
+
+
 class LoadPolicy:
     """Decides load-or-recompute per block from measured paths and a prefill cost model.
     ``counts`` tallies outcomes for the metrics exporter. Thread-safe: the bandwidth estimator
@@ -370,27 +426,9 @@ class LoadPolicy:
                 with self._count_lock:
                     self.counts[LoadChoice.NONE] += 1
             return Decision(LoadChoice.NONE, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "no matched blocks")
-        # Loading the first j blocks and recomputing the rest, for every j, in plain Python: a
-        # Lookup's answer waits for this, and a dozen small numpy calls cost 2-3 ms on a core
-        # that was idle (0.08 ms warm; measured on a 2-core VM), a loop of 64 blocks far less.
-        # load[j]: each block's seconds, plus the latency where it opens a new transfer.
-        per_transfer = self.config.max_blocks_per_transfer
-        load = [0.0]
-        for n, c, lat in zip(counts, per_block_s, latency_s):
-            for k in range(n):
-                opens = k % per_transfer == 0 if per_transfer else k == 0
-                load.append(load[-1] + (c + lat if opens else c))
         matched = blocks * block_tokens
-        lin, attn, rate = cost.linear_flops_per_token, cost.attn_flops_per_pair, cost.flops_per_s
-        pairs_all = float(matched * (matched + 1))
-        recompute = []
-        for j in range(blocks + 1):
-            s = float(j * block_tokens)
-            recompute.append((lin * (matched - s) + attn * (pairs_all - s * (s + 1)) / 2) / rate)
-        best = 0
-        for j in range(1, blocks + 1):
-            if load[j] + recompute[j] <= load[best] + recompute[best]:
-                best = j  # the last minimum: ties load more
+        load, recompute, best = splits(counts, per_block_s, latency_s, self.config.max_blocks_per_transfer,
+                                       block_tokens, cost)
         slowest = min((ests[k] for k in used), key=lambda e: e.bytes_per_s)
         outcome = LoadChoice.LOAD if best == blocks else LoadChoice.RECOMPUTE if best == 0 else LoadChoice.PARTIAL
         if count:

@@ -329,6 +329,26 @@ def test_the_split_is_the_cheapest_of_every_split_with_quadratic_attention():
         assert d.all_recompute_s == pytest.approx(totals[0], rel=1e-9)
 
 
+def test_both_ways_of_pricing_the_splits_give_the_same_floats():
+    """``splits`` prices short prefixes in plain Python and long ones in numpy: the same float
+    operations in the same order, so the same figures to the bit and the same choice."""
+    import random
+
+    from kvstore.policy import _splits_np, _splits_py
+
+    rnd = random.Random(11)
+    for _ in range(200):
+        k = rnd.randrange(1, 4)
+        counts = [rnd.randrange(0, 400) for _ in range(k)]
+        per_block = [rnd.choice([1e-6, 3.3e-5, 2.0**-10]) * rnd.random() for _ in range(k)]
+        latency = [rnd.choice([0.0, 1e-4, 7e-6]) for _ in range(k)]
+        cost = PrefillCostModel.calibrated(rnd.choice([1e6, 1e9]), rnd.choice([0.0, 1e3, 1e6]),
+                                           tokens_per_s=rnd.choice([500.0, 20_000.0]), ref_tokens=2048)
+        args = (counts, per_block, latency, rnd.choice([0, 1, 3, 64]), rnd.choice([16, 32]), cost)
+        (lp, rp, bp), (ln, rn, bn) = _splits_py(*args), _splits_np(*args)
+        assert lp == ln.tolist() and rp == rn.tolist() and bp == bn
+
+
 def test_nothing_matched_is_a_normal_answer():
     p = policy()
     for runs in ([], {"dram": 0}):
