@@ -335,15 +335,28 @@ def test_a_damaged_index_geometry_disables_the_tier_with_a_clear_message(tmp_pat
 def test_free_port_never_hands_a_port_twice_and_keeps_to_its_range():
     """``free_port`` (every benchmark's and test's listener ports): a port handed out is never
     handed again in the same process, even before anything binds it (two picks for one daemon
-    once met), a port in use is skipped, and a range it cannot fill is refused."""
+    once met), a port in use is skipped, and a range it cannot fill is refused. Nine ports below
+    the tests' own range, held here first so nothing else has them."""
     from kvstore.app.local import free_port
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        busy = taken.getsockname()[1]
-        got = [free_port(busy, busy + 9) for _ in range(8)]  # nine ports, one of them in use
-        assert len(set(got)) == 8 and busy not in got and all(busy < p < busy + 9 for p in got)
+    held = None
+    for base in range(10000, 19000, 97):
+        socks = [socket.socket() for _ in range(9)]
+        try:
+            for k, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + k))
+            held = base
+            break
+        except OSError:
+            pass
+        finally:
+            for s in socks[1:] if held is not None else socks:
+                s.close()
+    assert held is not None, "no nine free loopback ports in a row below 19000"
+    with socks[0]:  # the one in use
+        got = [free_port(held, held + 9) for _ in range(8)]
+        assert sorted(got) == list(range(held + 1, held + 9))
         with pytest.raises(RuntimeError, match="no free loopback port"):
-            free_port(busy, busy + 1)
+            free_port(held, held + 1)
     with pytest.raises(ValueError, match="empty range"):
         free_port(30000, 30000)

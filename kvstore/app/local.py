@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class LocalDaemon:
 
 
 _HANDED: set[int] = set()  # the ports free_port returned in this process
+_HANDED_LOCK = threading.Lock()
 
 
 def free_port(low: int = 20000, high: int | None = None) -> int:
@@ -65,20 +67,21 @@ def free_port(low: int = 20000, high: int | None = None) -> int:
             high = 32768
     if high <= low:
         raise ValueError(f"free_port: empty range [{low}, {high})")
-    handed = {p for p in _HANDED if low <= p < high}
-    if len(handed) == high - low:
-        _HANDED.difference_update(handed)  # every one handed out: start the range again
-    for _ in range(1000):
-        port = low + secrets.randbelow(high - low)
-        if port in _HANDED:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with _HANDED_LOCK:
+        handed = {p for p in _HANDED if low <= p < high}
+        if len(handed) == high - low:
+            _HANDED.difference_update(handed)  # every one handed out: start the range again
+        for _ in range(1000):
+            port = low + secrets.randbelow(high - low)
+            if port in _HANDED:
                 continue
-        _HANDED.add(port)
-        return port
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED.add(port)
+            return port
     raise RuntimeError(f"no free loopback port in [{low}, {high})")
 
 
