@@ -18,14 +18,24 @@ LOG_TAIL = 4000  # characters of a daemon's log shown when it misbehaves
 PORTS = (20000, 32768)  # below the kernel's ephemeral range (32768-60999 by default)
 
 
-def free_port() -> int:
-    """A free loopback port from this xdist worker's own slice of PORTS: the two workers each
-    pick ports they bind a little later, and the same random pick in both once took a daemon's
-    listener (EADDRINUSE in CI)."""
+def worker_ports() -> tuple[int, int]:
+    """This xdist worker's own slice of PORTS: the two workers each pick ports they bind a
+    little later, and the same random pick in both once took a daemon's listener (EADDRINUSE in
+    CI)."""
     n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     span = (PORTS[1] - PORTS[0]) // count
-    return _free_port(PORTS[0] + n * span, PORTS[0] + (n + 1) * span)
+    return PORTS[0] + n * span, PORTS[0] + (n + 1) * span
+
+
+def free_port() -> int:
+    """A free loopback port from this worker's slice (:func:`worker_ports`)."""
+    return _free_port(*worker_ports())
+
+
+# The benchmarks a test runs in this process pick their daemons' ports with kvstore's own
+# free_port and its default range: keep those in this worker's slice too.
+_free_port.__defaults__ = worker_ports()
 
 
 @dataclass
