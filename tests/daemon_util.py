@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,23 @@ class DaemonProc:
     def kill(self) -> None:
         self.killed = True
         self.stop(signal.SIGKILL)
+
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, and return once every thread of the daemon is stopped: a request sent before
+        the signal took hold could still be answered (a paused peer once answered a Lookup sent
+        right after its SIGSTOP, in CI)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        task = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in task.iterdir()]
+            except (OSError, IndexError):
+                states = []  # a thread ended while read: read again
+            if states and all(x in "Tt" for x in states):
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"daemon {self.log_path.stem} not stopped {timeout_s} s after SIGSTOP")
 
 
 def spawn(args: list[str], socket_path: str, log_path: Path, *, env: dict | None = None,

@@ -80,7 +80,7 @@ def test_the_directory_names_the_holder_and_no_other_peer_is_asked(daemons, etcd
     assert scraped(c, "kvstore_cluster_directory_entries") == 8
     # A frozen: no heartbeat comes, so its lag grows past several heartbeats while B's stays
     # short, until A's lease runs out and C drops its stream.
-    a.proc.send_signal(signal.SIGSTOP)
+    a.pause()
     try:
         lagging = wait_for(lambda: (st := streams(cc)).get("dir-a") and st["dir-a"].lag_s > 5 * HEARTBEAT_S and st,
                            what="A's lag past 5 heartbeats")

@@ -125,7 +125,7 @@ def test_lookup_names_a_peers_extension_and_the_advice_follows_the_measured_link
     # deadline: the answer comes without its blocks, advising from what is local.
     fresh = list(range(20_000, 20_000 + 4 * BT))
     assert ca_.put(fresh, kv_for(fresh, 5)) == 4
-    a.proc.send_signal(signal.SIGSTOP)
+    a.pause()
     try:
         res = cc.lookup_keys(cc.keys(fresh), ask_peers=True)
     finally:

@@ -254,7 +254,7 @@ def test_pulls_across_a_fleet_with_failures_and_an_etcd_restart(daemons, net, et
     assert {n: m["epoch"] for n, m in members().items() if n in NAMES} == {n: 1 for n in NAMES}
 
     # A stalls (paused, still registered): C's pull ends at its deadline, as a miss.
-    a.proc.send_signal(signal.SIGSTOP)
+    a.pause()
     try:
         r = pull(c, cc, third, holder="pull-a", deadline_s=1.0)
     finally:

@@ -143,7 +143,7 @@ def test_a_pull_that_misses_is_recomputed(fleet):
     assert [r["cached_tokens"] for r in refs] == [0, 0]
     move_to_a(fleet, Q, keep=2)
     move_to_a(fleet, R, keep=0)
-    a.proc.send_signal(signal.SIGSTOP)
+    a.pause()
     try:
         got = e.generate([Q, R])["results"]  # both pulls miss within their deadline: vLLM recomputes
     finally:
