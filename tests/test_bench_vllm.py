@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore.app.cli import main  # noqa: E402
+from kvstore.tiers.arena import shmem_thp_mode  # noqa: E402
 
 CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
 
@@ -54,6 +55,8 @@ def test_bench_vllm_json_tiny(tmp_path, capsys):
     text = table(r)  # the default output, from the same figures
     assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1
     assert "first hit" in text and "floors" in text and "raw paths, same run" in text
+    # The figures say which pages the arena was on (this host's setting, read as the daemon reads it).
+    assert r["shmem_thp"] == shmem_thp_mode() and f"shared-memory huge pages: {r['shmem_thp']} " in text
 
 
 def test_bench_vllm_hybrid_json_qwen3_next(tmp_path, capsys):

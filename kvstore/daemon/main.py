@@ -50,7 +50,7 @@ from kvstore.daemon.seams import BothEvents
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
-from kvstore.tiers.arena import SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mode
+from kvstore.tiers.arena import HUGE_SHMEM, SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
 from kvstore.transport import Sender, TransferConfig
@@ -129,8 +129,8 @@ class Daemon:
         dram_bytes = cfg.resolved_dram_bytes()
         thp = shmem_thp_mode()
         log.info("creating %.2f GiB DRAM arena (prefault=%s, shared-memory huge pages: %s%s)", dram_bytes / 2**30,
-                 cfg.dram.prefault, thp, "" if thp in ("advise", "always", "within_size", "force") else
-                 "; set advise in " + SHMEM_THP + " for ~25% faster copies")
+                 cfg.dram.prefault, thp, "" if thp in HUGE_SHMEM else
+                 "; the arena is on 4 KiB pages: set advise in " + SHMEM_THP + " (docs/deploy.md, host tuning)")
         try:  # the doorbell cells live just past the slots
             self.arena = Arena(dram_bytes + doorbell.REGION_BYTES, prefault=cfg.dram.prefault, stop=interrupt)
         except OSError as e:

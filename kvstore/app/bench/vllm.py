@@ -39,6 +39,7 @@ from pathlib import Path
 
 from kvstore.app.bench.vllm_engine import MODEL_SIZES, EngineProc, EngineSpec, save_llama
 from kvstore.app.local import start_daemon
+from kvstore.tiers.arena import HUGE_SHMEM, shmem_thp_mode
 
 BT = 32  # tokens per block; vLLM's CPU backend wants a multiple of 32
 CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
@@ -307,8 +308,8 @@ def run(a) -> dict:
     return {"bench": "vllm", "unit": "milliseconds of wall time around LLM.generate; ratios of same-run medians",
             "model": {"size": a.size, **shape, "head_dim": head_dim, "dtype": "float32", "weights_bytes": weights,
                       "kv_bytes_per_token": kv_token, "block_tokens": BT},
-            "cpu": cpu_name(), "follow_policy": a.follow_policy, "reps": a.reps, "new_tokens": a.new_tokens,
-            "raw": raw, "rows": rows, "verified": all(r["verified"] for r in rows), "target": target(rows)}
+            "cpu": cpu_name(), "shmem_thp": shmem_thp_mode(), "follow_policy": a.follow_policy, "reps": a.reps,
+            "new_tokens": a.new_tokens, "raw": raw, "rows": rows, "verified": all(r["verified"] for r in rows), "target": target(rows)}
 
 
 def table(r: dict) -> str:
@@ -320,7 +321,9 @@ def table(r: dict) -> str:
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
         f"{m['dtype']}, {m['weights_bytes'] / 1e6:.0f} MB weights, KV {m['kv_bytes_per_token']} bytes/token, "
         f"{m['block_tokens']}-token blocks",
-        f"CPU: {r['cpu']} (vLLM CPU backend, eager)",
+        f"CPU: {r['cpu']} (vLLM CPU backend, eager); shared-memory huge pages: {r.get('shmem_thp', 'unknown')} "
+        + ("(the arena is on huge pages)" if r.get("shmem_thp") in HUGE_SHMEM else
+           "(the arena is on 4 KiB pages: docs/deploy.md, host tuning)"),
         f"follow_policy: {str(r['follow_policy']).lower()} "
         + ("(the daemon's load-or-recompute policy decides)" if r["follow_policy"]
            else "(every hit block is loaded; --follow-policy lets the daemon's policy decide)"),
