@@ -113,6 +113,21 @@ def test_sysusers_creates_the_service_account(tmp_path):
     assert re.search(rf"^{user}:x:\d+:\d+:.*:/usr/sbin/nologin$", passwd, re.M), passwd
 
 
+@pytest.mark.skipif(not shutil.which("systemd-tmpfiles"), reason="systemd-tmpfiles not installed")
+def test_tmpfiles_drop_in_turns_on_shared_memory_huge_pages(tmp_path):
+    """The drop-in writes "advise" into shmem_enabled (here a file under --root, as the kernel's
+    sysfs file would take it), and nothing else."""
+    thp = tmp_path / "sys" / "kernel" / "mm" / "transparent_hugepage"
+    thp.mkdir(parents=True)
+    (thp / "shmem_enabled").write_text("never\n")
+    out = subprocess.run(["systemd-tmpfiles", f"--root={tmp_path}", "--create",
+                          str(DEPLOY / "systemd" / "kvstore-thp.conf")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (thp / "shmem_enabled").read_text().strip() == "advise"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kernel", "mm", "shmem_enabled", "sys",
+                                                            "transparent_hugepage"]
+
+
 # --- container build and docs ---------------------------------------------------------------
 
 def test_containerfile(tmp_path):
