@@ -495,10 +495,15 @@ class KVStoreClient:
             raise
         return leases
 
-    def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0) -> ReadLease:
+    def acquire(self, keys: Sequence[bytes], allow_partial: bool = False, wait_s: float = 0.0,
+                min_blocks: int = 0) -> ReadLease:
+        """Pin ``keys`` (``allow_partial``: as many leading ones as are in DRAM), waiting up to
+        ``wait_s`` for the daemon to promote them from NVMe; ``min_blocks`` (with
+        ``allow_partial``): answer once that many leading keys are in DRAM."""
         self.require_data_session()
         resp = self.call("Acquire", pb.AcquireRequest(session_id=self.session_id, keys=pack(keys),
-                                                       allow_partial=allow_partial, wait_s=wait_s),
+                                                       allow_partial=allow_partial, wait_s=wait_s,
+                                                       min_blocks=min_blocks),
                           timeout_s=self.timeout_s + wait_s)  # the daemon may wait wait_s for promotions
         return ReadLease(self, resp)
 

@@ -4,6 +4,8 @@ shipping here. Each is a context manager; the data moves through zero-copy arena
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Self
 
@@ -209,43 +211,82 @@ class ReadLease:
 
 
 class PinnedPieces:
-    """One chain's blocks (``keys``) pinned in pieces of ``per`` keys, one Acquire after the
-    other on ``executor`` (each may wait ``wait_s`` for the daemon's promotions), so a caller
-    copies piece k while the daemon still reads the later ones: iterating yields ``(keys asked,
-    ReadLease)`` in order as each answers. Leases not taken by :meth:`close` (the caller
-    stopped early, or failed) are released as soon as they answer. One piece: a plain Acquire
-    on the caller's thread."""
+    """One chain's blocks (``keys``) pinned in pieces of at least ``per`` keys, one Acquire after
+    the other on ``executor`` (together waiting no longer than ``wait_s`` for the daemon's
+    promotions), so a caller copies piece k while the daemon still reads the later ones. Each
+    Acquire names every key left and is answered once ``per`` more are in DRAM, pinning all that
+    are by then: pieces that landed together come as one lease, one copy. Iterating yields
+    ``(keys wanted, ReadLease)`` in order as each answers; a lease that pins fewer than wanted
+    is the last (the rest is not there). Leases not taken by :meth:`close` (the caller stopped
+    early, or failed) are released as soon as they answer. ``per`` covering every key: a plain
+    Acquire on the caller's thread."""
 
     def __init__(self, client: "KVStoreClient", keys, per: int, wait_s: float, executor) -> None:
-        starts = range(0, len(keys), max(1, per))
-        self.sizes = [min(per, len(keys) - i) for i in starts]
-        self._executor = executor
-        if len(self.sizes) == 1:
-            self._leases = [_done(client.acquire(keys, allow_partial=True, wait_s=wait_s))]
-        else:
-            # One deadline for all the pieces: together they wait no longer than one Acquire would.
-            deadline = time.monotonic() + wait_s
+        self._client, self._keys, self._per, self._executor = client, list(keys), max(1, per), executor
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (wanted, Future of a ReadLease), None: no more
+        self._lock = threading.Lock()
+        self._closed = False
+        if self._per >= len(self._keys):
+            self._answers.put((len(self._keys), _done(client.acquire(self._keys, allow_partial=True, wait_s=wait_s))))
+            self._answers.put(None)
+            return
+        task = executor.submit(self._acquire_all, time.monotonic() + wait_s)
+        task.add_done_callback(self._cancelled)
 
-            def acquire(piece):
-                return client.acquire(piece, allow_partial=True, wait_s=max(0.0, deadline - time.monotonic()))
+    def _acquire_all(self, deadline: float) -> None:
+        """On the executor's thread: the Acquires, each from where the last one's lease ended."""
+        start, n = 0, len(self._keys)
+        try:
+            while start < n:
+                want, answer = min(self._per, n - start), concurrent.futures.Future()
+                try:
+                    answer.set_result(self._client.acquire(self._keys[start:], allow_partial=True, min_blocks=want,
+                                                           wait_s=max(0.0, deadline - time.monotonic())))
+                except Exception as e:  # noqa: BLE001 - the caller meets it where it takes this piece
+                    answer.set_exception(e)
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._answers.put((want, answer))
+                if closed:
+                    _release_answered(answer)  # on this thread, as every release of an untaken lease
+                    return
+                if answer.exception() is not None or answer.result().count < want:
+                    return
+                start += answer.result().count
+        finally:
+            self._answers.put(None)
 
-            self._leases = [executor.submit(acquire, keys[i:i + per]) for i in starts]
-        self._taken = 0
+    def _cancelled(self, task: concurrent.futures.Future) -> None:
+        """The executor was shut down before the Acquires started: the caller's wait ends."""
+        if task.cancelled():
+            gone: concurrent.futures.Future = concurrent.futures.Future()
+            gone.cancel()
+            self._answers.put((0, gone))
+            self._answers.put(None)
 
     def __iter__(self):
-        for want, f in zip(self.sizes, self._leases):
-            self._taken += 1
-            yield want, f.result()
+        while (answer := self._answers.get()) is not None:
+            want, lease = answer
+            yield want, lease.result()
 
     def close(self) -> None:
-        for f in self._leases[self._taken:]:
-            if f.cancel():
-                continue
-            if f.done():  # answered already: released on the executor, not on the caller's thread
+        with self._lock:
+            self._closed = True
+            untaken = []
+            while True:
+                try:
+                    answer = self._answers.get_nowait()
+                except queue.Empty:
+                    break
+                if answer is not None:
+                    untaken.append(answer[1])
+            self._answers.put(None)  # an iteration after this ends at once
+        for f in untaken:  # answered already: released on the executor, not on the caller's thread
+            try:
                 self._executor.submit(_release_answered, f)
-            else:
-                f.add_done_callback(_release_answered)  # runs on the executor's thread
-        self._taken = len(self._leases)
+            except RuntimeError:  # the executor is shut down: here, then
+                _release_answered(f)
 
     def __enter__(self) -> "PinnedPieces":
         return self
@@ -263,7 +304,7 @@ def _done(value) -> concurrent.futures.Future:
 def _release_answered(f: concurrent.futures.Future) -> None:
     """On the executor's thread: waited for there, so releases from several threads never share
     the client's list of releases in flight."""
-    if f.exception() is None:
+    if not f.cancelled() and f.exception() is None:
         try:
             f.result().release(wait=True)
         except KVStoreError:

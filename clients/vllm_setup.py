@@ -86,7 +86,7 @@ class ConnectorSettings:
     require_daemon: bool = False         # "require_daemon": an unreachable daemon fails vLLM's start
     transfer_wait_s: float = 5.0         # "transfer_wait_s": a decode waits this long for an announced transfer
     kv_codec: str = ""                   # "kv_codec": int8 | fp8 stores blocks quantized on NVMe (docs/compression.md)
-    load_piece_bytes: int = 4 << 20      # "load_piece_bytes": a load from NVMe is pinned and copied in pieces this size (0: whole)
+    load_piece_bytes: int = 4 << 20      # "load_piece_bytes": a load from NVMe is pinned and copied in pieces of at least this size (0: whole)
 
     NAMES = {"kvstore_socket": "socket_path", "model_id": "model_id", "block_tokens": "block_tokens",
              "tenant_salt": "tenant_salt", "prefill_tokens_per_s": "prefill_tokens_per_s",

@@ -187,10 +187,11 @@ class ConnectorWorker:
 
         A span the scheduler's Lookup pinned (``span.pinned``: a DRAM hit, one worker) is
         copied at once, without an Acquire. A span the daemon reads from NVMe is pinned in
-        pieces of ``load_piece_bytes``, one Acquire after the other on the acquire thread, and
-        each piece is copied as its Acquire returns: the daemon lands its reads piece by piece
-        (``nvme.promote_piece_bytes``), so the copy of one piece overlaps the reads of the next
-        instead of following them all."""
+        pieces of at least ``load_piece_bytes``, one Acquire after the other on the acquire
+        thread, each pinning every leading block landed by then, and each piece is copied as its
+        Acquire returns: the daemon lands its reads piece by piece (``nvme.promote_piece_bytes``),
+        so the copy of one piece overlaps the reads of the next instead of following them all,
+        and pieces that landed together are one copy."""
         client = path.client
         lease = span.pinned.lease(client) if span.pinned is not None else None
         if lease is not None:  # one piece, pinned already

@@ -220,6 +220,20 @@ def test_prefetch_into_an_unknown_tier(setup):
            "target", "TIER_DRAM")
 
 
+def test_min_blocks_without_allow_partial_is_refused_and_with_it_pins_the_leading_blocks(setup):
+    """An Acquire that may answer before every key is in DRAM can pin only the leading ones: it
+    must allow a partial answer. The largest min_blocks is as good as "all of them"."""
+    c, tokens, _ = setup
+    keys = b"".join(c.keys(tokens))
+    req = pb.AcquireRequest(session_id=c.session_id, keys=keys, min_blocks=2, wait_s=0.5)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call("Acquire", req, timeout_s=5), "min_blocks",
+           "allow_partial")
+    r = c.call("Acquire", pb.AcquireRequest(session_id=c.session_id, keys=keys, min_blocks=2**32 - 1,
+                                            allow_partial=True, wait_s=0.5), timeout_s=5)
+    assert r.acquired == len(c.keys(tokens)) and r.lease_id
+    c.call("Release", pb.ReleaseRequest(session_id=c.session_id, lease_id=r.lease_id))
+
+
 NOT_FINITE = (float("nan"), float("inf"), -float("inf"), -1.0)
 
 

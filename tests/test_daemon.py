@@ -88,25 +88,38 @@ def test_lookup_stops_at_first_miss(client_factory):
     assert c.lookup([1] * bt + tokens[bt:]) == 0
 
 
-def test_pinned_pieces_come_in_order_and_the_untaken_are_released(client_factory):
+def test_pinned_pieces_pin_what_is_there_from_where_the_last_piece_ended(client_factory):
+    """Each Acquire names every key left and pins every leading one in DRAM: seven resident
+    blocks in pieces of at least three come as one lease; a chain whose fourth block is missing
+    gives its three, then an empty lease that ends the pieces."""
     c = client_factory()
     bt = c.layout.block_tokens
     tokens = list(range(500, 500 + 7 * bt))
     keys = c.keys(tokens)
     assert c.put(tokens, np.ones(c.layout.tensor_shape(len(tokens)), np.float16)) == 7
+    with ThreadPoolExecutor(1) as ex, PinnedPieces(c, keys, 3, 0.0, ex) as pieces:
+        got = [(want, lease.count, lease.offsets) for want, lease in pieces]
+        again = c.acquire(keys)
+        assert got == [(3, 7, again.offsets)]
+        again.release(wait=True)
+    assert c.delete(keys[3:]) == 0  # the pieces' lease is the caller's to release
+    more = c.keys(list(range(500, 500 + 9 * bt)))  # the same chain two blocks on: not stored
+    with ThreadPoolExecutor(1) as ex, PinnedPieces(c, keys[:3] + more[7:], 2, 0.0, ex) as pieces:
+        got = [(want, lease.count) for want, lease in pieces]
+        assert got == [(2, 3), (2, 0)]
+
+
+def test_pinned_pieces_not_taken_are_released(client_factory):
+    c = client_factory()
+    bt = c.layout.block_tokens
+    tokens = list(range(700, 700 + 7 * bt))
+    keys = c.keys(tokens)
+    assert c.put(tokens, np.ones(c.layout.tensor_shape(len(tokens)), np.float16)) == 7
     with ThreadPoolExecutor(1) as ex:
         pieces = PinnedPieces(c, keys, 3, 0.0, ex)
-        assert pieces.sizes == [3, 3, 1]
-        want, first = next(iter(pieces))
-        again = c.acquire(keys[:3])
-        assert (want, first.count, first.offsets) == (3, 3, again.offsets)
-        again.release(wait=True)
-        pieces.close()  # the other two pieces were pinned for nothing: released as they answer
-    # A pinned block cannot be deleted; the first piece's three still are, the rest are not.
-    assert wait_for(lambda: c.delete(keys[3:]) == 4, 10, "the untaken pieces' pins released")
-    assert c.delete(keys[:3]) == 0
-    first.release(wait=True)
-    assert c.delete(keys[:3]) == 3
+        pieces.close()  # before taking its lease: released as it answers
+        assert list(pieces) == []
+    assert wait_for(lambda: c.delete(keys) == 7, 10, "the untaken pieces' pins released")
 
 
 def test_lookup_pins_a_dram_hit_for_another_client_to_release(client_factory):
@@ -141,10 +154,11 @@ class SlowAcquires(KVStoreClient):
         super().__init__(*a, **kw)
         self.delay_s, self.waits = delay_s, []
 
-    def acquire(self, keys, allow_partial=False, wait_s=0.0):
+    def acquire(self, keys, allow_partial=False, wait_s=0.0, min_blocks=0):
+        """Pins ``min_blocks`` at most, as a daemon whose reads land one piece at a time would."""
         self.waits.append(wait_s)
         time.sleep(self.delay_s)
-        return super().acquire(keys, allow_partial, wait_s)
+        return super().acquire(keys[:min_blocks or len(keys)], allow_partial, wait_s, min_blocks)
 
 
 def test_pinned_pieces_wait_no_longer_than_one_acquire_would(daemon):

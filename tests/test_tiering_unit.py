@@ -447,6 +447,27 @@ def test_make_resident_waits_no_longer_than_its_deadline(make):
     assert all(env.block(k).tier is DRAM for k in a)
 
 
+def test_make_resident_with_enough_answers_once_that_many_leading_blocks_landed(make):
+    """``enough`` (AcquireRequest.min_blocks): the wait ends once that many leading blocks are in
+    DRAM, the rest still being read; asked for one more, it waits to its deadline."""
+    env = make(promote_piece_bytes=2 * BLOCK)
+    a = demoted(env)[0]
+    env.tiering.prefetch(env.s, a, deadline_s=5.0)
+    assert env.nvme.complete(batches=1) == 1             # the first piece landed, the second never does
+    env.clock.step = 0.02
+    t0 = env.clock.t
+    env.tiering.make_resident(env.s, a, wait_s=1.0, enough=2)
+    assert env.clock.t - t0 < 0.1
+    assert [(env.block(k).tier, env.block(k).busy) for k in a] == [(DRAM, False)] * 2 + [(NVME, True)] * 2
+    t0 = env.clock.t
+    env.tiering.make_resident(env.s, a, wait_s=1.0, enough=3)
+    assert env.clock.t - t0 >= 1.0
+    with env.core.lock:                                  # what an Acquire pins then: the two
+        lease, blocks = env.core.acquire(env.s, join(a), allow_partial=True)
+        assert [b.key for b in blocks] == a[:2]
+        env.core.release(env.s, lease.id)
+
+
 def test_make_resident_each_promotes_past_a_missing_key(make):
     """``each`` (an engine's lookup of unrelated chunks): a key the daemon lacks does not stop
     the promotion of the NVMe blocks after it; without it the leading miss ends it."""

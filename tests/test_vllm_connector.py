@@ -404,15 +404,17 @@ def test_prefix_from_nvme_after_a_daemon_restart(restart_engines, daemons, ref):
     # Restarted again under the engine, with no request between: the worker's first Acquire
     # registers anew (a new arena), and its load must copy out of the new arena, not fail
     # and be recomputed (vLLM still counts recomputed tokens as cached, so the log says it).
-    # Its reads land a block at a time, and the engine pins and copies a block at a time
-    # (load_piece_bytes=1): an Acquire per block, each copied while the next is read.
+    # Its reads land a block at a time, and the engine pins and copies pieces of at least a
+    # block (load_piece_bytes=1): each Acquire pins every block landed by then, and is copied
+    # while the next ones are read.
     d.stop_cleanly()
     d = daemons(*r["nvme"], "--nvme-promote-piece-bytes", "1", dram="64MiB", socket_path=r["socks"]["fresh"],
                 name="restarted-again")
     got = e.generate([P1])["results"][0]
     assert got["cached_tokens"] == loadable(P1)
     same(got, ref["P1"])
-    assert rpc_count(d, "Acquire") >= loadable(P1) // BT  # one for the whole load without pieces (and the warm-up's)
+    # At most an Acquire per block (blocks that landed together come in one), and the warm-up's.
+    assert 1 <= rpc_count(d, "Acquire") <= loadable(P1) // BT + 1
     m = e.metrics()["metrics"]
     assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == loadable(P1)
     e.stop()

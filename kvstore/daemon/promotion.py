@@ -139,17 +139,18 @@ class Promoter:
             self.policy.observe("nvme", nbytes, time.perf_counter() - reads.t0)
 
     def make_resident(self, session, keys: list[bytes], wait_s: float, wanted: Callable[[], bool] = lambda: True,
-                      each: bool = False) -> None:
+                      each: bool = False, enough: int = 0) -> None:
         """Promote the leading NVMe blocks of ``keys`` (``each``: every one) and wait until they
-        are in DRAM, or until ``wait_s`` seconds have passed on the clock; ``wanted`` (the call's
-        ``is_active``) is asked every 50 ms, so a call whose client gave up ends then."""
+        are in DRAM (``enough``: until that many leading ones are, when not 0), or until
+        ``wait_s`` seconds have passed on the clock; ``wanted`` (the call's ``is_active``) is
+        asked every 50 ms, so a call whose client gave up ends then."""
         deadline = self.clock() + wait_s
         while True:
             gen = self.res.generation
             self.promote(session.ns, keys, each)  # idempotent: blocks under way are skipped
-            _, pending = self.res.resident(session.ns, keys, self.nvme.enabled, each)
+            ready, pending = self.res.resident(session.ns, keys, self.nvme.enabled, each)
             left = deadline - self.clock()
-            if not pending or left <= 0 or not wanted():
+            if not pending or 0 < enough <= ready or left <= 0 or not wanted():
                 return
             self.res.wait_for_change(gen, min(left, POLL_S))
 

@@ -323,12 +323,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @rpc
     def Acquire(self, req, context):
         finite(req.wait_s, "wait_s", "seconds")
+        if req.min_blocks and not (req.allow_partial or req.each):
+            raise invalid(f"min_blocks: {req.min_blocks} needs allow_partial (an answer before every key is "
+                          f"resident pins only the leading ones)")
         with self.core.lock:
             s = self._session(req.session_id)
         if req.wait_s > 0 and self.tiering is not None:
             with self._waiting(s, "Acquire", req.wait_s):
                 self.tiering.make_resident(s, self.core.keys(req.keys), wait_budget(context, min(req.wait_s, 60.0)),
-                                           context.is_active, each=req.each)
+                                           context.is_active, each=req.each, enough=req.min_blocks)
         found = bytearray() if req.each else None
         with self.core.lock:
             s = self._session(req.session_id)  # again after the wait: it may have ended

@@ -325,18 +325,20 @@ class AbortResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "allow_partial", "wait_s", "each")
+    __slots__ = ("session_id", "keys", "allow_partial", "wait_s", "each", "min_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     EACH_FIELD_NUMBER: _ClassVar[int]
+    MIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: bytes
     allow_partial: bool
     wait_s: float
     each: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ..., each: _Optional[bool] = ...) -> None: ...
+    min_blocks: int
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., allow_partial: _Optional[bool] = ..., wait_s: _Optional[float] = ..., each: _Optional[bool] = ..., min_blocks: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "acquired", "expires_in_s", "hbm_offsets", "found")
