@@ -226,6 +226,9 @@ class PinnedPieces:
         self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (wanted, Future of a ReadLease), None: no more
         self._lock = threading.Lock()
         self._closed = False
+        if not self._keys:
+            self._answers.put(None)
+            return
         if self._per >= len(self._keys):
             self._answers.put((len(self._keys), _done(client.acquire(self._keys, allow_partial=True, wait_s=wait_s))))
             self._answers.put(None)

@@ -107,6 +107,8 @@ def test_pinned_pieces_pin_what_is_there_from_where_the_last_piece_ended(client_
     with ThreadPoolExecutor(1) as ex, PinnedPieces(c, keys[:3] + more[7:], 2, 0.0, ex) as pieces:
         got = [(want, lease.count) for want, lease in pieces]
         assert got == [(2, 3), (2, 0)]
+    with ThreadPoolExecutor(1) as ex, PinnedPieces(c, [], 2, 0.0, ex) as pieces:
+        assert list(pieces) == []  # nothing asked, no Acquire
 
 
 def test_pinned_pieces_not_taken_are_released(client_factory):
