@@ -1,8 +1,8 @@
 """Python client for inference workers.
 
-``put`` and ``get`` copy exactly once, between the caller's tensor and the daemon's shared
-arena (mapped here from an fd the daemon passes over its unix socket); the daemon never
-touches the bytes. Tensors are layer-major ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
+``put`` and ``get`` (:mod:`kvstore.clients.blocks_io`) copy exactly once, between the caller's
+tensor and the daemon's shared arena (mapped here from an fd the daemon passes over its unix
+socket); the daemon never touches the bytes. Tensors are layer-major ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
 ``[layers, tokens, kv_lora_rank + qk_rope_head_dim]``), numpy arrays or CPU torch tensors.
 
 Not thread-safe: use one client per thread (they can share a daemon and a namespace). Each
@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -26,14 +25,14 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.keys import BlockKey, Namespace, chain_keys
-from kvstore.layout import AttnKind, HeadShard, KVLayout
-from kvstore.tiers.arena import Arena, slot_runs
+from kvstore.layout import HeadShard, KVLayout
+from kvstore.tiers.arena import Arena
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
-from kvstore.clients.leases import (RESERVED, IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease,
-                                    _Future)
+from kvstore.clients.leases import IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease, _Future
+from kvstore.clients import blocks_io
 from kvstore.clients.handout import handout, hbm_pool
 from kvstore.clients.query_channel import QueryChannel, Unsent
 from kvstore.clients.session import NOT_CONNECTED, UNIX_CHANNEL_OPTIONS, SessionKeeper, listening, refusal
@@ -49,7 +48,6 @@ def default_socket_path() -> str:
     return os.environ.get("KVSTORE_SERVER_SOCKET_PATH") or Config().resolved_socket_path()
 
 
-COMMIT_PIECE_BYTES = 32 << 20  # put() commits a reserved batch in pieces of about this size
 # A daemon older than RegisterResponse.slot_stride_bytes sends 0 there; its DRAM slots are
 # block_bytes rounded up to this many bytes.
 OLD_DAEMON_SLOT_ALIGN_BYTES = 4096
@@ -57,38 +55,6 @@ OLD_DAEMON_SLOT_ALIGN_BYTES = 4096
 
 def pack(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
-
-
-def as_bytes_view(kv, layout: KVLayout, what: str) -> np.ndarray:
-    """A zero-copy uint8 view of ``kv`` shaped ``[layers, 2, tokens, row]`` (MLA:
-    ``[layers, tokens, row]``), ``row`` being the bytes of one token of one K or V."""
-    if hasattr(kv, "numpy") and hasattr(kv, "is_cuda"):  # torch.Tensor without importing torch
-        if kv.is_cuda:
-            raise ValueError(f"{what}: CUDA tensors go through the GPU path (kvstore.clients.gpu)")
-        if not kv.is_contiguous():
-            raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
-        import torch
-
-        arr = kv.detach().view(torch.uint8).numpy() if kv.element_size() > 0 else None
-    else:
-        arr = np.asarray(kv)
-        if not arr.flags.c_contiguous:
-            raise ValueError(f"{what}: array must be C-contiguous (np.ascontiguousarray)")
-        arr = arr.view(np.uint8)
-    lead = 2 if layout.kind is AttnKind.MLA else 3
-    if arr.ndim < lead or arr.shape[0] != layout.num_layers:
-        raise ValueError(f"{what}: expected shape {layout.tensor_shape(0)[:lead - 1]} + (tokens, ...) "
-                         f"for this layout, got {tuple(getattr(kv, 'shape', arr.shape))}")
-    if layout.kind is not AttnKind.MLA and arr.shape[1] != 2:
-        raise ValueError(f"{what}: dimension 1 must be 2 (K and V), got {arr.shape[1]}")
-    tokens = arr.shape[lead - 1]
-    row = layout.bytes_per_token_layer // (1 if layout.kind is AttnKind.MLA else 2)
-    if arr.nbytes != layout.num_layers * tokens * layout.bytes_per_token_layer:
-        raise ValueError(f"{what}: {arr.nbytes} bytes for {tokens} tokens, but the layout needs "
-                         f"{layout.bytes_per_token_layer} bytes per token per layer "
-                         f"({layout.num_layers * tokens * layout.bytes_per_token_layer} bytes); check dtype and shape")
-    shape = (layout.num_layers, tokens, row) if layout.kind is AttnKind.MLA else (layout.num_layers, 2, tokens, row)
-    return arr.reshape(shape)
 
 
 def empty_aligned(shape, dtype=np.uint8, align_bytes: int = 4096) -> np.ndarray:
@@ -169,7 +135,7 @@ class KVStoreClient:
         self._registration: pb.RegisterRequest | None = None  # to register again after the session ended
         self._keeper: SessionKeeper | None = None
         self._pending: list[grpc.Future] = []  # fire-and-forget releases still in flight
-        self._copier: ThreadPoolExecutor | None = None  # second copy thread for large runs
+        self._copier = blocks_io.Copier()  # put's and get's copies (a second thread for large runs)
         # What a TP rank writes of blocks that hold the whole model's KV: its KV heads
         # (kvstore.layout.HeadShard; GpuKVPath copies those columns) or its share of a recurrent
         # state (vllm_state.StateShard). Its Reserves send its part / parts. None: whole blocks.
@@ -255,9 +221,7 @@ class KVStoreClient:
         theirs: for a session whose pins another process may still copy from (a scheduler's
         Lookup pins, released by its worker naming the session)."""
         self._end_session(end_session)
-        if self._copier is not None:
-            self._copier.shutdown()
-            self._copier = None
+        self._copier.close()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -522,130 +486,16 @@ class KVStoreClient:
         per_tier = max(1, self.info.arena_bytes // (2 * self.layout.block_bytes))
         return int(min(self.info.max_keys_per_request, per_tier))
 
-    # --- data -------------------------------------------------------------------------------
+    # --- data (kvstore.clients.blocks_io) ------------------------------------------------------
     def put(self, token_ids, kv) -> int:
         """Store the full blocks of ``token_ids`` from ``kv``; returns blocks newly stored
         (blocks already cached or being written by another client are skipped)."""
-        self.require_data_session()
-        if self.shard is not None:
-            raise ValueError("put: writes whole blocks; a client writing a TP rank's heads (shard) stores through "
-                             "kvstore.clients.gpu.GpuKVPath")
-        src = as_bytes_view(kv, self.layout, "kv")
-        keys = self.keys(token_ids)
-        bt = self.layout.block_tokens
-        if src.shape[-2] < len(keys) * bt:
-            raise ValueError(f"kv: holds {src.shape[-2]} tokens, fewer than the {len(keys) * bt} of full blocks")
-        # With durable commits each reserved batch is committed in pieces of about
-        # COMMIT_PIECE_BYTES as the copy goes, so the daemon is writing NVMe while the rest of
-        # the batch is copied (without them a Commit is quick, and one per batch is cheaper).
-        # Batches are pipelined: the Commits of batch k may still run while batch k+1 is
-        # reserved and copied; before batch k+2, batch k's Commits are settled.
-        stored = 0
-        step = self.max_batch_blocks()
-        durable = self.info.durable_commit
-        per = max(1, COMMIT_PIECE_BYTES // self.layout.block_bytes) if durable else step
-        # With durable commits the daemon's NVMe writes run while we copy: a second copy thread
-        # took the core they need (durable writes measured 1.5-1.9 GB/s with it, 2.0-2.3 without).
-        threads = 1 if durable else 2
-        pending: list[list[grpc.Future]] = []  # per batch, the Commits in flight
-        try:
-            for start, w in self.reserve_chain(keys, token_ids=token_ids, batch_blocks=step):
-                chunk = w.keys
-                futures: list[grpc.Future] = []
-                pending.append(futures)
-                try:
-                    wanted = [o if st == RESERVED else None for o, st in zip(w.offsets, w.states)]
-                    left = len(chunk) - wanted.count(None)
-                    for p0 in range(0, len(chunk), per):
-                        piece = wanted[p0:p0 + per]
-                        for i, end, off in slot_runs(piece, self.slot_stride_bytes):
-                            self._copy(self._slots(off, end - i), self._blocks_of(src, (start + p0 + i) * bt, end - i),
-                                       threads)
-                        mine = [chunk[p0 + j] for j, o in enumerate(piece) if o is not None]
-                        if not mine:
-                            continue
-                        # Each Commit names its keys (they may reach the daemon in any order);
-                        # the lease ends with the last of them.
-                        futures.append(self.stub.Commit.future(pb.CommitRequest(
-                            session_id=self.session_id, lease_id=w.lease_id, keys=pack(mine)), timeout=self.timeout_s))
-                        left -= len(mine)
-                        w.done = left == 0
-                except BaseException:
-                    w.abort()
-                    raise
-                while len(pending) > 2:
-                    for f in pending.pop(0):
-                        stored += self._committed(f)
-        finally:
-            for futures in pending:  # settle what is in flight even when raising
-                for f in futures:
-                    stored += self._committed(f)
-        return stored
-
-    @staticmethod
-    def _committed(f: grpc.Future) -> int:
-        try:
-            return f.result().committed
-        except grpc.RpcError as e:
-            raise KVStoreError(e.code(), e.details() or "") from None
+        return blocks_io.put(self, token_ids, kv, self._copier)
 
     def get(self, token_ids, out, wait_s: float = 10.0) -> int:
         """Read the longest cached prefix of ``token_ids`` into ``out``; returns tokens read.
         Blocks on a lower tier are promoted first, waiting at most ``wait_s`` seconds."""
-        self.require_data_session()
-        dst = as_bytes_view(out, self.layout, "out")
-        keys = self.keys(token_ids)
-        bt = self.layout.block_tokens
-        if dst.shape[-2] < len(keys) * bt:
-            keys = keys[: dst.shape[-2] // bt]
-        read = 0
-        step = self.max_batch_blocks()
-        for start in range(0, len(keys), step):
-            chunk = keys[start:start + step]
-            with self.acquire(chunk, allow_partial=True, wait_s=wait_s) as r:
-                for i, end, off in slot_runs(r.offsets[:r.count], self.slot_stride_bytes):
-                    self._copy(self._blocks_of(dst, (start + i) * bt, end - i), self._slots(off, end - i))
-                read += r.count
-            if r.count < len(chunk):
-                break
-        return read * bt
-
-    def _block_shape(self) -> tuple[int, ...]:
-        L = self.layout
-        if L.kind is AttnKind.MLA:
-            return (L.num_layers, L.block_tokens, L.bytes_per_token_layer)
-        return (L.num_layers, 2, L.block_tokens, L.bytes_per_token_layer // 2)
-
-    def _copy(self, dst: np.ndarray, src: np.ndarray, threads: int = 2) -> None:
-        """Copy ``[n, *block_shape]`` views; runs of 4 MiB and more are split over two threads
-        (numpy releases the GIL while copying: measured 12.9-14.6 against 9.8-10.6 GB/s here)
-        unless ``threads`` is 1."""
-        n = dst.shape[0]
-        if threads < 2 or n < 2 or dst[0].nbytes * n < (4 << 20):
-            np.copyto(dst, src)
-            return
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
-        h = n // 2
-        f = self._copier.submit(np.copyto, dst[h:], src[h:])
-        np.copyto(dst[:h], src[:h])
-        f.result()
-
-    def _slots(self, offset: int, n: int) -> np.ndarray:
-        """``n`` neighbouring slots from ``offset`` as one ``[n, *block_shape]`` view."""
-        shape = self._block_shape()
-        base = self.arena.buf[offset:offset + (n - 1) * self.slot_stride_bytes + self.layout.block_bytes]
-        inner = np.lib.stride_tricks.as_strided(base, (n, self.layout.block_bytes), (self.slot_stride_bytes, 1))
-        return inner.reshape((n, *shape))
-
-    def _blocks_of(self, t: np.ndarray, t0: int, n: int) -> np.ndarray:
-        """Tokens ``[t0, t0 + n * block_tokens)`` of a layer-major byte view, block-major:
-        ``[n, *block_shape]`` (a strided view, no copy)."""
-        bt = self.layout.block_tokens
-        part = t[..., t0:t0 + n * bt, :]
-        if self.layout.kind is AttnKind.MLA:  # [L, n*bt, row] -> [n, L, bt, row]
-            return part.reshape(part.shape[0], n, bt, part.shape[-1]).transpose(1, 0, 2, 3)
-        return part.reshape(part.shape[0], 2, n, bt, part.shape[-1]).transpose(2, 0, 1, 3, 4)
+        return blocks_io.get(self, token_ids, out, wait_s, self._copier)
 
     def transfer(self, keys: Sequence[bytes], peer: str, deadline_s: float = 0.0, lease: WriteLease | None = None,
                  wait: bool = True):

@@ -4,8 +4,8 @@ The worker's cache is vLLM-style, one tensor per layer, ``[2, num_blocks, block_
 kv_heads, head_dim]`` (MLA: ``[num_blocks, block_size, latent]``), plus a block table that maps
 the request's block ``i`` (``block_size`` tokens) to a physical block id. kvstore stores a block
 of ``block_tokens`` tokens layer-major in an arena slot, ``[layers, 2, block_tokens, row]``
-with ``row = kv_heads * head_dim * elem`` bytes (``KVStoreClient._block_shape``); the two block
-sizes need not match. Gather (store) and scatter (load) run on a side stream with the shared
+with ``row = kv_heads * head_dim * elem`` bytes (``kvstore.clients.blocks_io.block_shape``);
+the two block sizes need not match. Gather (store) and scatter (load) run on a side stream with the shared
 arena page-locked (``cudaHostRegister``) in this process, so arena <-> GPU copies are DMA:
 
     path = GpuKVPath(client, kv_caches)

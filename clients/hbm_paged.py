@@ -6,7 +6,7 @@ a tensor in the classic ``[2, num_blocks, block_size, kv_heads, head_dim]`` shap
 latent); a block table maps the request's block ``i`` (``block_size`` tokens) to a physical
 block id. kvstore keeps a block of
 ``block_tokens`` tokens layer-major in a slot, ``[layers, 2, block_tokens, row]`` with ``row =
-kv_heads * head_dim * elem`` bytes (``KVStoreClient._block_shape``); the two block sizes need
+kv_heads * head_dim * elem`` bytes (``kvstore.clients.blocks_io.block_shape``); the two block sizes need
 not match. By default one batched Triton launch per layer (or per bulk op) moves all of a
 request's blocks (:mod:`kvstore.tiers.kv_copy`); the legacy path (``copy_path="legacy"``, and
 wherever the kernels cannot run) gathers and scatters with index kernels on the cache's device,
