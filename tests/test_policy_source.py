@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvstore.policy import (LinkEstimator, LoadPolicy, LoadPolicyConfig, PathEstimate, PrefillCostModel,
-                            RemoteHit, SourceChoice, choose_source)
+from kvstore.policy import LoadPolicy, LoadPolicyConfig, PathEstimate, PrefillCostModel
+from kvstore.source_policy import LinkEstimator, RemoteHit, SourceChoice, choose_source
 
 BT, BB = 16, 1 << 20  # tokens and bytes per block
 COST = PrefillCostModel.calibrated(1.0, 0.0, tokens_per_s=10_000.0, ref_tokens=2048)  # 1.6 ms a block

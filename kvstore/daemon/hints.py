@@ -6,7 +6,7 @@ candidates are this daemon and the peers the cluster directory (replica or store
 holding a prefix of the prompt. For each, the answer gives its cached tokens by tier and the
 modelled time until the whole prompt's KV is on its GPU if the request goes there: its Lookup's
 choice among loading its prefix, pulling a longer one from another candidate, and recomputing
-(:func:`kvstore.policy.choose_source`, the function Lookup's advice uses), plus recomputing
+(:func:`kvstore.source_policy.choose_source`, the function Lookup's advice uses), plus recomputing
 what nobody holds. A node that is not listed holds nothing: the response's ``recompute_s``.
 
 What is modelled, not measured: a candidate's tiers are priced by this daemon's measured tier
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from kvstore.cluster.directory import DEFAULT_LIMIT
 from kvstore.daemon.index import BlockState
 from kvstore.keys import chain_keys
-from kvstore.policy import DEFAULT_PRIORS, Decision, LoadPolicy, RemoteHit, choose_source, normalize_path
+from kvstore.policy import DEFAULT_PRIORS, Decision, LoadPolicy, normalize_path
+from kvstore.source_policy import RemoteHit, choose_source
 from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb
 

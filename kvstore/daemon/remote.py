@@ -1,6 +1,6 @@
 """Remote hits for Lookup in a cluster: which peer holds the blocks after the local prefix, the
 measured link to it, and the choice among loading the local prefix, pulling the extension and
-recomputing (:func:`kvstore.policy.choose_source`). docs/cluster.md, "Choosing: load, pull or
+recomputing (:func:`kvstore.source_policy.choose_source`). docs/cluster.md, "Choosing: load, pull or
 recompute".
 
 Where remote hits come from is a seam (:class:`RemoteHits`). One source,
@@ -27,7 +27,8 @@ import grpc
 from kvstore.cluster.metrics import ClusterMetrics
 from kvstore.config import ClusterConfig
 from kvstore.daemon.core import Core, NsState
-from kvstore.policy import Decision, LinkEstimator, LoadPolicy, RemoteHit, SourceChoice, choose_source
+from kvstore.policy import Decision, LoadPolicy
+from kvstore.source_policy import LinkEstimator, RemoteHit, SourceChoice, choose_source
 from kvstore.tier_kind import TierKind
 from kvstore.v1 import kvstore_pb2 as pb, peer_pb2 as ppb
 
@@ -53,7 +54,7 @@ class RemoteHits(Protocol):
 
 
 class LinkMeter:
-    """The per-peer link estimates (:class:`kvstore.policy.LinkEstimator`) behind a lock, fed by
+    """The per-peer link estimates (:class:`kvstore.source_policy.LinkEstimator`) behind a lock, fed by
     pulls and peer lookups from gRPC threads, mirrored into the link gauges."""
 
     def __init__(self, c: ClusterConfig, metrics: ClusterMetrics, clock=time.monotonic) -> None:
