@@ -16,7 +16,7 @@ from kvstore.layout import AttnKind, KVLayout
 from kvstore.tiers.arena import slot_runs
 from kvstore.v1 import kvstore_pb2 as pb
 
-from kvstore.clients.leases import RESERVED, KVStoreError
+from kvstore.clients.leases import RESERVED, KVStoreError, pack
 
 if TYPE_CHECKING:
     from kvstore.clients.client import KVStoreClient
@@ -127,7 +127,7 @@ def put(client: "KVStoreClient", token_ids, kv, copier: Copier) -> int:
                     # Each Commit names its keys (they may reach the daemon in any order);
                     # the lease ends with the last of them.
                     futures.append(client.stub.Commit.future(pb.CommitRequest(
-                        session_id=client.session_id, lease_id=w.lease_id, keys=b"".join(mine)), timeout=client.timeout_s))
+                        session_id=client.session_id, lease_id=w.lease_id, keys=pack(mine)), timeout=client.timeout_s))
                     left -= len(mine)
                     w.done = left == 0
             except BaseException:
@@ -180,7 +180,8 @@ def block_shape(layout: KVLayout) -> tuple[int, ...]:
 
 
 def slots(client: "KVStoreClient", offset: int, n: int) -> np.ndarray:
-    """``n`` neighbouring slots of the client's arena from ``offset``, one ``[n, *block_shape]`` view."""
+    """``n`` neighbouring slots of the client's arena from ``offset``, as one
+    ``[n, *block_shape]`` view."""
     L = client.layout
     base = client.arena.buf[offset:offset + (n - 1) * client.slot_stride_bytes + L.block_bytes]
     inner = np.lib.stride_tricks.as_strided(base, (n, L.block_bytes), (client.slot_stride_bytes, 1))

@@ -1,9 +1,8 @@
 """Python client for inference workers.
 
-``put`` and ``get`` (:mod:`kvstore.clients.blocks_io`) copy exactly once, between the caller's
-tensor and the daemon's shared arena (mapped here from an fd the daemon passes over its unix
-socket); the daemon never touches the bytes. Tensors are layer-major ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
-``[layers, tokens, kv_lora_rank + qk_rope_head_dim]``), numpy arrays or CPU torch tensors.
+The daemon's API over its unix socket (gRPC, and a query channel for Lookups and Acquires),
+with the arena it hands over as an fd. ``put`` and ``get`` copy exactly once, between the
+caller's tensor and that arena (:mod:`kvstore.clients.blocks_io`).
 
 Not thread-safe: use one client per thread (they can share a daemon and a namespace). Each
 registered client runs one light background thread that keeps its session alive
@@ -31,7 +30,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import peer_pb2 as ppb, peer_pb2_grpc as peer_grpc
 
-from kvstore.clients.leases import IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease, _Future
+from kvstore.clients.leases import (IncomingTransfer, KVStoreError, PullingTransfer, ReadLease, WriteLease, _Future,
+                                    pack)
 from kvstore.clients import blocks_io
 from kvstore.clients.handout import handout, hbm_pool
 from kvstore.clients.query_channel import QueryChannel, Unsent
@@ -51,10 +51,6 @@ def default_socket_path() -> str:
 # A daemon older than RegisterResponse.slot_stride_bytes sends 0 there; its DRAM slots are
 # block_bytes rounded up to this many bytes.
 OLD_DAEMON_SLOT_ALIGN_BYTES = 4096
-
-
-def pack(keys: Sequence[bytes]) -> bytes:
-    return b"".join(keys)
 
 
 def empty_aligned(shape, dtype=np.uint8, align_bytes: int = 4096) -> np.ndarray:

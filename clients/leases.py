@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 RESERVED = pb.SLOT_RESERVED  # WriteLease.states[i] of a slot to fill (the others: pb.SlotState)
 
 
+def pack(keys) -> bytes:
+    """Keys as a request carries them: back to back, 32 bytes each."""
+    return b"".join(keys)
+
+
 class KVStoreError(RuntimeError):
     """A request the daemon refused; ``code`` is the gRPC status code, ``refusal`` the
     ``pb.Refusal`` the daemon named for clients to act on (0 = none)."""

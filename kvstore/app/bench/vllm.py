@@ -321,8 +321,8 @@ def table(r: dict) -> str:
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
         f"{m['dtype']}, {m['weights_bytes'] / 1e6:.0f} MB weights, KV {m['kv_bytes_per_token']} bytes/token, "
         f"{m['block_tokens']}-token blocks",
-        f"CPU: {r['cpu']} (vLLM CPU backend, eager); shared-memory huge pages: {r.get('shmem_thp', 'unknown')} "
-        + ("(the arena is on huge pages)" if r.get("shmem_thp") in HUGE_SHMEM else
+        f"CPU: {r['cpu']} (vLLM CPU backend, eager); shared-memory huge pages: {r['shmem_thp']} "
+        + ("(the arena is on huge pages)" if r["shmem_thp"] in HUGE_SHMEM else
            "(the arena is on 4 KiB pages: docs/deploy.md, host tuning)"),
         f"follow_policy: {str(r['follow_policy']).lower()} "
         + ("(the daemon's load-or-recompute policy decides)" if r["follow_policy"]
