@@ -33,12 +33,16 @@ def test_bench_vllm_json_tiny(tmp_path, capsys):
     assert row["tokens"] == 256 and row["loadable_tokens"] == 224
     assert row["verified"] is True and row["problems"] == []
     assert row["cached_tokens_min"] == {"kvstore_dram": 224, "kvstore_nvme": 224}  # whole prefix, both tiers
-    assert set(row["ttft_ms"]) == {*CASES, "kvstore_store"} and set(row["request_ms"]) == set(CASES)
+    assert set(row["ttft_ms"]) == {*CASES, "vllm_hit_hot", "kvstore_store"}
+    assert set(row["request_ms"]) == {*CASES, "vllm_hit_hot"}
     for v in (*row["ttft_ms"].values(), *row["request_ms"].values(), *row["ratios"].values()):
         assert v > 0
     t = row["ttft_ms"]
     assert abs(row["ratios"]["ttft_kvstore_dram_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 0.01
     assert abs(row["ratios"]["ttft_no_cache_over_kvstore_nvme"] - t["no_cache"] / t["kvstore_nvme"]) < 0.01
+    for c in ("kvstore_dram", "kvstore_nvme"):  # vLLM's hit repeated at once, beside the one after other misses
+        ratio = row["ttft_steady_ms"][c] / row["ttft_steady_ms"]["vllm_hit_hot"]
+        assert abs(row["ratios"][f"steady_{c}_over_vllm_hot_steady"] - ratio) < 0.01
     for c, v in row["ttft_ms_samples"].items():  # first hit apart from the steady ones, and the spread
         assert len(v) == 2 and row["ttft_first_ms"][c] == v[0] and row["ttft_steady_ms"][c] == v[1]
         assert row["ttft_spread_ms"][c] == [min(v), row["ttft_ms"][c], max(v)]
@@ -49,12 +53,20 @@ def test_bench_vllm_json_tiny(tmp_path, capsys):
         # The JSON rounds milliseconds to 0.01: a ratio over a floor of a few ms carries that error.
         ratio = row["ttft_steady_ms"][c] / row["floor_ms"][c]
         assert abs(row["ratios"][f"steady_{c}_over_floor"] - ratio) < 0.01 + ratio * 0.006 / row["floor_ms"][c]
+    # The memcpy after idle: arena-like memory into torch memory, each copy after both sat
+    # untouched; vLLM's hit plus that copy is the reference the DRAM hit is set against.
+    assert raw["memcpy_idle_gbps"] > 0 and raw["idle_s"] > 0
+    idle = row["ttft_steady_ms"]["vllm_hit"] + raw["bytes"] / raw["memcpy_idle_gbps"] / 1e6
+    assert abs(row["vllm_hit_plus_idle_copy_ms"] - idle) < 0.02
+    ratio = row["ttft_steady_ms"]["kvstore_dram"] / row["vllm_hit_plus_idle_copy_ms"]
+    assert abs(row["ratios"]["steady_kvstore_dram_over_idle_copy"] - ratio) < 0.01 + ratio * 0.006 / idle
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
     from kvstore.app.bench.vllm import table
 
     text = table(r)  # the default output, from the same figures
     assert "follow_policy: false" in text and "same-run ratios" in text and text.count("verified") >= 1
-    assert "first hit" in text and "floors" in text and "raw paths, same run" in text
+    assert "first hit" in text and "floors" in text and "raw paths, same run" in text and "repeated at once" in text
+    assert f"{raw['memcpy_idle_gbps']:.1f} GB/s after {raw['idle_s']:g} s untouched" in text
     # The figures say which pages the arena was on (this host's setting, read as the daemon reads it).
     assert r["shmem_thp"] == shmem_thp_mode() and f"shared-memory huge pages: {r['shmem_thp']} " in text
 
@@ -72,4 +84,11 @@ def test_bench_vllm_hybrid_json_qwen3_next(tmp_path, capsys):
     t = row["ttft_ms"]
     assert set(t) == {"no_cache", "vllm_hit", "kvstore_dram"} and all(v > 0 for v in t.values())
     assert abs(row["kvstore_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 1e-9
+    # The memcpy after idle: arena-like memory into torch memory, each copy after both sat
+    # untouched; vLLM's hit plus that copy is the reference the DRAM hit is set against.
+    assert raw["memcpy_idle_gbps"] > 0 and raw["idle_s"] > 0
+    idle = row["ttft_steady_ms"]["vllm_hit"] + raw["bytes"] / raw["memcpy_idle_gbps"] / 1e6
+    assert abs(row["vllm_hit_plus_idle_copy_ms"] - idle) < 0.02
+    ratio = row["ttft_steady_ms"]["kvstore_dram"] / row["vllm_hit_plus_idle_copy_ms"]
+    assert abs(row["ratios"]["steady_kvstore_dram_over_idle_copy"] - ratio) < 0.01 + ratio * 0.006 / idle
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself

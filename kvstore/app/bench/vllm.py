@@ -5,7 +5,10 @@ request (``--new-tokens``), median over ``--reps`` distinct random prompts, for
 
 - ``no_cache``: a plain engine's first sight of the prompt (no connector; prefix caching is on,
   but nothing of the prompt is cached: ``cached_tokens == 0`` is checked);
-- ``vllm_hit``: the same prompt again in that process, from vLLM's own prefix cache;
+- ``vllm_hit``: the same prompt again in that process, from vLLM's own prefix cache, after the
+  misses of the length's other prompts: its KV was computed a few requests before and not
+  touched since, as a kvstore hit's KV was stored before (``vllm_hit_hot``, the same prompt once
+  more at once, its KV just touched, is reported beside it);
 - ``kvstore_dram``: a fresh engine with the KVStoreConnector, whose first sight of the prompt
   it is: the prefix was stored by another engine (W) and comes from the daemon's DRAM;
 - ``kvstore_nvme``: the same after the daemon was restarted (SIGTERM, started again on the same
@@ -18,7 +21,12 @@ apart from the steady hits (the median of the rest) with the spread of every sam
 hit counts only if vLLM reports the whole loadable prefix cached, from the right tier, and its
 tokens equal the no-cache engine's for that prompt. Beside them, the raw paths measured in the
 same run: a memcpy of the prefix's KV bytes and a disk read of them (fio, O_DIRECT, the NVMe
-tier's I/O size and depth), as floors a load cannot beat (vLLM's hit plus the copy or read).
+tier's I/O size and depth), as floors a load cannot beat (vLLM's hit plus the copy or read). The
+memcpy is timed twice: back to back (warm), and from shared memory like the arena's into memory
+from torch's allocator like vLLM's cache, each copy after both sat untouched for
+:data:`IDLE_S`, as a DRAM hit's copy meets them (slots stored seconds before, an engine's free
+blocks). On a VM with 4 KiB pages the second runs many times slower (page walks over memory no
+core touched lately): what a plain copy costs under the conditions a DRAM hit's copy meets.
 The model is a seeded random Llama (no download); figures are same-run ratios, not absolute
 claims.
 """
@@ -46,6 +54,7 @@ CASES = ("no_cache", "vllm_hit", "kvstore_dram", "kvstore_nvme")
 SOURCE = {"kvstore_dram": "vllm:prompt_tokens_cached_by_source{source=host}",
           "kvstore_nvme": "vllm:prompt_tokens_cached_by_source{source=disk}"}
 TARGET_TOKENS, TARGET_OF_HIT, TARGET_SPEEDUP = 2048, 1.5, 5.0  # the issue's target
+IDLE_S, IDLE_REPS = 0.5, 5  # the idle memcpy: each copy after this long untouched, median of this many
 
 
 def loadable(n: int) -> int:
@@ -92,19 +101,24 @@ def timed(e: EngineProc, prompt: list[int], max_tokens: int, source: str | None 
 
 
 def plain_phase(spec: EngineSpec, p: Prompts, new: int, log: Path) -> dict:
-    """no_cache and vllm_hit, one plain engine: each prompt twice in a row, miss then hit (after
-    one warm-up miss, so the first timed hit is the engine's first prefix hit)."""
-    out = {"no_cache": {}, "vllm_hit": {}}
+    """no_cache, vllm_hit and vllm_hit_hot, one plain engine (after one warm-up miss, so the
+    first timed hit is the engine's first prefix hit). Per length, every prompt's miss first;
+    then each prompt's hit, and at once the same prompt again. ``vllm_hit`` meets its KV as a
+    kvstore hit meets the arena's: computed a few requests before and not touched since (on a
+    VM with 4 KiB pages such memory reads many times slower than memory just touched: the raw
+    paths' memcpy after idle). ``vllm_hit_hot`` is vLLM's best case, its KV just read."""
+    out = {"no_cache": {}, "vllm_hit": {}, "vllm_hit_hot": {}}
     with EngineProc.start(spec, log) as e:
         e.generate([p.warm], max_tokens=1, logprobs=0)
         for n in p.ttft:
-            for case in out:
-                out[case][n] = []
-            for tp, rp in zip(p.ttft[n], p.req[n]):
-                t_miss, t_hit = timed(e, tp, 1), timed(e, tp, 1)
-                r_miss, r_hit = timed(e, rp, new), timed(e, rp, new)
-                out["no_cache"][n].append({"ttft": t_miss, "req": r_miss})
+            pairs = list(zip(p.ttft[n], p.req[n]))
+            out["no_cache"][n] = [{"ttft": timed(e, tp, 1), "req": timed(e, rp, new)} for tp, rp in pairs]
+            out["vllm_hit"][n], out["vllm_hit_hot"][n] = [], []
+            for tp, rp in pairs:
+                t_hit, t_hot = timed(e, tp, 1), timed(e, tp, 1)
+                r_hit, r_hot = timed(e, rp, new), timed(e, rp, new)
                 out["vllm_hit"][n].append({"ttft": t_hit, "req": r_hit})
+                out["vllm_hit_hot"][n].append({"ttft": t_hot, "req": r_hot})
     return out
 
 
@@ -130,7 +144,7 @@ def read_phase(e: EngineProc, p: Prompts, new: int, case: str, warm: list[int]) 
 def problems(case: str, n: int, i: int, got: dict, ref: dict, follow_policy: bool) -> list[str]:
     """What is wrong with one case's request ``got`` next to the no-cache one ``ref``."""
     bad = []
-    want = loadable(n) if case in ("vllm_hit", *SOURCE) else 0
+    want = loadable(n) if case in ("vllm_hit", "vllm_hit_hot", *SOURCE) else 0
     for kind, rec in got.items():
         where = f"{case} {n} tokens #{i} {kind}"
         if rec["cached"] != want and not (follow_policy and case in SOURCE and rec["cached"] < want):
@@ -161,6 +175,7 @@ def summarise(runs: dict, lengths: list[int], follow_policy: bool, raw: dict, kv
         nbytes = loadable(n) * kv_token
         floor = {"kvstore_dram": steady["vllm_hit"] + nbytes / raw["memcpy_gbps"] / 1e6,
                  "kvstore_nvme": steady["vllm_hit"] + nbytes / raw["disk_read_gbps"] / 1e6}
+        idle_copy = steady["vllm_hit"] + nbytes / raw["memcpy_idle_gbps"] / 1e6  # a reference, not a floor
         ratios = {"ttft_kvstore_dram_over_vllm_hit": ttft["kvstore_dram"] / ttft["vllm_hit"],
                   "ttft_no_cache_over_kvstore_dram": ttft["no_cache"] / ttft["kvstore_dram"],
                   "ttft_kvstore_nvme_over_vllm_hit": ttft["kvstore_nvme"] / ttft["vllm_hit"],
@@ -173,6 +188,8 @@ def summarise(runs: dict, lengths: list[int], follow_policy: bool, raw: dict, kv
             ratios[f"first_{c}_over_vllm_first"] = first[c] / first["vllm_hit"]
             ratios[f"steady_{c}_over_vllm_steady"] = steady[c] / steady["vllm_hit"]
             ratios[f"steady_{c}_over_floor"] = steady[c] / floor[c]
+            ratios[f"steady_{c}_over_vllm_hot_steady"] = steady[c] / steady["vllm_hit_hot"]
+        ratios["steady_kvstore_dram_over_idle_copy"] = steady["kvstore_dram"] / idle_copy
         row = {"tokens": n, "loadable_tokens": loadable(n), "loadable_bytes": nbytes,
                "ttft_ms": {c: round(v, 2) for c, v in ttft.items()},
                "ttft_first_ms": {c: round(v, 2) for c, v in first.items()},
@@ -180,6 +197,7 @@ def summarise(runs: dict, lengths: list[int], follow_policy: bool, raw: dict, kv
                "ttft_spread_ms": {c: [round(min(v), 2), round(statistics.median(v), 2), round(max(v), 2)]
                                   for c, v in samples.items()},
                "floor_ms": {c: round(v, 2) for c, v in floor.items()},
+               "vllm_hit_plus_idle_copy_ms": round(idle_copy, 2),
                "request_ms": {c: round(v, 2) for c, v in req.items()},
                "ttft_ms_samples": {c: [round(x, 2) for x in v] for c, v in samples.items()},
                "ratios": {k: round(v, 3) for k, v in ratios.items()},
@@ -210,10 +228,41 @@ def target(rows: list[dict]) -> dict:
     return {**out, "measured": True}
 
 
+def idle_memcpy_s(nbytes: int, idle_s: float = IDLE_S, reps: int = IDLE_REPS) -> list[float]:
+    """Seconds of each of ``reps`` memcpys of ``nbytes`` from shared memory made as the daemon
+    makes its arena (a pre-faulted memfd that asks for huge pages: it gets them where the host
+    allows, as the arena does) into faulted memory from torch's allocator (as vLLM's CPU cache),
+    each after both sat untouched for ``idle_s``."""
+    import numpy as np
+    import torch
+
+    from kvstore.tiers.arena import Arena
+
+    arena = Arena(-(-nbytes // (2 << 20)) * (2 << 20), name="kvstore-bench-idle")
+    try:
+        src = arena.buf[:nbytes]
+        src[:] = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+        dst_t = torch.zeros(nbytes, dtype=torch.uint8)
+        dst = dst_t.numpy()
+        times = []
+        for _ in range(reps):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        if not np.array_equal(dst[::4096], src[::4096]):
+            raise RuntimeError("idle memcpy: the copy does not match its source")
+        del src, dst, dst_t
+        return times
+    finally:
+        arena.close()
+
+
 def raw_paths(work: Path, nbytes: int, block: int, depth: int) -> dict:
     """The raw paths for ``nbytes`` (a prefix's KV), in this run: memcpy between faulted
-    buffers (median of 5), and an O_DIRECT disk read in ``block`` I/Os, ``depth`` in flight
-    (fio where installed, else a Python loop), on the disk the NVMe tier uses."""
+    buffers (median of 5), the same after idle (:func:`idle_memcpy_s`), and an O_DIRECT disk
+    read in ``block`` I/Os, ``depth`` in flight (fio where installed, else a Python loop), on
+    the disk the NVMe tier uses."""
     import numpy as np
 
     from kvstore.app.bench.tiers import fio_reference
@@ -225,6 +274,7 @@ def raw_paths(work: Path, nbytes: int, block: int, depth: int) -> dict:
         t0 = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
+    idle = idle_memcpy_s(nbytes)
     path, total = str(work / "raw-read.dat"), -(-nbytes // (block * depth)) * block * depth  # whole I/Os, each in flight
     try:
         fio_reference(path, "write", block, total, depth)
@@ -232,7 +282,9 @@ def raw_paths(work: Path, nbytes: int, block: int, depth: int) -> dict:
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return {"memcpy_gbps": round(nbytes / statistics.median(times[1:]) / 1e9, 3), "disk_read_gbps": round(read, 3),
+    return {"memcpy_gbps": round(nbytes / statistics.median(times[1:]) / 1e9, 3),
+            "memcpy_idle_gbps": round(nbytes / statistics.median(idle) / 1e9, 3), "idle_s": IDLE_S,
+            "disk_read_gbps": round(read, 3),
             "disk_read": f"{how}, {block} B I/Os, {depth} in flight, {total} B", "bytes": nbytes}
 
 
@@ -328,7 +380,7 @@ def table(r: dict) -> str:
         + ("(the daemon's load-or-recompute policy decides)" if r["follow_policy"]
            else "(every hit block is loaded; --follow-policy lets the daemon's policy decide)"),
         "no-cache: a plain engine's first sight of the prompt (its prefix caching on, 0 tokens cached: checked); "
-        "vllm-hit: the same prompt again there; "
+        "vllm-hit: the same prompt again there, after the other prompts' misses (hot: once more at once); "
         "kv-dram / kv-nvme: a fresh engine, prefix from kvstore DRAM / from NVMe after a daemon restart; "
         "store: the engine that stored it (miss + save, durable NVMe commits)",
         "figures are same-run ratios on this host, not absolute claims",
@@ -351,18 +403,24 @@ def table(r: dict) -> str:
                      f"(median of the rest): vllm {st['vllm_hit']:.1f}, kv-dram {st['kvstore_dram']:.1f} "
                      f"({k['steady_kvstore_dram_over_vllm_steady']:.2f}x), kv-nvme {st['kvstore_nvme']:.1f} "
                      f"({k['steady_kvstore_nvme_over_vllm_steady']:.2f}x)")
+        lines.append(f"        vLLM's hit repeated at once (its KV just touched, vLLM's best case): steady "
+                     f"{st['vllm_hit_hot']:.1f}; kv-dram {k['steady_kvstore_dram_over_vllm_hot_steady']:.2f}x, kv-nvme "
+                     f"{k['steady_kvstore_nvme_over_vllm_hot_steady']:.2f}x of it")
         lines.append("        spread min/median/max: " + ", ".join(
             f"{c.replace('kvstore_', 'kv-').replace('_', '-')} {'/'.join(f'{v:.1f}' for v in sp[c])}" for c in CASES))
         lines.append(f"        floors (vLLM's steady hit + the raw path for {x['loadable_bytes'] / 1e6:.1f} MB): DRAM "
                      f"{fl['kvstore_dram']:.1f} ms (kv-dram {k['steady_kvstore_dram_over_floor']:.2f}x), NVMe "
-                     f"{fl['kvstore_nvme']:.1f} ms (kv-nvme {k['steady_kvstore_nvme_over_floor']:.2f}x); slowest "
-                     f"kv-nvme sample {k['nvme_slowest_over_no_cache_fastest']:.2f}x the fastest no-cache one")
+                     f"{fl['kvstore_nvme']:.1f} ms (kv-nvme {k['steady_kvstore_nvme_over_floor']:.2f}x); vLLM's "
+                     f"hit + the memcpy after idle {x['vllm_hit_plus_idle_copy_ms']:.1f} ms (kv-dram "
+                     f"{k['steady_kvstore_dram_over_idle_copy']:.2f}x); slowest kv-nvme sample "
+                     f"{k['nvme_slowest_over_no_cache_fastest']:.2f}x the fastest no-cache one")
         lines += [f"        {b}" for b in x["problems"]]
         if r["follow_policy"]:
             lines.append(f"        least cached tokens of {x['loadable_tokens']} loadable: {x['cached_tokens_min']}")
     w = r["raw"]
-    lines.append(f"raw paths, same run: memcpy {w['memcpy_gbps']:.1f} GB/s; disk read {w['disk_read_gbps']:.2f} GB/s "
-                 f"({w['disk_read']})")
+    lines.append(f"raw paths, same run: memcpy {w['memcpy_gbps']:.1f} GB/s back to back, {w['memcpy_idle_gbps']:.1f} GB/s "
+                 f"after {w['idle_s']:g} s untouched (arena-like shared memory into torch memory); disk read "
+                 f"{w['disk_read_gbps']:.2f} GB/s ({w['disk_read']})")
     g = r["target"]
     if not g["measured"]:
         lines.append(f"target: no {g['tokens']}-token row measured")

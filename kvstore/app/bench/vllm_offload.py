@@ -4,8 +4,9 @@ against vLLM's native ``OffloadingConnector`` with kvstore as its secondary tier
 For each prompt length, median over ``--reps`` distinct random prompts (``generate`` with
 ``max_tokens=1``; and whole requests of ``--new-tokens``):
 
-- ``no_cache`` / ``vllm_hit``: a plain engine's first sight of the prompt, then the same prompt
-  again from vLLM's own prefix cache (the references);
+- ``no_cache`` / ``vllm_hit``: a plain engine's first sight of the prompt, then (after the
+  length's other misses, as in ``bench vllm``) the same prompt again from vLLM's own prefix
+  cache (the references);
 - ``kvstore_connector``: a fresh engine with ``KVStoreConnector``; another engine stored the
   prefix, it comes from the daemon's DRAM (loaded inside the forward);
 - ``offload_tier``: a fresh engine with ``OffloadingConnector`` (``TieringOffloadingSpec``; on
