@@ -28,6 +28,10 @@ def test_bench_vllm_json_tiny(tmp_path, capsys):
     r = bench(capsys, "vllm", "--lengths", "256", "--reps", "2", "--size", "tiny", "--new-tokens", "4",
               "--dir", str(tmp_path))
     assert r["follow_policy"] is False and r["model"]["size"] == "tiny" and r["new_tokens"] == 4
+    # Every engine runs its forward on as many OpenMP threads as the plain one (vLLM's CPU
+    # backend reserves a core more for an engine with a kv_transfer_config where it binds them).
+    threads = r["engine_threads"]
+    assert set(threads) == {"plain", "writer", "reader-dram", "reader-nvme"} and len(set(threads.values())) == 1, threads
     assert r["verified"] is True and r["target"]["measured"] is False  # no 2048-token row
     [row] = r["rows"]
     assert row["tokens"] == 256 and row["loadable_tokens"] == 224
@@ -84,11 +88,4 @@ def test_bench_vllm_hybrid_json_qwen3_next(tmp_path, capsys):
     t = row["ttft_ms"]
     assert set(t) == {"no_cache", "vllm_hit", "kvstore_dram"} and all(v > 0 for v in t.values())
     assert abs(row["kvstore_over_vllm_hit"] - t["kvstore_dram"] / t["vllm_hit"]) < 1e-9
-    # The memcpy after idle: arena-like memory into torch memory, each copy after both sat
-    # untouched; vLLM's hit plus that copy is the reference the DRAM hit is set against.
-    assert raw["memcpy_idle_gbps"] > 0 and raw["idle_s"] > 0
-    idle = row["ttft_steady_ms"]["vllm_hit"] + raw["bytes"] / raw["memcpy_idle_gbps"] / 1e6
-    assert abs(row["vllm_hit_plus_idle_copy_ms"] - idle) < 0.02
-    ratio = row["ttft_steady_ms"]["kvstore_dram"] / row["vllm_hit_plus_idle_copy_ms"]
-    assert abs(row["ratios"]["steady_kvstore_dram_over_idle_copy"] - ratio) < 0.01 + ratio * 0.006 / idle
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself

@@ -100,15 +100,18 @@ def timed(e: EngineProc, prompt: list[int], max_tokens: int, source: str | None 
     return rec
 
 
-def plain_phase(spec: EngineSpec, p: Prompts, new: int, log: Path) -> dict:
+def plain_phase(spec: EngineSpec, p: Prompts, new: int, log: Path, threads: dict | None = None) -> dict:
     """no_cache, vllm_hit and vllm_hit_hot, one plain engine (after one warm-up miss, so the
     first timed hit is the engine's first prefix hit). Per length, every prompt's miss first;
     then each prompt's hit, and at once the same prompt again. ``vllm_hit`` meets its KV as a
     kvstore hit meets the arena's: computed a few requests before and not touched since (on a
     VM with 4 KiB pages such memory reads many times slower than memory just touched: the raw
-    paths' memcpy after idle). ``vllm_hit_hot`` is vLLM's best case, its KV just read."""
+    paths' memcpy after idle). ``vllm_hit_hot`` is vLLM's best case, its KV just read.
+    ``threads``: gets the engine's OpenMP threads under "plain"."""
     out = {"no_cache": {}, "vllm_hit": {}, "vllm_hit_hot": {}}
     with EngineProc.start(spec, log) as e:
+        if threads is not None:
+            threads["plain"] = e.call(op="config")["torch_threads"]
         e.generate([p.warm], max_tokens=1, logprobs=0)
         for n in p.ttft:
             pairs = list(zip(p.ttft[n], p.req[n]))
@@ -324,7 +327,8 @@ def run(a) -> dict:
         flags = ("--dram-capacity-bytes", cap, "--dram-extent-bytes", str(extent), "--nvme-dir", str(work / "nvme"),
                  "--nvme-capacity-bytes", cap, "--nvme-file-bytes", cap, "--nvme-durable-commit", "true")
         spec = dict(model=model, block_size=BT, max_model_len=max_len)
-        runs = plain_phase(EngineSpec(**spec, prefix_caching=True), p, a.new_tokens, work / "plain.log")
+        threads: dict = {}  # each engine's OpenMP threads: the same for all, or the comparison is not fair
+        runs = plain_phase(EngineSpec(**spec, prefix_caching=True), p, a.new_tokens, work / "plain.log", threads)
         from kvstore.config import Config
 
         raw = raw_paths(work, loadable(lengths[-1]) * kv_token, -(-BT * kv_token // 4096) * 4096,
@@ -344,6 +348,8 @@ def run(a) -> dict:
         engines = EngineProc.start_all([(kv, work / f"{name}.log") for name in ("writer", "reader-dram", "reader-nvme")])
         writer, reader_dram, reader_nvme = engines
         try:
+            for name, e in zip(("writer", "reader-dram", "reader-nvme"), engines):
+                threads[name] = e.call(op="config")["torch_threads"]
             runs["kvstore_store"] = store_phase(writer, p)
             runs["kvstore_dram"] = read_phase(reader_dram, p, a.new_tokens, "kvstore_dram", p.fresh[0])
             if d.stop() != 0:
@@ -360,7 +366,8 @@ def run(a) -> dict:
     return {"bench": "vllm", "unit": "milliseconds of wall time around LLM.generate; ratios of same-run medians",
             "model": {"size": a.size, **shape, "head_dim": head_dim, "dtype": "float32", "weights_bytes": weights,
                       "kv_bytes_per_token": kv_token, "block_tokens": BT},
-            "cpu": cpu_name(), "shmem_thp": shmem_thp_mode(), "follow_policy": a.follow_policy, "reps": a.reps,
+            "cpu": cpu_name(), "shmem_thp": shmem_thp_mode(), "engine_threads": threads,
+            "follow_policy": a.follow_policy, "reps": a.reps,
             "new_tokens": a.new_tokens, "raw": raw, "rows": rows, "verified": all(r["verified"] for r in rows), "target": target(rows)}
 
 
@@ -373,7 +380,8 @@ def table(r: dict) -> str:
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
         f"{m['dtype']}, {m['weights_bytes'] / 1e6:.0f} MB weights, KV {m['kv_bytes_per_token']} bytes/token, "
         f"{m['block_tokens']}-token blocks",
-        f"CPU: {r['cpu']} (vLLM CPU backend, eager); shared-memory huge pages: {r['shmem_thp']} "
+        f"CPU: {r['cpu']} (vLLM CPU backend, eager, OpenMP threads per engine: "
+        f"{', '.join(f'{k} {v}' for k, v in r['engine_threads'].items())}); shared-memory huge pages: {r['shmem_thp']} "
         + ("(the arena is on huge pages)" if r["shmem_thp"] in HUGE_SHMEM else
            "(the arena is on 4 KiB pages: docs/deploy.md, host tuning)"),
         f"follow_policy: {str(r['follow_policy']).lower()} "

@@ -12,7 +12,8 @@ log to ``log`` and answers one command at a time:
 - ``{"op": "reset_prefix_cache"}`` -> vLLM's prefix cache and the connector's cache emptied
   (``LLM.reset_prefix_cache(reset_connector=True)``; a native offloading secondary tier keeps its blocks);
 - ``{"op": "config"}`` -> how vLLM configured itself: ``hma`` (its hybrid KV cache manager is
-  on), ``prefix_caching``, ``block_size``;
+  on), ``prefix_caching``, ``block_size``, ``torch_threads`` (torch's threads in this process,
+  which runs the engine core and its CPU worker unless ``EngineSpec.multiprocessing``);
 - ``{"op": "exit"}``.
 
 A fresh process per engine is the point: nothing of vLLM's own prefix cache survives, so a hit
@@ -384,10 +385,14 @@ def _metrics(llm) -> dict:
 
 
 def _config(llm) -> dict:
+    import torch
+
     vc = llm.llm_engine.vllm_config
     return {"hma": not vc.scheduler_config.disable_hybrid_kv_cache_manager,
             "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "block_size": int(vc.cache_config.block_size)}
+            "block_size": int(vc.cache_config.block_size),
+            # the CPU worker's forward threads where the engine core runs in this process
+            "torch_threads": torch.get_num_threads()}
 
 
 def serve(spec: EngineSpec, recv, answer, exit_process: bool = True) -> None:
