@@ -341,8 +341,11 @@ def test_a_bf16_engine_loads_its_prefix_from_kvstore(model, workdir, daemon, kv_
         EngineProc.stop_all(es)
     if isa != "amx":
         same(got, cold)  # bit-exact: the 'vec' kernels compute a query alike in any batch
-    else:  # the 'amx' ones tile the queries: the reader computes 6 where the cold run did 230
-        close_greedy(got, cold, 1e-2)
+    else:  # the 'amx' ones tile the queries: the reader computes 6 where the cold run did 230.
+        # Their bf16 logits round in steps of 1/32 between 4 and 8 (1/16 up to 16): one step
+        # apart moves a logprob by ~0.03 (CI once saw 0.034 on a fifth-ranked token, the top
+        # ones within 0.003). Two steps of slack: a prefix loaded wrong moves far more than that.
+        close_greedy(got, cold, 7e-2)
 
 
 def close_greedy(got: dict, want: dict, tol: float) -> None:
