@@ -316,6 +316,11 @@ class Link:
             self.client = None
             self._next_try = time.monotonic() + self.settings.reconnect_s
 
+    def retiring(self) -> bool:
+        """Whether a client dropped by :meth:`lost` waits for :meth:`retire`."""
+        with self._retired_lock:
+            return bool(self._retired)
+
     def retire(self, end_sessions: bool = True) -> None:
         """Close clients dropped by :meth:`lost`, once nothing of theirs is in flight (``end_sessions``
         False: their sessions are left to the daemon's TTL, see :meth:`KVStoreClient.close`)."""

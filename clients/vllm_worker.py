@@ -13,6 +13,7 @@ fetcher's threads, which touch none of this state).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -35,6 +36,67 @@ from kvstore.clients.hbm_paged import wait_events
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.vllm")
+RELEASE_QUIET_S = 0.02  # a load's Release waits for this much quiet after the engine's last step...
+RELEASE_WITHIN_S = 0.5  # ...or this long at most (an engine that never pauses)
+
+
+class QuietReleases:
+    """The Releases of a worker's loads, held until its engine has been quiet for ``quiet_s``
+    (``quiet()``: seconds since its last step began, ran a layer or ended), when the step's output is out,
+    or until ``within_s`` after the oldest was held. Sent right after the step, a Release in
+    flight lengthened the step's tail (sampling, the scheduler's update, the output) from 4-9 ms
+    to 15-72 ms (profiled in ``kvstore bench vllm``'s engines on this 2-core VM): the call's
+    thread takes the GIL from vLLM's, and the daemon answering takes a core from its OpenMP
+    team. The pins last that much longer; nothing waits for them. ``send(items)`` sends
+    ``items`` in order; :meth:`flush` sends what is held now (before the client that holds
+    them is closed)."""
+
+    def __init__(self, send, quiet, quiet_s: float = RELEASE_QUIET_S, within_s: float = RELEASE_WITHIN_S) -> None:
+        self._send, self._quiet = send, quiet
+        self.quiet_s, self.within_s = quiet_s, within_s
+        self._items: list = []
+        self._since = 0.0  # when the oldest item held was
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-release", daemon=True)
+        self._thread.start()
+
+    def hold(self, items: list) -> None:
+        if not items:
+            return
+        with self._cv:
+            if not self._items:
+                self._since = time.monotonic()
+            self._items += items
+            self._cv.notify()
+
+    def flush(self) -> None:
+        with self._cv:
+            items, self._items = self._items, []
+        if items:
+            self._send(items)
+
+    def close(self) -> None:
+        """Send what is held and stop."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(5)
+        self.flush()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                since = self._since
+            wait = min(self.quiet_s - self._quiet(), since + self.within_s - time.monotonic())
+            if wait > 0:
+                time.sleep(wait)  # then look again: a step may have begun meanwhile
+                continue
+            self.flush()
 
 
 class ConnectorWorker:
@@ -60,6 +122,8 @@ class ConnectorWorker:
         # This step's Reserves, sent on their own thread while its loads pin and copy (each is
         # a daemon round trip of 1-3 ms on a busy host); their answers are taken in _begin_saves.
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-reserve")
+        # The loads' Releases, sent on the Reserves' thread once the engine is quiet.
+        self._releases = QuietReleases(self._send_releases, self._quiet_s)
         self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-acquire")  # NVMe loads' pieces
         self._reserving: tuple[KVStoreConnectorMetadata, GpuKVPath, Future] | None = None
         self._failed_reqs: set[str] = set()
@@ -82,7 +146,7 @@ class ConnectorWorker:
         self.saves_failed: set[str] | None = None
         self.unannounced: set[str] = set()
         self._events_due = False  # report events this step even if none (a rank writing parts)
-        self._active_at = time.monotonic()  # the last step's start or end (a dead arena is unmapped when quiet)
+        self._active_at = time.monotonic()  # the last step's start, layer or end (quiet: see QuietReleases)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer cache views, in layer order; mapped to canonical pages here so an
@@ -130,8 +194,14 @@ class ConnectorWorker:
             self._path_generation = self.link.generation
         return self._path
 
+    def _send_releases(self, items: list) -> None:
+        # On the Reserves' thread: starting even a gRPC future costs vLLM's thread 0.5-1.2 ms
+        # here (measured in the step), a hand-off to a thread ~0.05 ms.
+        for req_id, h in items:
+            self._reserver.submit(_release, req_id, h)
+
     def _quiet_s(self) -> float:
-        """Seconds since this worker's last step began or ended."""
+        """Seconds since this worker's last step began, saved a layer (every forward does) or ended."""
         return time.monotonic() - self._active_at
 
     def _drop_path(self):
@@ -388,6 +458,7 @@ class ConnectorWorker:
     def save_kv_layer(self, layer_name: str, meta: KVStoreConnectorMetadata | None) -> None:
         """Issue the copy of this layer of this step's save blocks into their reserved slots,
         after the KV the compute stream wrote so far."""
+        self._active_at = time.monotonic()  # each layer of a forward: the engine is not quiet
         l = self._layer_index.get(layer_name)
         if l is None:
             return
@@ -426,11 +497,11 @@ class ConnectorWorker:
             for span, h in loads:
                 if span.req_id not in failed:
                     self._stats.data["loaded_blocks"] += h.blocks
-                # On the Reserves' thread: starting even a gRPC future costs vLLM's thread
-                # 0.5-1.2 ms here (measured in the step), a hand-off to a thread ~0.05 ms.
-                self._reserver.submit(_release, span.req_id, h)
+            self._releases.hold([(span.req_id, h) for span, h in loads])
             self._bad_blocks_before, self._bad_blocks = self._bad_blocks, set()
-            self._reserver.submit(self.link.retire)  # after the releases above, in order
+            if self.link.retiring():
+                self._releases.flush()  # before the lost client is closed
+            self._reserver.submit(self.link.retire)  # after the releases sent, in order
             client = self.link.client
             if self._path is not None and (client is None or client.arena is not self._path.arena):
                 # The daemon was lost in this step, or the client re-registered with a restarted
@@ -493,6 +564,7 @@ class ConnectorWorker:
         if sent is not None:
             _abort_all(sent[2].result())
         self._acquirer.shutdown(wait=False, cancel_futures=True)
+        self._releases.close()
         self._reserver.shutdown(wait=True)  # the releases it still holds go out first
         for _, h in self._saves or ():
             _quietly(h.abort)
