@@ -111,7 +111,6 @@ class DramConfig:
     extent_bytes: int = field(default=64 * 1024**2, metadata={"help": "arena is carved into extents of this size; largest block a namespace may have (bytes)"})
     prefault: bool = field(default=True, metadata={"help": "touch every arena page at start (first-touch faults are ~50x slower than copies)"})
     namespace_quota_bytes: int = field(default=0, metadata={"help": "most DRAM one namespace may hold; over it, it evicts its own blocks (bytes; 0 = no quota)"})
-    warm_pinned_hits: bool = field(default=True, metadata={"help": "read each page of a DRAM hit pinned at Lookup on a daemon thread, before the client copies it (VMs whose idle memory is slow at first touch)"})
     demote_high_watermark: float = field(default=0.90, metadata={"help": "DRAM usage ratio that starts demotion to NVMe (with nvme.dir set)"})
     demote_low_watermark: float = field(default=0.75, metadata={"help": "DRAM usage ratio demotion stops at"})
 

@@ -50,7 +50,6 @@ from kvstore.daemon.seams import BothEvents
 from kvstore.policy import LoadPolicy
 from kvstore.daemon.service import KVStoreService
 from kvstore.daemon.stats import Reporter
-from kvstore.daemon.warmer import PageWarmer
 from kvstore.tiers.arena import HUGE_SHMEM, SHMEM_THP, Arena, PrefaultStopped, shmem_thp_mode
 from kvstore.tiers.base import TierError
 from kvstore.tiers.dram import DramTier
@@ -173,7 +172,6 @@ class Daemon:
         self.server: grpc.Server | None = None
         self.tcp_server: grpc.Server | None = None
         self.hints_listener = None  # server.hints_listen: the route-hints HTTP/JSON listener
-        self.warmer: PageWarmer | None = None  # dram.warm_pinned_hits (made with the service)
         self.metrics_server = None
         self.transfer_address = ""
         self.fleet: Fleet | None = None  # with [cluster]: membership, the prefix directory, pulls
@@ -301,14 +299,10 @@ class Daemon:
     def _service(self) -> KVStoreService:
         advisor = Advisor(self.policy, self.cfg.policy, self.metrics)
         self.hints = RouteHints(self.core, advisor, self.fleet, self.link_meter)
-        if self.cfg.dram.warm_pinned_hits:
-            warmed = self.metrics.warmed_bytes
-            self.warmer = PageWarmer(lambda: self.arena.buf, lambda outcome, n: warmed.labels(outcome=outcome).inc(n))
         return KVStoreService(self.core, self.cfg.server, advisor=advisor,
                               reporter=self.reporter, metrics=self.metrics, tiering=self.tiering,
                               outbound=self.outbound, inbound=self.inbound, arena_socket=self.arena_socket,
-                              cluster=self.fleet.advisor if self.fleet is not None else None, hints=self.hints,
-                              warmer=self.warmer)
+                              cluster=self.fleet.advisor if self.fleet is not None else None, hints=self.hints)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -558,8 +552,6 @@ class Daemon:
                 ev.wait(min(RPC_DRAIN_S, max(0.0, deadline - time.monotonic())))
         if self.fleet is not None:  # the channels to peers (a pull still running ends as a miss), the streams
             self.fleet.close()
-        if self.warmer is not None:
-            self.warmer.close()
         if self.tiering is not None:
             self.tiering.close(deadline)
         for ev in (done, tcp_done):

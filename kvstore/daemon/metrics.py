@@ -32,9 +32,6 @@ class Metrics:
         self.lookups = Counter("kvstore_lookups", "Lookup requests", registry=r)
         self.lookup_query_tokens = Counter("kvstore_lookup_query_tokens", "Tokens (full blocks) asked for in lookups", registry=r)
         self.lookup_hit_tokens = Counter("kvstore_lookup_hit_tokens", "Tokens of the leading cached prefix found", ["tier"], registry=r)
-        self.warmed_bytes = Counter("kvstore_warmed_bytes", "Bytes of DRAM hits pinned at Lookup whose pages the daemon read "
-                                    "ahead of the client's copy (read), or dropped unread (full: over the backlog; "
-                                    "late: queued past the copy)", ["outcome"], registry=r)
         self.prefix_caching = Gauge("kvstore_prefix_caching_enabled", "1 when prefix lookup is served", registry=r)
         # Blocks
         self.blocks_committed = Counter("kvstore_blocks_committed", "Blocks committed", registry=r)

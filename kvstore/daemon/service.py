@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from kvstore.daemon.inbound import Inbound
     from kvstore.daemon.outbound import Outbound
     from kvstore.daemon.remote import ClusterAdvisor
-    from kvstore.daemon.warmer import PageWarmer
 
 
 log = logging.getLogger("kvstore.daemon.service")
@@ -132,10 +131,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, core: Core, cfg: ServerConfig, *, advisor: Advisor, reporter: Reporter, metrics: Metrics,
                  arena_socket: str, tiering: Tiering | None = None, outbound: Outbound | None = None,
                  inbound: Inbound | None = None, cluster: ClusterAdvisor | None = None,
-                 hints: RouteHints | None = None, warmer: PageWarmer | None = None) -> None:
+                 hints: RouteHints | None = None) -> None:
         """``cluster``: remote hits and the load/pull/recompute advice in Lookup (None alone);
-        ``hints``: RouteHints' answers (:mod:`kvstore.daemon.hints`); ``warmer``: reads the
-        pages of a hit Lookup pins, ahead of the client's copy (:mod:`kvstore.daemon.warmer`)."""
+        ``hints``: RouteHints' answers (:mod:`kvstore.daemon.hints`)."""
         self.core = core
         self.cfg = cfg  # SIGHUP may change reserve_wait_s
         self.advisor = advisor
@@ -148,7 +146,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.inbound = inbound
         self.cluster = cluster
         self.hints = hints or RouteHints(core, advisor)
-        self.warmer = warmer
         self.waits = Waits(cfg.resolved_max_waits(), cfg.max_waits_per_session)
 
     @property
@@ -249,12 +246,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if first >= end or any(t != TierKind.DRAM for t in tiers[first:end]):
             return {}
         lease, blocks = self.core.acquire(s, req.keys[first * KEY_BYTES:end * KEY_BYTES], allow_partial=True)
-        if not lease:
-            return {}
-        offsets = [b.offset for b in blocks]
-        if self.warmer is not None:
-            self.warmer.warm(offsets, s.ns.block_bytes)
-        return {"lease_id": lease.id, "offsets": offsets}
+        return {"lease_id": lease.id, "offsets": [b.offset for b in blocks]} if lease else {}
 
     def _promote_for_load(self, s, req, tiers: bytes, load_blocks: int) -> None:
         """Lookup(promote): the NVMe blocks of the hit the caller is about to load start moving
