@@ -36,7 +36,7 @@ from kvstore.clients.hbm_paged import wait_events
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.vllm")
-RELEASE_QUIET_S = 0.02  # a load's Release waits for this much quiet after the engine's last step...
+RELEASE_QUIET_S = 0.005  # a load's Release waits for this much quiet after the engine's last step...
 RELEASE_WITHIN_S = 0.5  # ...or this long at most (an engine that never pauses)
 
 
