@@ -227,7 +227,7 @@ def test_min_blocks_without_allow_partial_is_refused_and_with_it_pins_the_leadin
     keys = b"".join(c.keys(tokens))
     req = pb.AcquireRequest(session_id=c.session_id, keys=keys, min_blocks=2, wait_s=0.5)
     expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: c.call("Acquire", req, timeout_s=5), "min_blocks",
-           "allow_partial")
+           "allow_partial or each")
     r = c.call("Acquire", pb.AcquireRequest(session_id=c.session_id, keys=keys, min_blocks=2**32 - 1,
                                             allow_partial=True, wait_s=0.5), timeout_s=5)
     assert r.acquired == len(c.keys(tokens)) and r.lease_id

@@ -324,8 +324,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Acquire(self, req, context):
         finite(req.wait_s, "wait_s", "seconds")
         if req.min_blocks and not (req.allow_partial or req.each):
-            raise invalid(f"min_blocks: {req.min_blocks} needs allow_partial (an answer before every key is "
-                          f"resident pins only the leading ones)")
+            raise invalid(f"min_blocks: {req.min_blocks} needs allow_partial or each (an answer before every "
+                          f"key is resident pins only the keys resident then)")
         with self.core.lock:
             s = self._session(req.session_id)
         if req.wait_s > 0 and self.tiering is not None:
