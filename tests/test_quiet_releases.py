@@ -1,4 +1,4 @@
-"""The worker's load Releases wait for the engine to be quiet (kvstore.clients.vllm_worker.QuietReleases):
+"""The worker's load Releases wait for the engine to be quiet (kvstore.clients.leases.QuietReleases):
 held while steps run, sent once quiet or when the oldest has waited ``within_s``, in order."""
 
 from __future__ import annotations
@@ -6,12 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from wait_util import wait_for
 
-pytest.importorskip("vllm")
-from kvstore.clients.vllm_worker import QuietReleases  # noqa: E402
+from kvstore.clients.leases import QuietReleases
 
 
 class Engine:
